@@ -1,0 +1,29 @@
+# syntax=docker/dockerfile:1
+# Build stage: wheels for the project and its dependencies.
+FROM python:3.11-slim-bookworm AS build
+WORKDIR /src
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY pyproject.toml README.md ./
+COPY app ./app
+RUN pip install --no-compile .
+
+# Runtime stage: the virtualenv only, as an unprivileged user.
+FROM python:3.11-slim-bookworm
+LABEL org.opencontainers.image.title="workload-manager" \
+      org.opencontainers.image.description="Node workload manager for single-node K3S clusters"
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    APP_ENV=production \
+    DATA_DIR=/tmp/workload-manager
+COPY --from=build /opt/venv /opt/venv
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin manager
+USER 10001
+EXPOSE 8080
+HEALTHCHECK --interval=30s --timeout=3s --start-period=20s --retries=3 \
+  CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2).status != 200)"]
+ENTRYPOINT ["workload-manager"]
+CMD ["serve"]

@@ -1,0 +1,51 @@
+# Everything runs from the project's own virtualenv; the first target that needs it builds it.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install run dev test test-fast lint fmt bench clean help
+
+help:
+	@echo "make run    - start the manager on embedded defaults (Postgres + NATS from wheels)"
+	@echo "make dev    - the same, restarting on code changes"
+	@echo "make test   - the whole test suite (starts every server it needs)"
+	@echo "make lint   - ruff, mypy --strict, import contracts, hadolint"
+	@echo "make bench  - benchmarks; prints a table and writes bench/results/latest.json"
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/workload-manager serve
+
+dev: $(STAMP)
+	$(BIN)/workload-manager serve --reload
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not e2e"
+
+lint: $(STAMP)
+	$(BIN)/ruff check app tests bench
+	$(BIN)/ruff format --check app tests bench
+	$(BIN)/mypy app tests bench
+	$(BIN)/lint-imports
+	$(BIN)/hadolint Dockerfile
+
+fmt: $(STAMP)
+	$(BIN)/ruff check --fix app tests bench
+	$(BIN)/ruff format app tests bench
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf .data .mypy_cache .ruff_cache build dist *.egg-info

@@ -1,0 +1,64 @@
+"""Response shapes of the manager's own API (they make the OpenAPI document exact)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class NodeInfo(BaseModel):
+    id: str
+    version: str
+    env: str
+    started_at: datetime
+    uptime_seconds: float
+    managed_namespace: str
+
+
+class ComponentInfo(BaseModel):
+    enabled: bool
+    state: str
+    reason: str
+    last_success_at: datetime | None
+    last_failure_at: datetime | None
+    last_error: str | None
+    consecutive_failures: int
+    detail: dict[str, Any]
+
+
+class WorkloadInfo(BaseModel):
+    name: str
+    status: str
+    version: str | None
+    message: str | None
+    last_ping_at: datetime | None
+    ping_age_seconds: float | None
+
+
+class ReportInfo(BaseModel):
+    interval_seconds: float
+    next_at: datetime | None
+    last_reported_at: str | None
+    last_workload_count: int | None
+
+
+class Status(BaseModel):
+    node: NodeInfo
+    components: dict[str, ComponentInfo]
+    workloads: list[WorkloadInfo]
+    report: ReportInfo
+
+
+class WorkloadList(BaseModel):
+    workloads: list[WorkloadInfo]
+
+
+class Readiness(BaseModel):
+    ready: bool
+    reasons: list[str]
+
+
+class Liveness(BaseModel):
+    status: str

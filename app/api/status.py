@@ -1,0 +1,70 @@
+"""Status for the backend and operators: the node, its components and every workload."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+
+from app import __version__
+from app.api.auth import require_api_token, runtime
+from app.api.schemas import (
+    ComponentInfo,
+    NodeInfo,
+    ReportInfo,
+    Status,
+    WorkloadInfo,
+    WorkloadList,
+)
+from app.domain.health import is_workload_name
+from app.domain.reports import WorkloadView
+
+router = APIRouter(tags=["status"], dependencies=[Depends(require_api_token)])
+
+
+def _workload(view: WorkloadView) -> WorkloadInfo:
+    return WorkloadInfo(**asdict(view))
+
+
+@router.get("/v1/status", response_model=Status, summary="Node, components and workloads")
+async def get_status(request: Request) -> Status:
+    rt = runtime(request)
+    last = rt.reporter.last_report
+    return Status(
+        node=NodeInfo(
+            id=rt.node_id,
+            version=__version__,
+            env=rt.settings.app_env.value,
+            started_at=rt.started_wall,
+            uptime_seconds=round(rt.uptime_seconds, 3),
+            managed_namespace=rt.settings.managed_namespace,
+        ),
+        components={
+            name: ComponentInfo(**component.as_dict()) for name, component in rt.components.items()
+        },
+        workloads=[_workload(v) for v in rt.book.views()],
+        report=ReportInfo(
+            interval_seconds=rt.settings.report_interval_seconds,
+            next_at=rt.scheduler.next_run("report"),
+            last_reported_at=last["reported_at"] if last else None,
+            last_workload_count=len(last["workloads"]) if last else None,
+        ),
+    )
+
+
+@router.get("/v1/workloads", response_model=WorkloadList, summary="Every known workload")
+async def list_workloads(request: Request) -> WorkloadList:
+    return WorkloadList(workloads=[_workload(v) for v in runtime(request).book.views()])
+
+
+@router.get(
+    "/v1/workloads/{name}",
+    response_model=WorkloadInfo,
+    responses={404: {"description": "No such workload"}},
+    summary="One workload",
+)
+async def get_workload(name: str, request: Request) -> WorkloadInfo:
+    view = runtime(request).book.view(name) if is_workload_name(name) else None
+    if view is None:
+        raise HTTPException(status_code=404, detail=f"no workload named {name!r}")
+    return _workload(view)

@@ -1,0 +1,74 @@
+"""The 60 s node health report: built from plain values, so its shape is testable."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadView:
+    """Everything the node knows about one workload at one instant."""
+
+    name: str
+    status: str
+    ping_age_seconds: float | None
+    version: str | None
+    message: str | None
+    last_ping_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class SystemSample:
+    cpu_percent: float
+    cpu_count: int
+    load_average: tuple[float, float, float]
+    memory_total_bytes: int
+    memory_used_percent: float
+    disk_total_bytes: int
+    disk_used_percent: float
+
+
+def build_report(
+    *,
+    node_id: str,
+    manager_version: str,
+    uptime_seconds: float,
+    reported_at: datetime,
+    system: SystemSample,
+    workloads: Iterable[WorkloadView],
+) -> dict[str, Any]:
+    return {
+        "node_id": node_id,
+        "manager_version": manager_version,
+        "reported_at": _rfc3339(reported_at),
+        "uptime_seconds": round(uptime_seconds, 3),
+        "system": {
+            "cpu_percent": system.cpu_percent,
+            "cpu_count": system.cpu_count,
+            "load_average": list(system.load_average),
+            "memory_total_bytes": system.memory_total_bytes,
+            "memory_used_percent": system.memory_used_percent,
+            "disk_total_bytes": system.disk_total_bytes,
+            "disk_used_percent": system.disk_used_percent,
+        },
+        "workloads": [
+            {
+                "name": w.name,
+                "status": w.status,
+                "version": w.version,
+                "message": w.message,
+                "last_ping_at": _rfc3339(w.last_ping_at) if w.last_ping_at else None,
+                "ping_age_seconds": (
+                    None if w.ping_age_seconds is None else round(w.ping_age_seconds, 3)
+                ),
+            }
+            for w in sorted(workloads, key=lambda w: w.name)
+        ],
+    }
+
+
+def _rfc3339(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat().replace("+00:00", "Z")

@@ -1,0 +1,69 @@
+"""The FastAPI application: routes, middleware, and a lifespan that owns every resource."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+from fastapi import FastAPI
+
+from app import __version__
+from app.adapters import sentry
+from app.api import pings, probes, status
+from app.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from app.services.runtime import Runtime, build_runtime, start_runtime
+from app.settings import Settings, load_settings
+
+DEFAULT_BODY_LIMIT = 1024 * 1024
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    rt: Runtime = app.state.runtime
+    async with AsyncExitStack() as stack:
+        if rt.settings.sentry_dsn is not None:
+            stack.callback(sentry.flush)
+        await start_runtime(rt, stack)
+        try:
+            yield
+        finally:
+            rt.stopping = True
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or load_settings()
+    if settings.sentry_dsn is not None:
+        sentry.init(
+            dsn=settings.sentry_dsn.get_secret_value(),
+            environment=settings.app_env.value,
+            traces_sample_rate=settings.sentry_traces_sample_rate,
+        )
+    runtime = build_runtime(settings)
+    app = FastAPI(
+        title="Node workload manager",
+        version=__version__,
+        lifespan=_lifespan,
+        docs_url="/docs" if not settings.is_production else None,
+        redoc_url=None,
+    )
+    app.state.runtime = runtime
+    app.include_router(pings.router)
+    app.include_router(status.router)
+    app.include_router(probes.router)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        default_limit=DEFAULT_BODY_LIMIT,
+        limits=[(re.compile(r"/v1/workloads/[^/]+/health"), settings.ping_max_body_bytes)],
+    )
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+def app_from_environment() -> FastAPI:
+    """Factory for `uvicorn --factory` (used by `serve --reload`): settings and logs from env."""
+    from app import logs
+
+    settings = load_settings()
+    logs.configure(level=settings.log_level, json_lines=settings.json_logs)
+    return create_app(settings)

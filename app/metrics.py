@@ -1,0 +1,106 @@
+"""Prometheus metrics, one registry per manager instance.
+
+A registry per instance (not the global one) keeps tests and embedded uses isolated.
+Gauges that describe current state (workloads by status, components up) are computed
+at scrape time from the runtime, so they can never drift from `/v1/status`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from app import __version__
+
+PREFIX = "workload_manager"
+
+
+class _StateCollector(Collector):
+    def __init__(
+        self,
+        workloads: Callable[[], dict[str, int]],
+        components: Callable[[], dict[str, bool]],
+    ) -> None:
+        self._workloads = workloads
+        self._components = components
+
+    def collect(self) -> Iterable[Metric]:
+        by_status = GaugeMetricFamily(
+            f"{PREFIX}_workloads", "Workloads by derived status.", labels=["status"]
+        )
+        for status, count in sorted(self._workloads().items()):
+            by_status.add_metric([status], count)
+        yield by_status
+        up = GaugeMetricFamily(
+            f"{PREFIX}_component_up",
+            "1 when an enabled component is not failing, 0 when failing; absent when off.",
+            labels=["component"],
+        )
+        for name, healthy in sorted(self._components().items()):
+            up.add_metric([name], 1.0 if healthy else 0.0)
+        yield up
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        Info(f"{PREFIX}_build", "Build of the running manager.", registry=self.registry).info(
+            {"version": __version__}
+        )
+        self.pings = Counter(
+            f"{PREFIX}_pings_total",
+            "Accepted health pings by workload and reported status.",
+            ["workload", "status"],
+            registry=self.registry,
+        )
+        self.ping_rejections = Counter(
+            f"{PREFIX}_ping_rejections_total",
+            "Rejected health pings by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.reports = Counter(
+            f"{PREFIX}_reports_total",
+            "Node health reports by outcome (sent, failed, logged).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.report_duration = Histogram(
+            f"{PREFIX}_report_duration_seconds",
+            "Time to deliver one node health report, retries included.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.job_runs = Counter(
+            f"{PREFIX}_scheduled_runs_total",
+            "Scheduled loop runs by loop and outcome.",
+            ["loop", "outcome"],
+            registry=self.registry,
+        )
+        self.up_since = Gauge(
+            f"{PREFIX}_start_time_seconds",
+            "Unix time the manager started.",
+            registry=self.registry,
+        )
+        self.up_since.set_to_current_time()
+
+    def watch_state(
+        self,
+        *,
+        workloads: Callable[[], dict[str, int]],
+        components: Callable[[], dict[str, bool]],
+    ) -> None:
+        self.registry.register(_StateCollector(workloads, components))

@@ -1,0 +1,93 @@
+"""The node health report loop: read the book and the machine, build, sign and send.
+
+With no backend configured (development), the report goes to the log and to
+`/v1/status` only. A failed delivery is logged, counted and simply tried again at the
+next tick with fresh data: old reports are never queued, since only the latest matters.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from app import __version__
+from app.adapters import system
+from app.adapters.backend import BackendClient, BackendError
+from app.domain.components import Component
+from app.domain.reports import build_report
+from app.metrics import Metrics
+from app.services.workloads import WorkloadBook
+
+log = logging.getLogger(__name__)
+
+
+class Reporter:
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        book: WorkloadBook,
+        backend: BackendClient | None,
+        component: Component,
+        metrics: Metrics,
+        disk_path: Path,
+        started_at: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._node_id = node_id
+        self._book = book
+        self.backend = backend
+        self._component = component
+        self._metrics = metrics
+        self._disk_path = disk_path
+        self._started_at = started_at
+        self._clock = clock
+        self.last_report: dict[str, Any] | None = None
+
+    def build(self) -> dict[str, Any]:
+        return build_report(
+            node_id=self._node_id,
+            manager_version=__version__,
+            uptime_seconds=self._clock() - self._started_at,
+            reported_at=datetime.now(UTC),
+            system=system.sample(self._disk_path),
+            workloads=self._book.views(),
+        )
+
+    async def report_once(self) -> bool:
+        """Build and deliver one report; True when it was delivered (or logged locally)."""
+        self._book.forget_silent()
+        report = self.build()
+        self.last_report = report
+        now = datetime.now(UTC)
+        if self.backend is None:
+            log.info(
+                "node report (no backend configured): %d workloads",
+                len(report["workloads"]),
+                extra={"report": report},
+            )
+            self._metrics.reports.labels("logged").inc()
+            self._component.succeeded(now, target="log")
+            return True
+        started = time.monotonic()
+        try:
+            await self.backend.post_health(report)
+        except BackendError as exc:
+            self._metrics.reports.labels("failed").inc()
+            self._component.failed(now, str(exc))
+            log.warning(
+                "node report not delivered (%d in a row): %s",
+                self._component.consecutive_failures,
+                exc,
+            )
+            return False
+        finally:
+            self._metrics.report_duration.observe(time.monotonic() - started)
+        self._metrics.reports.labels("sent").inc()
+        self._component.succeeded(now, target="backend")
+        log.debug("node report delivered: %d workloads", len(report["workloads"]))
+        return True

@@ -1,0 +1,251 @@
+"""The running manager: what it is made of, and how it starts and stops.
+
+`build_runtime` is synchronous and cheap (settings, key, in-memory book, metrics,
+component table), so routes work the moment the app exists. `start_runtime` owns
+every resource with I/O behind it and registers its cleanup on the lifespan's
+AsyncExitStack, in an order that makes shutdown the mirror of start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Awaitable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from app import __version__
+from app.adapters import bus, registry
+from app.adapters.backend import BackendClient
+from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
+from app.adapters.signing import NodeSigner, load_private_key, node_id_for
+from app.domain.components import Component, ComponentState
+from app.metrics import Metrics
+from app.services.reporting import Reporter
+from app.services.scheduling import Scheduler
+from app.services.workloads import WorkloadBook
+from app.settings import Settings, redact_url
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = 5.0
+NOT_YET = "not part of this release yet"
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    node_id: str
+    signer: NodeSigner | None
+    metrics: Metrics
+    book: WorkloadBook
+    scheduler: Scheduler
+    reporter: Reporter
+    components: dict[str, Component]
+    started_at: float = field(default_factory=time.monotonic)
+    started_wall: datetime = field(default_factory=lambda: datetime.now(UTC))
+    backend: BackendClient | None = None
+    database_url: str | None = None
+    nats_url: str | None = None
+    started: bool = False
+    stopping: bool = False
+
+    @property
+    def uptime_seconds(self) -> float:
+        return time.monotonic() - self.started_at
+
+
+def _components(settings: Settings, signer: NodeSigner | None) -> dict[str, Component]:
+    report_reason: str
+    report_enabled = settings.report_enabled
+    if not settings.report_enabled:
+        report_reason = "switched off by REPORT_ENABLED=false"
+    elif settings.node_system_endpoint is None:
+        report_reason = "no NODE_SYSTEM_ENDPOINT: reports go to the log and /v1/status"
+    elif signer is None:
+        report_enabled = False
+        report_reason = (
+            "NODE_SYSTEM_ENDPOINT is set but there is no NODE_PRIVATE_KEY or "
+            "NODE_PRIVATE_KEY_FILE to sign with"
+        )
+    else:
+        report_reason = f"signed reports to {settings.node_system_endpoint}"
+    embedded = settings.embedded_services and not settings.is_production
+
+    def data_service(name: str, configured: str | None, variable: str) -> Component:
+        if configured is not None:
+            return Component(name, True, f"{variable} is set")
+        if embedded:
+            return Component(name, True, f"embedded server (no {variable} set)")
+        return Component(name, False, f"no {variable} set and embedded servers are off")
+
+    database = settings.database_url.get_secret_value() if settings.database_url else None
+    return {
+        "api": Component("api", True, "serving", critical=True, state=ComponentState.OK),
+        "scheduler": Component("scheduler", True, "runs the periodic loops", critical=True),
+        "report": Component("report", report_enabled, report_reason),
+        "postgres": data_service("postgres", database, "DATABASE_URL"),
+        "nats": data_service("nats", settings.nats_url, "NATS_URL"),
+        "sync": Component("sync", False, NOT_YET),
+        "registry": Component("registry", False, NOT_YET),
+        "worker": Component("worker", False, NOT_YET),
+        "self_update": Component("self_update", False, NOT_YET),
+    }
+
+
+def build_runtime(settings: Settings) -> Runtime:
+    secret = settings.node_private_key
+    key = load_private_key(
+        inline=secret.get_secret_value() if secret else None,
+        file=settings.node_private_key_file,
+    )
+    node_id = settings.node_id or (
+        node_id_for(key.public_key()) if key else socket.gethostname().lower()
+    )
+    signer = NodeSigner(node_id, key) if key else None
+    metrics = Metrics()
+    book = WorkloadBook(
+        stale_after=settings.ping_stale_seconds,
+        forget_after=settings.ping_forget_seconds,
+        capacity=settings.max_tracked_workloads,
+    )
+    components = _components(settings, signer)
+    reporter = Reporter(
+        node_id=node_id,
+        book=book,
+        backend=None,
+        component=components["report"],
+        metrics=metrics,
+        disk_path=settings.data_dir if settings.data_dir.exists() else settings.data_dir.parent,
+        started_at=time.monotonic(),
+    )
+    runtime = Runtime(
+        settings=settings,
+        node_id=node_id,
+        signer=signer,
+        metrics=metrics,
+        book=book,
+        scheduler=Scheduler(metrics=metrics, jitter_fraction=settings.scheduler_jitter_fraction),
+        reporter=reporter,
+        components=components,
+    )
+    metrics.watch_state(
+        workloads=book.counts,
+        components=lambda: {n: c.healthy for n, c in components.items() if c.enabled},
+    )
+    return runtime
+
+
+async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
+    settings = rt.settings
+    await _start_data_services(rt, stack)
+
+    if rt.components["report"].enabled and settings.node_system_endpoint and rt.signer:
+        rt.backend = BackendClient(
+            base_url=settings.node_system_endpoint,
+            signer=rt.signer,
+            timeout=settings.backend_timeout_seconds,
+            attempts=settings.backend_retry_attempts,
+            max_wait=settings.backend_retry_max_wait_seconds,
+        )
+        stack.push_async_callback(rt.backend.aclose)
+        rt.reporter.backend = rt.backend
+
+    if rt.components["report"].enabled:
+        rt.scheduler.add_loop(
+            "report",
+            rt.reporter.report_once,
+            every=settings.report_interval_seconds,
+            first_after=min(5.0, settings.report_interval_seconds),
+        )
+        stack.push_async_callback(_final_report, rt)
+
+    rt.scheduler.start()
+    rt.components["scheduler"].succeeded(datetime.now(UTC))
+    stack.callback(rt.scheduler.shutdown)
+    rt.started = True
+    log.info(
+        "workload manager %s started as node %s (%s); components on: %s",
+        __version__,
+        rt.node_id,
+        settings.app_env.value,
+        ", ".join(n for n, c in rt.components.items() if c.enabled),
+    )
+
+
+async def _final_report(rt: Runtime) -> None:
+    """One last report on the way out, bounded by the shutdown grace period."""
+    budget = min(5.0, rt.settings.shutdown_grace_seconds)
+    if budget <= 0:
+        return
+    try:
+        await asyncio.wait_for(rt.reporter.report_once(), timeout=budget)
+    except TimeoutError:
+        log.warning("final report not delivered within %.1f s", budget)
+
+
+async def _start_data_services(rt: Runtime, stack: AsyncExitStack) -> None:
+    settings = rt.settings
+    data_dir = settings.data_dir.resolve()
+    pg_component, nats_component = rt.components["postgres"], rt.components["nats"]
+
+    if settings.database_url is not None:
+        rt.database_url = settings.database_url.get_secret_value()
+    elif pg_component.enabled:
+        pg = EmbeddedPostgres(data_dir / "postgres")
+        try:
+            await asyncio.to_thread(pg.start)
+        except (EmbeddedError, OSError) as exc:
+            pg_component.failed(datetime.now(UTC), f"embedded PostgreSQL: {exc}")
+        else:
+            stack.callback(pg.stop)
+            rt.database_url = pg.url
+            pg_component.detail.update(embedded=True, pid=pg.pid)
+
+    if settings.nats_url is not None:
+        rt.nats_url = settings.nats_url
+    elif nats_component.enabled:
+        server = EmbeddedNats(data_dir / "nats")
+        try:
+            await asyncio.to_thread(server.start)
+        except (EmbeddedError, OSError) as exc:
+            nats_component.failed(datetime.now(UTC), f"embedded nats-server: {exc}")
+        else:
+            stack.callback(server.stop)
+            rt.nats_url = server.url
+            nats_component.detail.update(embedded=True, pid=server.pid)
+
+    await asyncio.gather(_probe_postgres(rt), _probe_nats(rt))
+
+
+async def _probe_postgres(rt: Runtime) -> None:
+    if rt.database_url is not None:
+        url = rt.database_url
+        await _probe(rt.components["postgres"], url, _postgres_version(url))
+
+
+async def _postgres_version(url: str) -> dict[str, object]:
+    return {"server_version": await registry.server_version(url, connect_timeout=PROBE_TIMEOUT)}
+
+
+async def _probe_nats(rt: Runtime) -> None:
+    if rt.nats_url is not None:
+        url = rt.nats_url
+        await _probe(
+            rt.components["nats"], url, bus.server_info(url, connect_timeout=PROBE_TIMEOUT)
+        )
+
+
+async def _probe(component: Component, url: str, check: Awaitable[dict[str, object]]) -> None:
+    """Record whether a configured server answers; never raises."""
+    component.detail["url"] = redact_url(url)
+    try:
+        info = await check
+    except Exception as exc:  # any failure to connect is reported, not raised
+        component.failed(datetime.now(UTC), f"{type(exc).__name__}: {exc}")
+        log.warning("%s at %s is not reachable: %s", component.name, component.detail["url"], exc)
+    else:
+        component.succeeded(datetime.now(UTC), **info)

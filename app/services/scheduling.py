@@ -1,0 +1,85 @@
+"""Periodic loops on APScheduler: one instance at a time, coalesced, with jitter.
+
+Each loop body is wrapped so that an exception is logged (and so reaches Sentry
+through its logging integration) and counted, and the loop simply runs again at
+its next tick: a failing loop never takes the process or the API down.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.interval import IntervalTrigger
+
+from app.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+LoopBody = Callable[[], Awaitable[object]]
+
+
+class Scheduler:
+    def __init__(self, *, metrics: Metrics, jitter_fraction: float) -> None:
+        self._metrics = metrics
+        self._jitter_fraction = jitter_fraction
+        self._scheduler = AsyncIOScheduler(
+            timezone=UTC,
+            job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None},
+        )
+
+    @property
+    def running(self) -> bool:
+        return bool(self._scheduler.running)
+
+    def add_loop(
+        self, name: str, body: LoopBody, *, every: float, first_after: float = 1.0
+    ) -> None:
+        """Run `body` every `every` seconds (plus up to `jitter_fraction` of it), first soon."""
+        jitter = every * self._jitter_fraction
+        self._scheduler.add_job(
+            self._guarded(name, body),
+            trigger=IntervalTrigger(seconds=every, jitter=jitter or None, timezone=UTC),
+            id=name,
+            name=name,
+            next_run_time=datetime.now(UTC) + timedelta(seconds=first_after),
+            replace_existing=True,
+        )
+
+    def run_soon(self, name: str) -> bool:
+        """Move a loop's next run to now; False if there is no such loop."""
+        job = self._scheduler.get_job(name)
+        if job is None:
+            return False
+        job.modify(next_run_time=datetime.now(UTC))
+        return True
+
+    def next_run(self, name: str) -> datetime | None:
+        job = self._scheduler.get_job(name)
+        return None if job is None else job.next_run_time
+
+    def _guarded(self, name: str, body: LoopBody) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            started = time.monotonic()
+            try:
+                await body()
+            except Exception:
+                self._metrics.job_runs.labels(name, "error").inc()
+                log.exception("loop %s failed; it runs again at its next tick", name)
+            else:
+                self._metrics.job_runs.labels(name, "ok").inc()
+            finally:
+                log.debug("loop %s took %.3f s", name, time.monotonic() - started)
+
+        run.__name__ = f"loop_{name}"
+        return run
+
+    def start(self) -> None:
+        self._scheduler.start()
+
+    def shutdown(self) -> None:
+        if self._scheduler.running:
+            self._scheduler.shutdown(wait=False)

