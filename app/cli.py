@@ -1,4 +1,4 @@
-"""`workload-manager` / `python -m app`: serve the manager, or manage its keys.
+"""`workload-manager` / `python -m app`: serve the manager, sync once, or make a key.
 
 Configuration errors end the process with one line on stderr naming the setting and
 exit code 2, before anything starts.
@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from app import __version__
 from app.settings import SettingsError, load_settings
+
+if TYPE_CHECKING:
+    from app.services.syncing import SyncOutcome
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -56,6 +60,59 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sync(args: argparse.Namespace) -> int:
+    import asyncio
+    from contextlib import AsyncExitStack
+
+    from app import logs
+    from app.adapters.signing import InvalidKeyError
+    from app.services.runtime import build_runtime, open_backend, open_syncer
+
+    try:
+        settings = load_settings()
+        logs.configure(level="DEBUG" if args.verbose else "WARNING", json_lines=False)
+        rt = build_runtime(settings)
+    except (SettingsError, InvalidKeyError) as exc:
+        print(f"workload-manager: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+    async def once() -> int:
+        async with AsyncExitStack() as stack:
+            open_backend(rt, stack)
+            syncer = await open_syncer(rt, stack)
+            if syncer is None:
+                print(f"workload-manager: sync is off: {rt.components['sync'].reason}",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            outcome = await syncer.sync(dry_run=args.dry_run)
+        print(render_outcome(outcome))
+        return 0 if outcome.ok else 1
+
+    return asyncio.run(once())
+
+
+def render_outcome(outcome: SyncOutcome) -> str:
+    """The sync plan or result as a table a person reads at a glance."""
+    title = "Sync plan (dry run: nothing was changed)" if outcome.dry_run else "Sync result"
+    lines = [f"{title} - revision {outcome.revision or '-'}"]
+    if outcome.aborted:
+        lines.append(f"ABORTED: {outcome.aborted}")
+        return "\n".join(lines)
+    header = ("WORKLOAD", "ACTION", "FROM", "TO", "OUTCOME", "REASON")
+    rows = [
+        (r.name, r.action, r.from_version or "-", r.version or "-", r.outcome,
+         r.error or r.reason or "")
+        for r in outcome.results
+    ]  # fmt: skip
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        cells = [str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)]
+        lines.append("  ".join([*cells, str(row[-1])]).rstrip())
+    counts = ", ".join(f"{k}={v}" for k, v in sorted(outcome.counts().items())) or "nothing"
+    lines.append(f"{len(rows)} workload(s): {counts}; {outcome.duration_seconds:.2f} s")
+    return "\n".join(lines)
+
+
 def _keygen(args: argparse.Namespace) -> int:
     from app.adapters.signing import generate_keypair
 
@@ -78,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="listen port (default: PORT, 8080)")
     serve.add_argument("--reload", action="store_true", help="restart on code changes (dev)")
     serve.set_defaults(func=_serve)
+
+    sync = sub.add_parser("sync", help="sync deployments with the desired state once")
+    sync.add_argument("--once", action="store_true", required=True, help="one sync, then exit")
+    sync.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    sync.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+    sync.set_defaults(func=_sync)
 
     keygen = sub.add_parser("keygen", help="print a new Ed25519 node key pair")
     keygen.add_argument(

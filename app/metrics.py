@@ -90,6 +90,24 @@ class Metrics:
             ["loop", "outcome"],
             registry=self.registry,
         )
+        self.syncs = Counter(
+            f"{PREFIX}_syncs_total",
+            "Deployment syncs by outcome (ok, partial, aborted).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.sync_duration = Histogram(
+            f"{PREFIX}_sync_duration_seconds",
+            "Time one deployment sync took, from reading the desired state to the last write.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        self.sync_actions = Counter(
+            f"{PREFIX}_sync_actions_total",
+            "Per-workload sync actions by kind (create, update, delete, noop, hold) and outcome.",
+            ["action", "outcome"],
+            registry=self.registry,
+        )
         self.up_since = Gauge(
             f"{PREFIX}_start_time_seconds",
             "Unix time the manager started.",

@@ -81,8 +81,21 @@ class Settings(BaseSettings):
 
     # --- cluster and desired state
     kubeconfig: Path | None = None
-    managed_namespace: str = "workloads"
+    managed_namespace: str = Field(default="workloads", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     desired_state_dir: Path | None = None
+    sync_enabled: bool = True
+    sync_concurrency: int = Field(default=4, ge=1, le=64)
+    sync_max_deletes: int = Field(default=5, ge=0, le=10_000)
+    sync_max_delete_percent: float = _ranged(50.0, 0.0, 100.0)
+    cluster_refresh_seconds: float = _ranged(15.0, 1.0, 3_600.0)
+    kube_timeout_seconds: float = _ranged(10.0, 0.1, 120.0)
+    manager_url: str = "http://workload-manager.workload-manager.svc:8080"
+    self_deployment_name: str = "workload-manager"
+    pod_namespace: str | None = None
+    allow_privileged: bool = False
+    allow_host_namespaces: bool = False
+    allow_host_path: bool = False
+    allow_host_ports: bool = False
 
     # --- data plane
     database_url: SecretStr | None = Field(
@@ -107,7 +120,7 @@ class Settings(BaseSettings):
                 return None
         return value
 
-    @field_validator("node_system_endpoint", "self_update_url", "matrix_homeserver")
+    @field_validator("node_system_endpoint", "self_update_url", "matrix_homeserver", "manager_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
         if value is None:

@@ -111,6 +111,36 @@ class BackendClient:
     async def post_health(self, report: dict[str, Any]) -> None:
         await self._send("POST", self._node_path("/health"), json=report)
 
+    async def get_desired(self, etag: str | None) -> tuple[str | None, Any]:
+        """(ETag, decoded body); the body is NOT_MODIFIED when the backend answered 304."""
+        headers = {"If-None-Match": etag} if etag else {}
+        response = await self._send("GET", self._node_path("/workloads"), headers=headers)
+        if response.status_code == 304:
+            return etag, NOT_MODIFIED
+        return response.headers.get("etag"), _json(response)
+
+    async def get_manifest(self, name: str, version: str) -> Any:
+        response = await self._send(
+            "GET", self._node_path(f"/workloads/{name}/manifest"), params={"version": version}
+        )
+        return _json(response)
+
+    async def put_version(self, name: str, body: dict[str, Any]) -> None:
+        await self._send("PUT", self._node_path(f"/workloads/{name}/version"), json=body)
+
+
+NOT_MODIFIED = object()
+
+
+def _json(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        raise BackendError(
+            f"{response.request.method} {response.request.url.path}: "
+            f"answer is not JSON: {_excerpt(response)}"
+        ) from None
+
 
 def _excerpt(response: httpx.Response) -> str:
     text = response.text.strip().replace("\n", " ")

@@ -6,16 +6,12 @@ manager can hand each workload its own token without storing any of them.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
 from fastapi import HTTPException, Request, status
 
+from app.domain.tokens import ping_token
 from app.services.runtime import Runtime
-
-
-def ping_token(secret: str, name: str) -> str:
-    return hmac.new(secret.encode(), name.encode(), hashlib.sha256).hexdigest()
 
 
 def bearer(request: Request) -> str | None:

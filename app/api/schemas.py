@@ -35,6 +35,9 @@ class WorkloadInfo(BaseModel):
     message: str | None
     last_ping_at: datetime | None
     ping_age_seconds: float | None
+    desired_version: str | None
+    deployed_version: str | None
+    rollout: str | None
 
 
 class ReportInfo(BaseModel):
@@ -44,11 +47,18 @@ class ReportInfo(BaseModel):
     last_workload_count: int | None
 
 
+class SyncInfo(BaseModel):
+    interval_seconds: float
+    next_at: datetime | None
+    last: dict[str, Any] | None
+
+
 class Status(BaseModel):
     node: NodeInfo
     components: dict[str, ComponentInfo]
     workloads: list[WorkloadInfo]
     report: ReportInfo
+    sync: SyncInfo
 
 
 class WorkloadList(BaseModel):

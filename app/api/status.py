@@ -13,6 +13,7 @@ from app.api.schemas import (
     NodeInfo,
     ReportInfo,
     Status,
+    SyncInfo,
     WorkloadInfo,
     WorkloadList,
 )
@@ -48,6 +49,11 @@ async def get_status(request: Request) -> Status:
             next_at=rt.scheduler.next_run("report"),
             last_reported_at=last["reported_at"] if last else None,
             last_workload_count=len(last["workloads"]) if last else None,
+        ),
+        sync=SyncInfo(
+            interval_seconds=rt.settings.sync_interval_seconds,
+            next_at=rt.scheduler.next_run("sync"),
+            last=rt.syncer.last.as_dict() if rt.syncer and rt.syncer.last else None,
         ),
     )
 

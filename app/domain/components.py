@@ -36,6 +36,11 @@ class Component:
         if not self.enabled:
             self.state = ComponentState.OFF
 
+    def switch_off(self, reason: str) -> None:
+        self.enabled = False
+        self.state = ComponentState.OFF
+        self.reason = reason
+
     def succeeded(self, at: datetime, **detail: Any) -> None:
         self.state = ComponentState.OK
         self.last_success_at = at

@@ -8,6 +8,7 @@ the report and the alerts cannot disagree.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any
@@ -29,6 +30,64 @@ class WorkloadStatus(StrEnum):
     UNHEALTHY = "unhealthy"
     STALE = "stale"
     UNKNOWN = "unknown"
+    MISSING = "missing"
+    ROLLING_OUT = "rolling-out"
+    FAILED = "failed"
+
+
+class RolloutPhase(StrEnum):
+    READY = "ready"
+    ROLLING_OUT = "rolling-out"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """What a Deployment's status says about its rollout."""
+
+    generation: int
+    observed_generation: int
+    replicas: int
+    updated: int
+    ready: int
+    available: int
+    deadline_exceeded: bool
+
+    @property
+    def phase(self) -> RolloutPhase:
+        if self.deadline_exceeded:
+            return RolloutPhase.FAILED
+        if (
+            self.observed_generation < self.generation
+            or self.updated < self.replicas
+            or self.available < self.replicas
+            or self.ready < self.replicas
+        ):
+            return RolloutPhase.ROLLING_OUT
+        return RolloutPhase.READY
+
+
+def rollout_of(deployment: Mapping[str, Any]) -> Rollout:
+    """Read a Deployment object's rollout state (as the deployment controller reports it)."""
+    metadata = deployment.get("metadata") or {}
+    spec = deployment.get("spec") or {}
+    status = deployment.get("status") or {}
+    deadline = any(
+        c.get("type") == "Progressing"
+        and c.get("status") == "False"
+        and c.get("reason") == "ProgressDeadlineExceeded"
+        for c in status.get("conditions") or []
+        if isinstance(c, Mapping)
+    )
+    return Rollout(
+        generation=int(metadata.get("generation") or 0),
+        observed_generation=int(status.get("observedGeneration") or 0),
+        replicas=int(spec.get("replicas", 1) or 0),
+        updated=int(status.get("updatedReplicas") or 0),
+        ready=int(status.get("readyReplicas") or 0),
+        available=int(status.get("availableReplicas") or 0),
+        deadline_exceeded=deadline,
+    )
 
 
 class Ping(BaseModel):
@@ -55,8 +114,27 @@ class PingRecord:
     received_wall: float
 
 
-def derive_status(last: PingRecord | None, *, now: float, stale_after: float) -> WorkloadStatus:
-    """One status from the last ping and the current monotonic time."""
+def derive_status(
+    last: PingRecord | None,
+    *,
+    now: float,
+    stale_after: float,
+    expected: bool = False,
+    rollout: Rollout | None = None,
+) -> WorkloadStatus:
+    """One status per workload: the cluster's view first, then the workload's own word.
+
+    `expected`: the desired state lists the workload and the cluster was read, so no
+    Deployment means `missing`. `rollout`: its Deployment's state, when there is one.
+    """
+    if rollout is not None:
+        phase = rollout.phase
+        if phase is RolloutPhase.FAILED:
+            return WorkloadStatus.FAILED
+        if phase is RolloutPhase.ROLLING_OUT:
+            return WorkloadStatus.ROLLING_OUT
+    elif expected:
+        return WorkloadStatus.MISSING
     if last is None:
         return WorkloadStatus.UNKNOWN
     if now - last.received_at > stale_after:

@@ -18,6 +18,9 @@ class WorkloadView:
     version: str | None
     message: str | None
     last_ping_at: datetime | None
+    desired_version: str | None = None
+    deployed_version: str | None = None
+    rollout: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,9 @@ def build_report(
                 "ping_age_seconds": (
                     None if w.ping_age_seconds is None else round(w.ping_age_seconds, 3)
                 ),
+                "desired_version": w.desired_version,
+                "deployed_version": w.deployed_version,
+                "rollout": w.rollout,
             }
             for w in sorted(workloads, key=lambda w: w.name)
         ],

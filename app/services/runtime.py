@@ -20,12 +20,18 @@ from datetime import UTC, datetime
 from app import __version__
 from app.adapters import bus, registry
 from app.adapters.backend import BackendClient
+from app.adapters.desired_files import DesiredFiles
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
+from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
 from app.adapters.signing import NodeSigner, load_private_key, node_id_for
 from app.domain.components import Component, ComponentState
+from app.domain.manifests import Injection, ManifestPolicy
+from app.domain.planning import SyncPolicy
+from app.domain.tokens import ping_token
 from app.metrics import Metrics
 from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
+from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
 from app.services.workloads import WorkloadBook
 from app.settings import Settings, redact_url
 
@@ -48,6 +54,8 @@ class Runtime:
     started_at: float = field(default_factory=time.monotonic)
     started_wall: datetime = field(default_factory=lambda: datetime.now(UTC))
     backend: BackendClient | None = None
+    syncer: Syncer | None = None
+    cluster_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     database_url: str | None = None
     nats_url: str | None = None
     started: bool = False
@@ -89,11 +97,23 @@ def _components(settings: Settings, signer: NodeSigner | None) -> dict[str, Comp
         "report": Component("report", report_enabled, report_reason),
         "postgres": data_service("postgres", database, "DATABASE_URL"),
         "nats": data_service("nats", settings.nats_url, "NATS_URL"),
-        "sync": Component("sync", False, NOT_YET),
+        "sync": _sync_component(settings, signer),
         "registry": Component("registry", False, NOT_YET),
         "worker": Component("worker", False, NOT_YET),
         "self_update": Component("self_update", False, NOT_YET),
     }
+
+
+def _sync_component(settings: Settings, signer: NodeSigner | None) -> Component:
+    if not settings.sync_enabled:
+        return Component("sync", False, "switched off by SYNC_ENABLED=false")
+    if settings.node_system_endpoint and signer:
+        return Component("sync", True, f"desired state from {settings.node_system_endpoint}")
+    if settings.desired_state_dir is not None:
+        return Component("sync", True, f"desired state from folder {settings.desired_state_dir}")
+    return Component(
+        "sync", False, "no NODE_SYSTEM_ENDPOINT (with a key) and no DESIRED_STATE_DIR to sync from"
+    )
 
 
 def build_runtime(settings: Settings) -> Runtime:
@@ -142,19 +162,10 @@ def build_runtime(settings: Settings) -> Runtime:
 async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
     settings = rt.settings
     await _start_data_services(rt, stack)
-
-    if rt.components["report"].enabled and settings.node_system_endpoint and rt.signer:
-        rt.backend = BackendClient(
-            base_url=settings.node_system_endpoint,
-            signer=rt.signer,
-            timeout=settings.backend_timeout_seconds,
-            attempts=settings.backend_retry_attempts,
-            max_wait=settings.backend_retry_max_wait_seconds,
-        )
-        stack.push_async_callback(rt.backend.aclose)
-        rt.reporter.backend = rt.backend
+    open_backend(rt, stack)
 
     if rt.components["report"].enabled:
+        rt.reporter.backend = rt.backend
         rt.scheduler.add_loop(
             "report",
             rt.reporter.report_once,
@@ -162,6 +173,21 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
             first_after=min(5.0, settings.report_interval_seconds),
         )
         stack.push_async_callback(_final_report, rt)
+
+    syncer = await open_syncer(rt, stack)
+    if syncer is not None:
+        rt.scheduler.add_loop(
+            "sync",
+            syncer.run_scheduled,
+            every=settings.sync_interval_seconds,
+            first_after=min(10.0, settings.sync_interval_seconds),
+        )
+        rt.scheduler.add_loop(
+            "cluster-view",
+            syncer.refresh_view,
+            every=settings.cluster_refresh_seconds,
+            first_after=settings.cluster_refresh_seconds,
+        )
 
     rt.scheduler.start()
     rt.components["scheduler"].succeeded(datetime.now(UTC))
@@ -174,6 +200,85 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
         settings.app_env.value,
         ", ".join(n for n, c in rt.components.items() if c.enabled),
     )
+
+
+def open_backend(rt: Runtime, stack: AsyncExitStack) -> BackendClient | None:
+    """The signed backend client, when an endpoint and a key are configured."""
+    settings = rt.settings
+    if settings.node_system_endpoint is None or rt.signer is None:
+        return None
+    rt.backend = BackendClient(
+        base_url=settings.node_system_endpoint,
+        signer=rt.signer,
+        timeout=settings.backend_timeout_seconds,
+        attempts=settings.backend_retry_attempts,
+        max_wait=settings.backend_retry_max_wait_seconds,
+    )
+    stack.push_async_callback(rt.backend.aclose)
+    return rt.backend
+
+
+async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
+    """The deployment syncer, or None with the reason recorded on the sync component."""
+    settings = rt.settings
+    component = rt.components["sync"]
+    if not component.enabled:
+        return None
+    source: DesiredSource
+    if rt.backend is not None and settings.node_system_endpoint is not None:
+        source = BackendSource(rt.backend, settings.node_system_endpoint)
+    elif settings.desired_state_dir is not None:
+        source = FolderSource(DesiredFiles(settings.desired_state_dir))
+    else:
+        component.switch_off("no desired-state source")
+        return None
+    try:
+        configuration, cluster_source = await load_configuration(settings.kubeconfig)
+    except ClusterUnavailable as exc:
+        component.switch_off(str(exc))
+        return None
+    kube = KubeDeployments(
+        configuration,
+        namespace=settings.managed_namespace,
+        timeout=settings.kube_timeout_seconds,
+    )
+    stack.push_async_callback(kube.aclose)
+    protected = (
+        frozenset({settings.self_deployment_name})
+        if settings.pod_namespace in (None, settings.managed_namespace)
+        else frozenset()
+    )
+    secret = settings.ping_token_secret
+
+    def injection_for(name: str) -> Injection:
+        token = ping_token(secret.get_secret_value(), name) if secret else None
+        return Injection(manager_url=settings.manager_url, ping_token=token)
+
+    rt.syncer = Syncer(
+        source=source,
+        kube=kube,
+        book=rt.book,
+        policy=SyncPolicy(
+            max_deletes=settings.sync_max_deletes,
+            max_delete_percent=settings.sync_max_delete_percent,
+            protected=protected,
+        ),
+        manifest_policy=ManifestPolicy(
+            allow_privileged=settings.allow_privileged,
+            allow_host_namespaces=settings.allow_host_namespaces,
+            allow_host_path=settings.allow_host_path,
+            allow_host_ports=settings.allow_host_ports,
+        ),
+        injection_for=injection_for,
+        concurrency=settings.sync_concurrency,
+        metrics=rt.metrics,
+        component=component,
+        cluster_lock=rt.cluster_lock,
+    )
+    component.reason = (
+        f"{source.description} -> namespace {settings.managed_namespace} via {cluster_source}"
+    )
+    return rt.syncer
 
 
 async def _final_report(rt: Runtime) -> None:

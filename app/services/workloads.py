@@ -1,22 +1,32 @@
-"""The node's book of workloads: last ping per workload, and the derived view of each.
+"""The node's book of workloads: pings, the desired state and the cluster's view of each.
 
 In memory by design: pings arrive every 5-10 s, so after a restart the book is whole
-again within one ping interval. The book is bounded (`max_tracked_workloads`) and
-forgets workloads that have not pinged for `ping_forget_seconds`.
+again within one ping interval, and the desired state and rollouts come back with the
+first sync. The book is bounded (`max_tracked_workloads`) and forgets workloads that
+neither ping nor appear in the desired state or the cluster for `ping_forget_seconds`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from app.domain.health import Ping, PingRecord, derive_status, ping_age
+from app.domain.health import Ping, PingRecord, Rollout, derive_status, ping_age
 from app.domain.reports import WorkloadView
 
 
 class BookFull(Exception):
     """A new workload name arrived while the book holds its maximum."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deployed:
+    """A managed Deployment as last seen in the cluster."""
+
+    version: str | None
+    rollout: Rollout
 
 
 class WorkloadBook:
@@ -35,6 +45,8 @@ class WorkloadBook:
         self._clock = clock
         self._wall_clock = wall_clock
         self._pings: dict[str, PingRecord] = {}
+        self._desired: dict[str, str] | None = None
+        self._deployed: dict[str, Deployed] | None = None
 
     def record(self, name: str, ping: Ping) -> PingRecord:
         if name not in self._pings and len(self._pings) >= self._capacity:
@@ -45,18 +57,32 @@ class WorkloadBook:
         self._pings[name] = entry
         return entry
 
+    def set_desired(self, versions: dict[str, str]) -> None:
+        """The desired workloads and versions, as of the last sync that read them."""
+        self._desired = dict(versions)
+
+    def set_deployed(self, deployed: dict[str, Deployed]) -> None:
+        """The managed Deployments, as of the last list of the cluster."""
+        self._deployed = dict(deployed)
+
     def names(self) -> list[str]:
-        return sorted(self._pings)
+        names = set(self._pings)
+        names.update(self._desired or ())
+        names.update(self._deployed or ())
+        return sorted(names)
 
     def view(self, name: str) -> WorkloadView | None:
-        record = self._pings.get(name)
-        if record is None:
+        if (
+            name not in self._pings
+            and name not in (self._desired or {})
+            and name not in (self._deployed or {})
+        ):
             return None
-        return self._view(name, record, self._clock())
+        return self._view(name, self._clock())
 
     def views(self) -> list[WorkloadView]:
         now = self._clock()
-        return [self._view(name, self._pings[name], now) for name in sorted(self._pings)]
+        return [self._view(name, now) for name in self.names()]
 
     def counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -65,15 +91,24 @@ class WorkloadBook:
         return counts
 
     def forget_silent(self) -> int:
-        """Drop workloads silent for longer than `forget_after`; returns how many."""
+        """Drop pings silent for longer than `forget_after`; returns how many."""
         now = self._clock()
         gone = [n for n, r in self._pings.items() if now - r.received_at > self._forget_after]
         for name in gone:
             del self._pings[name]
         return len(gone)
 
-    def _view(self, name: str, record: PingRecord | None, now: float) -> WorkloadView:
-        status = derive_status(record, now=now, stale_after=self._stale_after)
+    def _view(self, name: str, now: float) -> WorkloadView:
+        record = self._pings.get(name)
+        deployed = (self._deployed or {}).get(name)
+        desired_version = (self._desired or {}).get(name)
+        status = derive_status(
+            record,
+            now=now,
+            stale_after=self._stale_after,
+            expected=desired_version is not None and self._deployed is not None,
+            rollout=deployed.rollout if deployed else None,
+        )
         return WorkloadView(
             name=name,
             status=status.value,
@@ -81,4 +116,7 @@ class WorkloadBook:
             version=record.ping.version if record else None,
             message=record.ping.message if record else None,
             last_ping_at=(datetime.fromtimestamp(record.received_wall, tz=UTC) if record else None),
+            desired_version=desired_version,
+            deployed_version=deployed.version if deployed else None,
+            rollout=deployed.rollout.phase.value if deployed else None,
         )

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.api.auth import ping_token
+from app.domain.tokens import ping_token
 from app.main import create_app
 from tests.conftest import SettingsFactory, runtime_of
 

@@ -127,3 +127,10 @@ async def test_secrets_never_reach_status_or_logs(
         assert value not in body
         assert value not in logged
     assert "db-password-000" not in logged
+
+
+async def test_sync_endpoint_says_why_sync_is_off(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/sync")
+    assert response.status_code == 503
+    assert "sync is off" in response.json()["detail"]
+    assert "DESIRED_STATE_DIR" in response.json()["detail"]

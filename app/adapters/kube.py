@@ -1,0 +1,227 @@
+"""The cluster, through kubernetes-asyncio: Deployments in the managed namespace.
+
+Responses are read as raw JSON (`_preload_content=False`) rather than as generated
+models: the manager compares and stores plain objects, and listing a thousand
+Deployments as models costs far more than the request. Status codes are mapped to
+`KubeConflict` (409), `KubeNotFound` (404) and `KubeError`; transport errors, 429 and
+5xx are retried with jittered backoff, and every request has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import stamina
+import yaml
+from kubernetes_asyncio import client, config
+
+APPLY_PATCH = "application/apply-patch+yaml"
+FIELD_MANAGER = "workload-manager"
+DEFAULT_KUBECONFIG = Path("~/.kube/config")
+IN_CLUSTER_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+
+
+class KubeError(RuntimeError):
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is None or self.status == 429 or self.status >= 500
+
+
+class KubeConflict(KubeError):
+    """409: the object changed since it was read, or already exists."""
+
+
+class KubeNotFound(KubeError):
+    """404: no such object."""
+
+
+class ClusterUnavailable(RuntimeError):
+    """No cluster configuration: the message says what was looked for."""
+
+
+async def load_configuration(kubeconfig: Path | None) -> tuple[client.Configuration, str]:
+    """In-cluster config in a pod, else KUBECONFIG / ~/.kube/config; (config, source)."""
+    configuration = client.Configuration()
+    in_cluster, path = await asyncio.to_thread(_locate, kubeconfig)
+    if in_cluster:
+        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        return configuration, "in-cluster service account"
+    if path is None:
+        where = f"KUBECONFIG={kubeconfig}" if kubeconfig else str(DEFAULT_KUBECONFIG)
+        raise ClusterUnavailable(f"no cluster access: not in a pod and no kubeconfig at {where}")
+    try:
+        await config.load_kube_config(
+            config_file=str(path), client_configuration=configuration, persist_config=False
+        )
+    except (config.ConfigException, ValueError, OSError, yaml.YAMLError) as exc:
+        raise ClusterUnavailable(f"kubeconfig {path} is not usable: {exc}") from None
+    return configuration, f"kubeconfig {path}"
+
+
+def _locate(kubeconfig: Path | None) -> tuple[bool, Path | None]:
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        if IN_CLUSTER_TOKEN.exists():
+            return True, None
+    path = kubeconfig or DEFAULT_KUBECONFIG.expanduser()
+    return False, path if path.is_file() else None
+
+
+def _is_retryable(exc: Exception) -> bool:
+    if isinstance(exc, KubeError):
+        return exc.retryable and not isinstance(exc, KubeConflict | KubeNotFound)
+    return isinstance(exc, aiohttp.ClientError | TimeoutError)
+
+
+class KubeDeployments:
+    """Deployments of one namespace, as plain JSON objects."""
+
+    def __init__(
+        self,
+        configuration: client.Configuration,
+        *,
+        namespace: str,
+        timeout: float,
+        attempts: int = 3,
+        max_wait: float = 2.0,
+    ) -> None:
+        self.namespace = namespace
+        self._timeout = timeout
+        self._attempts = attempts
+        self._max_wait = max_wait
+        self._api_client = client.ApiClient(configuration)
+        # Typed as Any: the generated signatures want models, and the manager sends and
+        # reads plain JSON objects (which the client accepts at run time).
+        self._apps: Any = client.AppsV1Api(self._api_client)
+        self.host = str(configuration.host)
+
+    async def aclose(self) -> None:
+        await self._api_client.close()
+
+    async def _call(self, what: str, request: Callable[[], Awaitable[Any]]) -> Any:
+        """One API call with retries; returns the decoded JSON body (None when empty)."""
+        async for attempt in stamina.retry_context(
+            on=_is_retryable,
+            attempts=self._attempts,
+            wait_initial=min(0.1, self._max_wait),
+            wait_max=self._max_wait,
+            timeout=None,
+        ):
+            with attempt:
+                try:
+                    response = await request()
+                    try:
+                        body = await response.read()
+                        status: int = response.status
+                    finally:
+                        response.release()
+                except TimeoutError:
+                    raise KubeError(f"{what}: timed out after {self._timeout:.0f} s") from None
+                except aiohttp.ClientError as exc:
+                    raise KubeError(f"{what}: {type(exc).__name__}: {exc}") from None
+                return _decode(what, status, body)
+        raise AssertionError("unreachable: stamina either returns or raises")
+
+    async def list_managed(self, label_selector: str) -> list[dict[str, Any]]:
+        body = await self._call(
+            "list deployments",
+            lambda: self._apps.list_namespaced_deployment(
+                self.namespace,
+                label_selector=label_selector,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            ),
+        )
+        items: list[dict[str, Any]] = body.get("items") or []
+        return items
+
+    async def get(self, name: str) -> dict[str, Any] | None:
+        try:
+            obj: dict[str, Any] = await self._call(
+                f"get deployment {name}",
+                lambda: self._apps.read_namespaced_deployment(
+                    name, self.namespace, _preload_content=False, _request_timeout=self._timeout
+                ),
+            )
+        except KubeNotFound:
+            return None
+        return obj
+
+    async def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        name = manifest["metadata"]["name"]
+        obj: dict[str, Any] = await self._call(
+            f"create deployment {name}",
+            lambda: self._apps.create_namespaced_deployment(
+                self.namespace,
+                manifest,
+                field_manager=FIELD_MANAGER,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            ),
+        )
+        return obj
+
+    async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply as the manager's field manager, taking over conflicting fields.
+
+        A `metadata.resourceVersion` in the manifest makes the apply conditional: the
+        server answers 409 if the object changed since it was read.
+        """
+        name = manifest["metadata"]["name"]
+        obj: dict[str, Any] = await self._call(
+            f"apply deployment {name}",
+            lambda: self._apps.patch_namespaced_deployment(
+                name,
+                self.namespace,
+                manifest,
+                field_manager=FIELD_MANAGER,
+                force=True,
+                _content_type=APPLY_PATCH,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            ),
+        )
+        return obj
+
+    async def delete(self, name: str, *, resource_version: str | None) -> None:
+        """Delete, only if the object is still the one that was planned against."""
+        preconditions = client.V1Preconditions(resource_version=resource_version)
+        await self._call(
+            f"delete deployment {name}",
+            lambda: self._apps.delete_namespaced_deployment(
+                name,
+                self.namespace,
+                body=client.V1DeleteOptions(
+                    preconditions=preconditions, propagation_policy="Background"
+                ),
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            ),
+        )
+
+
+def _decode(what: str, status: int, body: bytes) -> Any:
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        data = None
+    if 200 <= status < 300:
+        if data is None and body:
+            raise KubeError(f"{what}: response is not JSON", status=status)
+        return data
+    message = data.get("message") if isinstance(data, dict) else body[:200].decode(errors="replace")
+    text = f"{what}: HTTP {status}: {message}"
+    if status == 409:
+        raise KubeConflict(text, status=status)
+    if status == 404:
+        raise KubeNotFound(text, status=status)
+    raise KubeError(text, status=status)

@@ -1,0 +1,33 @@
+"""Operator actions: run a deployment sync now (or plan one with `dry_run`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+
+from app.api.auth import require_api_token, runtime
+from app.services.syncing import SyncBusy
+
+router = APIRouter(tags=["admin"], dependencies=[Depends(require_api_token)])
+
+
+@router.post(
+    "/v1/sync",
+    summary="Run a deployment sync now; with dry_run, return the plan and change nothing",
+    responses={
+        409: {"description": "A sync or a self-update is already running"},
+        503: {"description": "Sync is off; the detail says why"},
+    },
+)
+async def post_sync(
+    request: Request, dry_run: bool = Query(default=False, description="plan only")
+) -> dict[str, Any]:
+    rt = runtime(request)
+    if rt.syncer is None:
+        raise HTTPException(status_code=503, detail=f"sync is off: {rt.components['sync'].reason}")
+    try:
+        outcome = await rt.syncer.sync(dry_run=dry_run)
+    except SyncBusy as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from None
+    return outcome.as_dict()

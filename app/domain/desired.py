@@ -1,0 +1,65 @@
+"""The desired state of a node: which workloads, at which versions (CONTRACTS §2).
+
+Parsed strictly where it matters (names, versions, duplicates) and leniently where the
+backend may grow (unknown fields are ignored). A response that does not parse is a
+`DesiredStateError`, and a sync that gets one changes nothing on the node.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from app.domain.health import is_workload_name
+
+Version = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][\w.+-]*$")]
+
+
+class DesiredStateError(ValueError):
+    """The desired state could not be used; the message says which field."""
+
+
+class DesiredWorkload(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str
+    version: Version
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if not is_workload_name(value):
+            raise ValueError("must be a DNS-1123 label")
+        return value
+
+
+class DesiredState(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    revision: str | None = None
+    allow_empty: bool = False
+    workloads: tuple[DesiredWorkload, ...]
+
+    @field_validator("workloads")
+    @classmethod
+    def _unique(cls, value: tuple[DesiredWorkload, ...]) -> tuple[DesiredWorkload, ...]:
+        seen: set[str] = set()
+        for workload in value:
+            if workload.name in seen:
+                raise ValueError(f"workload {workload.name!r} is listed twice")
+            seen.add(workload.name)
+        return value
+
+    def by_name(self) -> dict[str, DesiredWorkload]:
+        return {w.name: w for w in self.workloads}
+
+
+def parse_desired(data: Any) -> DesiredState:
+    """Validate a decoded response body; raise DesiredStateError naming the field."""
+    try:
+        return DesiredState.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise DesiredStateError(f"{where}: {first['msg']}") from None

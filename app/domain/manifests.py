@@ -1,0 +1,223 @@
+"""Deployment manifests: check and prepare what reaches the cluster, and detect drift.
+
+`prepare_manifest` turns a manifest from the backend into exactly what the manager
+applies: the right kind and name, the managed namespace, the manager's labels and
+annotations, the ping address and token in every container, and nothing the policy
+forbids. The applied spec is recorded in an annotation so that `find_drift` can tell,
+from the live object alone, whether someone changed a field the manager owns.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "workload-manager"
+WORKLOAD_LABEL = "workload-manager.io/workload"
+VERSION_ANNOTATION = "workload-manager.io/version"
+HASH_ANNOTATION = "workload-manager.io/spec-hash"
+APPLIED_ANNOTATION = "workload-manager.io/applied-spec"
+MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+
+ENV_MANAGER_URL = "WORKLOAD_MANAGER_URL"
+ENV_PING_TOKEN = "WORKLOAD_MANAGER_PING_TOKEN"
+ENV_WORKLOAD_NAME = "WORKLOAD_NAME"
+
+# List items matched by these keys when comparing live objects with what was applied,
+# the same keys Kubernetes merges them by.
+_MERGE_KEYS = ("name", "mountPath", "containerPort", "devicePath")
+_SERVER_OWNED_METADATA = (
+    "resourceVersion", "uid", "creationTimestamp", "generation", "managedFields",
+    "selfLink", "deletionTimestamp", "deletionGracePeriodSeconds", "ownerReferences",
+)  # fmt: skip
+
+
+class ManifestRejected(ValueError):
+    """The manifest cannot be applied; the message is the reason shown as a hold."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestPolicy:
+    allow_privileged: bool = False
+    allow_host_namespaces: bool = False
+    allow_host_path: bool = False
+    allow_host_ports: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Injection:
+    """What every managed container is told: where to ping, and with which token."""
+
+    manager_url: str
+    ping_token: str | None
+
+
+def spec_hash(spec: Any) -> str:
+    canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def prepare_manifest(
+    raw: Any,
+    *,
+    name: str,
+    version: str,
+    namespace: str,
+    policy: ManifestPolicy,
+    injection: Injection,
+) -> dict[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise ManifestRejected("manifest is not a JSON object")
+    if raw.get("apiVersion") != "apps/v1" or raw.get("kind") != "Deployment":
+        raise ManifestRejected(
+            f"manifest must be an apps/v1 Deployment, got {raw.get('apiVersion')}/{raw.get('kind')}"
+        )
+    manifest: dict[str, Any] = copy.deepcopy(dict(raw))
+    metadata = manifest.setdefault("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ManifestRejected("metadata must be an object")
+    if metadata.get("name", name) != name:
+        raise ManifestRejected(f"manifest is named {metadata.get('name')!r}, not {name!r}")
+    spec = manifest.get("spec")
+    pod = _dig(spec, "template", "spec")
+    containers = pod.get("containers") if isinstance(pod, dict) else None
+    if not isinstance(containers, list) or not containers:
+        raise ManifestRejected("spec.template.spec.containers must list at least one container")
+    assert isinstance(spec, dict) and isinstance(pod, dict)
+
+    for key in _SERVER_OWNED_METADATA:
+        metadata.pop(key, None)
+    manifest.pop("status", None)
+    metadata["name"] = name
+    metadata["namespace"] = namespace
+    labels = metadata.setdefault("labels", {})
+    labels[MANAGED_BY_LABEL] = MANAGED_BY
+    labels[WORKLOAD_LABEL] = name
+    template_meta = spec["template"].setdefault("metadata", {})
+    template_meta.setdefault("labels", {})[WORKLOAD_LABEL] = name
+
+    violations = _violations(pod, policy)
+    if violations:
+        raise ManifestRejected("policy forbids " + "; ".join(violations))
+
+    for container in [*containers, *pod.get("initContainers", [])]:
+        if not isinstance(container, dict):
+            raise ManifestRejected("every container must be an object")
+        _inject(container, name=name, injection=injection)
+
+    annotations = metadata.setdefault("annotations", {})
+    annotations[VERSION_ANNOTATION] = version
+    annotations[APPLIED_ANNOTATION] = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    annotations[HASH_ANNOTATION] = spec_hash(spec)
+    return manifest
+
+
+def _dig(value: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _violations(pod: dict[str, Any], policy: ManifestPolicy) -> list[str]:
+    found: list[str] = []
+    if not policy.allow_host_namespaces:
+        found += [f"{key}" for key in ("hostNetwork", "hostPID", "hostIPC") if pod.get(key)]
+    if not policy.allow_host_path:
+        found += [
+            f"hostPath volume {v.get('name')!r}"
+            for v in pod.get("volumes") or []
+            if isinstance(v, dict) and "hostPath" in v
+        ]
+    for container in [*(pod.get("containers") or []), *(pod.get("initContainers") or [])]:
+        if not isinstance(container, dict):
+            continue
+        cname = container.get("name")
+        security = container.get("securityContext") or {}
+        if not policy.allow_privileged and security.get("privileged"):
+            found.append(f"privileged container {cname!r}")
+        if not policy.allow_host_ports:
+            found += [
+                f"hostPort {p['hostPort']} in container {cname!r}"
+                for p in container.get("ports") or []
+                if isinstance(p, dict) and p.get("hostPort")
+            ]
+    return found
+
+
+def _inject(container: dict[str, Any], *, name: str, injection: Injection) -> None:
+    wanted = {ENV_MANAGER_URL: injection.manager_url, ENV_WORKLOAD_NAME: name}
+    if injection.ping_token is not None:
+        wanted[ENV_PING_TOKEN] = injection.ping_token
+    env = [
+        e
+        for e in container.get("env") or []
+        if not (isinstance(e, dict) and e.get("name") in wanted)
+    ]
+    env += [{"name": key, "value": value} for key, value in wanted.items()]
+    container["env"] = env
+
+
+def find_drift(live: Mapping[str, Any]) -> str | None:
+    """Why the live Deployment differs from what the manager applied, or None."""
+    annotations = _dig(live, "metadata", "annotations") or {}
+    recorded = annotations.get(APPLIED_ANNOTATION)
+    if recorded is None:
+        return "no record of the applied spec"
+    try:
+        applied = json.loads(recorded)
+    except ValueError:
+        return "the applied-spec annotation is not JSON"
+    if spec_hash(applied) != annotations.get(HASH_ANNOTATION):
+        return "the applied-spec annotation does not match its hash"
+    difference = first_difference(applied, live.get("spec"), "spec")
+    return None if difference is None else f"{difference} was changed"
+
+
+_MISSING = object()
+
+
+def first_difference(applied: Any, live: Any, path: str) -> str | None:
+    """The first path where `live` does not hold what was applied (extra live fields are fine)."""
+    if isinstance(applied, dict):
+        if not isinstance(live, dict):
+            return path
+        for key, value in applied.items():
+            found = first_difference(value, live.get(key, _MISSING), f"{path}.{key}")
+            if found is not None:
+                return found
+        return None
+    if isinstance(applied, list):
+        if not isinstance(live, list):
+            return path
+        key = _merge_key(applied)
+        if key is None:
+            if len(applied) != len(live):
+                return path
+            pairs = list(zip(applied, live, strict=True))
+            labels = [str(i) for i in range(len(applied))]
+        else:
+            by_key = {item.get(key): item for item in live if isinstance(item, dict)}
+            pairs = [(item, by_key.get(item[key], _MISSING)) for item in applied]
+            labels = [str(item[key]) for item in applied]
+        for label, (want, have) in zip(labels, pairs, strict=True):
+            found = first_difference(want, have, f"{path}[{label}]")
+            if found is not None:
+                return found
+        return None
+    return None if applied == live else path
+
+
+def _merge_key(items: list[Any]) -> str | None:
+    if not items or not all(isinstance(i, dict) for i in items):
+        return None
+    for key in _MERGE_KEYS:
+        if all(key in i for i in items):
+            return key
+    return None

@@ -1,0 +1,390 @@
+"""Deployment sync: read the desired state and the cluster, plan, apply, record.
+
+One sync: fetch the desired state (ETag: unchanged costs a 304), list the managed
+Deployments, plan with the pure `plan_sync`, fetch manifests only for creates and
+updates (cached by name and version), prepare them, apply with bounded concurrency,
+then tell the backend the versions now applied. A desired state that cannot be read or
+parsed ends the sync before anything touches the cluster. One workload's failure never
+blocks the others; a 409 re-reads that Deployment and plans it again once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from app.adapters.backend import NOT_MODIFIED, BackendClient, BackendError
+from app.adapters.desired_files import DesiredFiles, DesiredFilesError
+from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, KubeNotFound
+from app.domain.components import Component
+from app.domain.desired import DesiredState, DesiredStateError, parse_desired
+from app.domain.health import rollout_of
+from app.domain.manifests import (
+    MANAGED_SELECTOR,
+    Injection,
+    ManifestPolicy,
+    ManifestRejected,
+    prepare_manifest,
+)
+from app.domain.planning import Action, ActionKind, LiveDeployment, SyncPolicy, plan_sync
+from app.metrics import Metrics
+from app.services.workloads import Deployed, WorkloadBook
+
+log = logging.getLogger(__name__)
+
+SOURCE_ERRORS = (BackendError, DesiredStateError, DesiredFilesError)
+
+
+class DesiredSource(Protocol):
+    description: str
+
+    async def desired(self) -> DesiredState: ...
+
+    async def manifest(self, name: str, version: str) -> Any: ...
+
+    async def applied(self, name: str, version: str, at: datetime) -> None: ...
+
+
+class BackendSource:
+    """The backend's desired state, with the last answer kept for `If-None-Match`."""
+
+    def __init__(self, backend: BackendClient, endpoint: str) -> None:
+        self._backend = backend
+        self._etag: str | None = None
+        self._cached: DesiredState | None = None
+        self.description = f"backend {endpoint}"
+
+    async def desired(self) -> DesiredState:
+        etag, body = await self._backend.get_desired(self._etag if self._cached else None)
+        if body is NOT_MODIFIED and self._cached is not None:
+            return self._cached
+        state = parse_desired(body)
+        self._etag, self._cached = etag, state
+        return state
+
+    async def manifest(self, name: str, version: str) -> Any:
+        return await self._backend.get_manifest(name, version)
+
+    async def applied(self, name: str, version: str, at: datetime) -> None:
+        body = {"version": version, "applied_at": at.isoformat().replace("+00:00", "Z")}
+        await self._backend.put_version(name, body)
+
+
+class FolderSource:
+    def __init__(self, files: DesiredFiles) -> None:
+        self._files = files
+        self.description = files.description
+
+    async def desired(self) -> DesiredState:
+        return parse_desired(await self._files.load_desired())
+
+    async def manifest(self, name: str, version: str) -> Any:
+        return await self._files.load_manifest(name, version)
+
+    async def applied(self, name: str, version: str, at: datetime) -> None:
+        await self._files.record_applied(name, {"version": version, "applied_at": at.isoformat()})
+
+
+class SyncBusy(RuntimeError):
+    """A sync or a self-update is already changing the cluster."""
+
+
+@dataclass
+class WorkloadResult:
+    name: str
+    action: str
+    outcome: str  # planned | applied | unchanged | held | failed
+    version: str | None = None
+    from_version: str | None = None
+    reason: str = ""
+    error: str | None = None
+
+
+@dataclass
+class SyncOutcome:
+    started_at: datetime
+    dry_run: bool
+    finished_at: datetime | None = None
+    duration_seconds: float = 0.0
+    revision: str | None = None
+    aborted: str | None = None
+    results: list[WorkloadResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.aborted is None and not any(r.outcome == "failed" for r in self.results)
+
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for result in self.results:
+            key = result.action if result.outcome != "failed" else "failed"
+            if result.outcome == "held":
+                key = "hold"
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "duration_seconds": round(self.duration_seconds, 3),
+            "dry_run": self.dry_run,
+            "revision": self.revision,
+            "ok": self.ok,
+            "aborted": self.aborted,
+            "counts": self.counts(),
+            "results": [asdict(r) for r in self.results],
+        }
+
+
+class Syncer:
+    def __init__(
+        self,
+        *,
+        source: DesiredSource,
+        kube: KubeDeployments,
+        book: WorkloadBook,
+        policy: SyncPolicy,
+        manifest_policy: ManifestPolicy,
+        injection_for: Callable[[str], Injection],
+        concurrency: int,
+        metrics: Metrics,
+        component: Component,
+        cluster_lock: asyncio.Lock,
+    ) -> None:
+        self.source = source
+        self.kube = kube
+        self._book = book
+        self._policy = policy
+        self._manifest_policy = manifest_policy
+        self._injection_for = injection_for
+        self._concurrency = concurrency
+        self._metrics = metrics
+        self._component = component
+        self._lock = cluster_lock
+        self._manifests: dict[tuple[str, str], Any] = {}
+        self._unreported: dict[str, str] = {}
+        self.last: SyncOutcome | None = None
+
+    async def refresh_view(self) -> None:
+        """Read the managed Deployments' rollout state into the book (a list, no writes)."""
+        objects = await self.kube.list_managed(MANAGED_SELECTOR)
+        self._book.set_deployed(_deployed(objects))
+
+    async def run_scheduled(self) -> None:
+        if self._lock.locked():
+            log.info("sync skipped: another sync or a self-update is running")
+            return
+        await self.sync()
+
+    async def sync(self, *, dry_run: bool = False) -> SyncOutcome:
+        if self._lock.locked():
+            raise SyncBusy("a sync or a self-update is already running")
+        async with self._lock:
+            outcome = SyncOutcome(started_at=datetime.now(UTC), dry_run=dry_run)
+            started = time.monotonic()
+            try:
+                await self._sync(outcome)
+            finally:
+                outcome.finished_at = datetime.now(UTC)
+                outcome.duration_seconds = time.monotonic() - started
+                self._record(outcome)
+            return outcome
+
+    async def _sync(self, outcome: SyncOutcome) -> None:
+        try:
+            desired = await self.source.desired()
+        except SOURCE_ERRORS as exc:
+            outcome.aborted = f"desired state unavailable, nothing changed: {exc}"
+            return
+        outcome.revision = desired.revision
+        try:
+            objects = await self.kube.list_managed(MANAGED_SELECTOR)
+        except KubeError as exc:
+            outcome.aborted = f"cannot list Deployments, nothing changed: {exc}"
+            return
+        self._book.set_desired({w.name: w.version for w in desired.workloads})
+        self._book.set_deployed(_deployed(objects))
+        live = [LiveDeployment.from_object(o) for o in objects]
+        plan = plan_sync(desired, live, self._policy)
+        self._forget_manifests(desired)
+
+        semaphore = asyncio.Semaphore(self._concurrency)
+
+        async def run(action: Action) -> WorkloadResult:
+            async with semaphore:
+                return await self._carry_out(action, desired, dry_run=outcome.dry_run)
+
+        outcome.results = list(await asyncio.gather(*(run(a) for a in plan)))
+        if not outcome.dry_run and any(r.outcome == "applied" for r in outcome.results):
+            try:
+                self._book.set_deployed(_deployed(await self.kube.list_managed(MANAGED_SELECTOR)))
+            except KubeError as exc:
+                log.warning("could not refresh rollout state after the sync: %s", exc)
+
+    async def _carry_out(
+        self, action: Action, desired: DesiredState, *, dry_run: bool
+    ) -> WorkloadResult:
+        result = WorkloadResult(
+            name=action.name,
+            action=action.kind.value,
+            outcome="unchanged",
+            version=action.version,
+            from_version=action.from_version,
+            reason=action.reason,
+        )
+        try:
+            if action.kind is ActionKind.HOLD:
+                result.outcome = "held"
+            elif action.kind is ActionKind.NOOP:
+                await self._report_pending(action.name)
+            elif action.kind is ActionKind.DELETE:
+                result.outcome = "planned" if dry_run else await self._delete(action, desired)
+            else:
+                manifest = await self._prepared(action)
+                if dry_run:
+                    result.outcome = "planned"
+                else:
+                    result.outcome, result.reason = await self._apply(action, manifest, desired)
+                    if result.outcome == "applied" and action.version is not None:
+                        self._unreported[action.name] = action.version
+                        await self._report_pending(action.name)
+        except ManifestRejected as exc:
+            result.outcome, result.action, result.reason = "held", "hold", str(exc)
+        except (*SOURCE_ERRORS, KubeError) as exc:
+            result.outcome, result.error = "failed", str(exc)
+        self._metrics.sync_actions.labels(result.action, result.outcome).inc()
+        return result
+
+    async def _prepared(self, action: Action) -> dict[str, Any]:
+        assert action.version is not None
+        key = (action.name, action.version)
+        raw = self._manifests.get(key)
+        if raw is None:
+            raw = await self.source.manifest(action.name, action.version)
+            self._manifests[key] = raw
+        return prepare_manifest(
+            raw,
+            name=action.name,
+            version=action.version,
+            namespace=self.kube.namespace,
+            policy=self._manifest_policy,
+            injection=self._injection_for(action.name),
+        )
+
+    async def _apply(
+        self, action: Action, manifest: dict[str, Any], desired: DesiredState
+    ) -> tuple[str, str]:
+        """Create or update; on 409 (or a create that finds the name taken) plan it again once."""
+        if action.kind is ActionKind.CREATE:
+            existing = await self.kube.get(action.name)
+            if existing is not None:
+                return await self._replan(action.name, existing, desired, manifest)
+            await self.kube.apply(manifest)
+            return "applied", action.reason
+        conditional = _with_resource_version(manifest, action.resource_version)
+        try:
+            await self.kube.apply(conditional)
+        except KubeConflict:
+            current = await self.kube.get(action.name)
+            if current is None:
+                await self.kube.apply(manifest)
+                return "applied", f"{action.reason} (re-created: it was deleted meanwhile)"
+            return await self._replan(action.name, current, desired, manifest)
+        return "applied", action.reason
+
+    async def _replan(
+        self, name: str, current: dict[str, Any], desired: DesiredState, manifest: dict[str, Any]
+    ) -> tuple[str, str]:
+        (again,) = plan_sync(
+            DesiredState(revision=desired.revision, workloads=(desired.by_name()[name],)),
+            [LiveDeployment.from_object(current)],
+            self._policy,
+        )
+        if again.kind is ActionKind.NOOP:
+            return "unchanged", "already as desired when re-read"
+        if again.kind is ActionKind.HOLD:
+            return "held", again.reason
+        await self.kube.apply(_with_resource_version(manifest, again.resource_version))
+        return "applied", f"{again.reason} (after a conflict)"
+
+    async def _delete(self, action: Action, desired: DesiredState) -> str:
+        try:
+            await self.kube.delete(action.name, resource_version=action.resource_version)
+        except KubeNotFound:
+            return "applied"
+        except KubeConflict:
+            current = await self.kube.get(action.name)
+            if current is None:
+                return "applied"
+            live = LiveDeployment.from_object(current)
+            if not live.managed or action.name in desired.by_name():
+                return "held"
+            await self.kube.delete(action.name, resource_version=live.resource_version)
+        return "applied"
+
+    async def _report_pending(self, name: str) -> None:
+        """Tell the backend an applied version; kept and retried by later syncs on failure."""
+        version = self._unreported.get(name)
+        if version is None:
+            return
+        try:
+            await self.source.applied(name, version, datetime.now(UTC))
+        except SOURCE_ERRORS as exc:
+            log.warning("version %s of %s not reported yet: %s", version, name, exc)
+            return
+        self._unreported.pop(name, None)
+
+    def _forget_manifests(self, desired: DesiredState) -> None:
+        keep = {(w.name, w.version) for w in desired.workloads}
+        for key in [k for k in self._manifests if k not in keep]:
+            del self._manifests[key]
+
+    def _record(self, outcome: SyncOutcome) -> None:
+        if outcome.dry_run:
+            return
+        self.last = outcome
+        now = datetime.now(UTC)
+        self._metrics.sync_duration.observe(outcome.duration_seconds)
+        counts = outcome.counts()
+        if outcome.aborted is not None:
+            self._metrics.syncs.labels("aborted").inc()
+            self._component.failed(now, outcome.aborted)
+            log.warning("sync aborted: %s", outcome.aborted)
+        elif not outcome.ok:
+            self._metrics.syncs.labels("partial").inc()
+            failed = [r for r in outcome.results if r.outcome == "failed"]
+            self._component.failed(
+                now, f"{len(failed)} workload(s) failed: " + "; ".join(
+                    f"{r.name}: {r.error}" for r in failed[:3]
+                ),
+            )  # fmt: skip
+            log.warning("sync finished with failures: %s", counts)
+        else:
+            self._metrics.syncs.labels("ok").inc()
+            self._component.succeeded(now, revision=outcome.revision, counts=counts)
+            changed = any(r.outcome != "unchanged" for r in outcome.results)
+            level = logging.INFO if changed else logging.DEBUG
+            log.log(level, "sync done in %.2f s: %s", outcome.duration_seconds, counts)
+
+
+def _with_resource_version(
+    manifest: dict[str, Any], resource_version: str | None
+) -> dict[str, Any]:
+    if resource_version is None:
+        return manifest
+    metadata = {**manifest["metadata"], "resourceVersion": resource_version}
+    return {**manifest, "metadata": metadata}
+
+
+def _deployed(objects: list[dict[str, Any]]) -> dict[str, Deployed]:
+    deployed: dict[str, Deployed] = {}
+    for obj in objects:
+        live = LiveDeployment.from_object(obj)
+        deployed[live.name] = Deployed(version=live.version, rollout=rollout_of(obj))
+    return deployed

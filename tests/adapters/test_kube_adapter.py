@@ -1,0 +1,134 @@
+"""The Kubernetes adapter through the real kubernetes-asyncio client against the emulator."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.adapters.kube import (
+    ClusterUnavailable,
+    KubeConflict,
+    KubeDeployments,
+    KubeError,
+    load_configuration,
+)
+from tests.support.kube_emulator import KubeEmulator
+
+NS = "apps"
+
+
+def deployment(
+    name: str, *, labels: dict[str, str] | None = None, image: str = "r/x:1"
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": NS, "labels": labels or {}},
+        "spec": {
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [{"name": name, "image": image}]},
+            },
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[KubeEmulator]:
+    with KubeEmulator.serve(rollout_delay=0.05, progress_deadline=0.2) as emu:
+        yield emu
+
+
+@pytest.fixture
+async def kube(served: KubeEmulator, tmp_path: Path) -> AsyncIterator[KubeDeployments]:
+    served.reset()
+    configuration, _ = await load_configuration(served.write_kubeconfig(tmp_path / "kc", NS))
+    client = KubeDeployments(configuration, namespace=NS, timeout=1.0, max_wait=0.05)
+    yield client
+    await client.aclose()
+
+
+async def test_list_uses_the_label_selector(served: KubeEmulator, kube: KubeDeployments) -> None:
+    served.add_deployment(deployment("ours", labels={"m": "wm"}))
+    served.add_deployment(deployment("theirs", labels={"m": "other"}))
+    names = [d["metadata"]["name"] for d in await kube.list_managed("m=wm")]
+    assert names == ["ours"]
+    assert served.requests[-1].query["labelSelector"] == "m=wm"
+
+
+async def test_get_missing_is_none(kube: KubeDeployments) -> None:
+    assert await kube.get("nope") is None
+
+
+async def test_apply_creates_then_updates_with_server_side_apply(
+    served: KubeEmulator, kube: KubeDeployments
+) -> None:
+    created = await kube.apply(deployment("api"))
+    assert created["metadata"]["generation"] == 1
+    served.edit_deployment(NS, "api", lambda d: d["spec"].update(replicas=4))
+    updated = await kube.apply(deployment("api", image="r/x:2"))
+    assert updated["spec"]["template"]["spec"]["containers"][0]["image"] == "r/x:2"
+    assert updated["spec"]["replicas"] == 4, "a field set by someone else survives the apply"
+    last = served.requests[-1]
+    assert (last.method, last.content_type) == ("PATCH", "application/apply-patch+yaml")
+    assert last.query["fieldManager"] == "workload-manager"
+    assert last.query["force"].lower() == "true"
+
+
+async def test_conditional_apply_conflicts_on_a_stale_resource_version(
+    served: KubeEmulator, kube: KubeDeployments
+) -> None:
+    created = await kube.apply(deployment("api"))
+    stale = created["metadata"]["resourceVersion"]
+    served.edit_deployment(NS, "api", lambda d: d["spec"].update(replicas=2))
+    manifest = deployment("api", image="r/x:2")
+    manifest["metadata"]["resourceVersion"] = stale
+    with pytest.raises(KubeConflict):
+        await kube.apply(manifest)
+
+
+async def test_delete_with_a_stale_precondition_conflicts(
+    served: KubeEmulator, kube: KubeDeployments
+) -> None:
+    created = await kube.apply(deployment("api"))
+    served.edit_deployment(NS, "api", lambda d: d["spec"].update(replicas=2))
+    with pytest.raises(KubeConflict):
+        await kube.delete("api", resource_version=created["metadata"]["resourceVersion"])
+    current = await kube.get("api")
+    assert current is not None
+    await kube.delete("api", resource_version=current["metadata"]["resourceVersion"])
+    assert await kube.get("api") is None
+
+
+async def test_5xx_is_retried(served: KubeEmulator, kube: KubeDeployments) -> None:
+    served.fail_next("GET", "/deployments", status=503, times=2)
+    assert await kube.list_managed("a=b") == []
+    assert [r.status for r in served.requests] == [503, 503, 200]
+
+
+async def test_persistent_5xx_is_a_kube_error(served: KubeEmulator, kube: KubeDeployments) -> None:
+    served.fail_next("GET", "/deployments", status=500, times=10)
+    with pytest.raises(KubeError, match="HTTP 500"):
+        await kube.list_managed("a=b")
+    assert len(served.requests) == 3
+
+
+async def test_timeouts_are_bounded(served: KubeEmulator, kube: KubeDeployments) -> None:
+    served.delay_next("GET", "/deployments", seconds=5, times=10)
+    started = time.monotonic()
+    with pytest.raises(KubeError, match="timed out"):
+        await kube.list_managed("a=b")
+    assert time.monotonic() - started < 5
+
+
+async def test_no_kubeconfig_means_cluster_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(ClusterUnavailable, match="no kubeconfig"):
+        await load_configuration(tmp_path / "absent")
+    (tmp_path / "bad").write_text("{not: [valid")
+    with pytest.raises(ClusterUnavailable, match="not usable"):
+        await load_configuration(tmp_path / "bad")

@@ -1,0 +1,49 @@
+"""Parsing the desired state: what is accepted, and the field named when it is not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app.domain.desired import DesiredStateError, parse_desired
+
+
+def test_a_full_answer_parses_and_ignores_unknown_fields() -> None:
+    state = parse_desired(
+        {
+            "revision": "r42",
+            "allow_empty": False,
+            "future_field": {"x": 1},
+            "workloads": [{"name": "api", "version": "1.4.2", "channel": "stable"}],
+        }
+    )
+    assert state.revision == "r42"
+    assert state.by_name()["api"].version == "1.4.2"
+
+
+def test_allow_empty_defaults_to_false() -> None:
+    assert parse_desired({"workloads": []}).allow_empty is False
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        (None, "body"),
+        ([], "body"),
+        ({}, "workloads"),
+        ({"workloads": "nope"}, "workloads"),
+        ({"workloads": [{"name": "api"}]}, "workloads.0.version"),
+        ({"workloads": [{"version": "1"}]}, "workloads.0.name"),
+        ({"workloads": [{"name": "Bad_Name", "version": "1"}]}, "workloads.0.name"),
+        ({"workloads": [{"name": "api", "version": ""}]}, "workloads.0.version"),
+        ({"workloads": [{"name": "api", "version": "1 2"}]}, "workloads.0.version"),
+        ({"workloads": [{"name": "api", "version": "1"}, {"name": "api", "version": "2"}]},
+         "listed twice"),
+        ({"workloads": [], "allow_empty": "maybe"}, "allow_empty"),
+    ],
+)  # fmt: skip
+def test_malformed_answers_name_the_field(body: Any, where: str) -> None:
+    with pytest.raises(DesiredStateError) as caught:
+        parse_desired(body)
+    assert where in str(caught.value)

@@ -1,0 +1,224 @@
+"""Manifest preparation (checks, labels, injection, policy) and drift detection, table-driven."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from app.domain.manifests import (
+    APPLIED_ANNOTATION,
+    HASH_ANNOTATION,
+    MANAGED_BY_LABEL,
+    VERSION_ANNOTATION,
+    WORKLOAD_LABEL,
+    Injection,
+    ManifestPolicy,
+    ManifestRejected,
+    find_drift,
+    prepare_manifest,
+)
+
+INJECT = Injection(manager_url="http://manager:8080", ping_token="tok-api")
+
+
+def manifest(name: str = "api", image: str = "repo/api:1.0") -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": "elsewhere", "resourceVersion": "7", "uid": "u"},
+        "spec": {
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "containers": [
+                        {"name": name, "image": image,
+                         "env": [{"name": "MODE", "value": "fast"},
+                                 {"name": "WORKLOAD_MANAGER_URL", "value": "stale"}]},
+                        {"name": "sidecar", "image": "repo/sidecar:2"},
+                    ]
+                },
+            },
+        },
+        "status": {"replicas": 3},
+    }  # fmt: skip
+
+
+def prepare(raw: Any, policy: ManifestPolicy | None = None, **kw: Any) -> dict[str, Any]:
+    return prepare_manifest(
+        raw,
+        name=kw.get("name", "api"),
+        version=kw.get("version", "1.0"),
+        namespace="workloads",
+        policy=policy or ManifestPolicy(),
+        injection=kw.get("injection", INJECT),
+    )
+
+
+def test_prepared_manifest_is_labelled_namespaced_and_injected() -> None:
+    out = prepare(manifest())
+    meta = out["metadata"]
+    assert meta["namespace"] == "workloads"
+    assert "resourceVersion" not in meta and "uid" not in meta and "status" not in out
+    assert meta["labels"][MANAGED_BY_LABEL] == "workload-manager"
+    assert meta["labels"][WORKLOAD_LABEL] == "api"
+    assert out["spec"]["template"]["metadata"]["labels"] == {"app": "api", WORKLOAD_LABEL: "api"}
+    assert meta["annotations"][VERSION_ANNOTATION] == "1.0"
+    assert json.loads(meta["annotations"][APPLIED_ANNOTATION]) == out["spec"]
+    for container in out["spec"]["template"]["spec"]["containers"]:
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["WORKLOAD_MANAGER_URL"] == "http://manager:8080"
+        assert env["WORKLOAD_MANAGER_PING_TOKEN"] == "tok-api"
+        assert env["WORKLOAD_NAME"] == "api"
+        assert [e["name"] for e in container["env"]].count("WORKLOAD_MANAGER_URL") == 1
+    assert {"name": "MODE", "value": "fast"} in out["spec"]["template"]["spec"]["containers"][0][
+        "env"
+    ]
+
+
+def test_no_token_is_injected_without_a_secret() -> None:
+    out = prepare(manifest(), injection=Injection(manager_url="http://m", ping_token=None))
+    env = out["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "WORKLOAD_MANAGER_PING_TOKEN" not in {e["name"] for e in env}
+
+
+def test_the_input_is_not_modified() -> None:
+    raw = manifest()
+    before = copy.deepcopy(raw)
+    prepare(raw)
+    assert raw == before
+
+
+def test_preparation_is_deterministic() -> None:
+    a, b = prepare(manifest()), prepare(manifest())
+    assert a == b
+    assert (
+        a["metadata"]["annotations"][HASH_ANNOTATION]
+        == b["metadata"]["annotations"][HASH_ANNOTATION]
+    )
+    other = prepare(manifest(image="repo/api:1.1"))
+    assert (
+        other["metadata"]["annotations"][HASH_ANNOTATION]
+        != a["metadata"]["annotations"][HASH_ANNOTATION]
+    )
+
+
+def edit(fn: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    raw = manifest()
+    fn(raw)
+    return raw
+
+
+def pod(raw: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = raw["spec"]["template"]["spec"]
+    return spec
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        ("not an object", "not a JSON object"),
+        (edit(lambda m: m.update(kind="StatefulSet")), "apps/v1 Deployment"),
+        (edit(lambda m: m.update(apiVersion="extensions/v1beta1")), "apps/v1 Deployment"),
+        (edit(lambda m: m["metadata"].update(name="other")), "named 'other', not 'api'"),
+        (edit(lambda m: pod(m).update(containers=[])), "at least one container"),
+        (edit(lambda m: m.pop("spec")), "at least one container"),
+        (edit(lambda m: pod(m).update(hostNetwork=True)), "hostNetwork"),
+        (edit(lambda m: pod(m).update(hostPID=True)), "hostPID"),
+        (edit(lambda m: pod(m).update(hostIPC=True)), "hostIPC"),
+        (edit(lambda m: pod(m).update(volumes=[{"name": "root", "hostPath": {"path": "/"}}])),
+         "hostPath volume 'root'"),
+        (edit(lambda m: pod(m)["containers"][0].update(securityContext={"privileged": True})),
+         "privileged container 'api'"),
+        (edit(lambda m: pod(m)["containers"][1].update(
+            ports=[{"containerPort": 80, "hostPort": 80}])), "hostPort 80 in container 'sidecar'"),
+        (edit(lambda m: pod(m).update(initContainers=[
+            {"name": "init", "image": "x", "securityContext": {"privileged": True}}])),
+         "privileged container 'init'"),
+    ],
+)  # fmt: skip
+def test_rejected_manifests_say_why(raw: Any, says: str) -> None:
+    with pytest.raises(ManifestRejected) as caught:
+        prepare(raw)
+    assert says in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("policy", "change"),
+    [
+        (ManifestPolicy(allow_host_namespaces=True), lambda m: pod(m).update(hostNetwork=True)),
+        (ManifestPolicy(allow_host_path=True),
+         lambda m: pod(m).update(volumes=[{"name": "d", "hostPath": {"path": "/d"}}])),
+        (ManifestPolicy(allow_privileged=True),
+         lambda m: pod(m)["containers"][0].update(securityContext={"privileged": True})),
+        (ManifestPolicy(allow_host_ports=True),
+         lambda m: pod(m)["containers"][0].update(ports=[{"containerPort": 1, "hostPort": 1}])),
+    ],
+)  # fmt: skip
+def test_each_feature_is_allowed_by_its_own_setting(
+    policy: ManifestPolicy, change: Callable[[dict[str, Any]], None]
+) -> None:
+    assert prepare(edit(change), policy)["metadata"]["name"] == "api"
+
+
+def test_a_missing_name_is_filled_in() -> None:
+    raw = edit(lambda m: m["metadata"].pop("name"))
+    assert prepare(raw)["metadata"]["name"] == "api"
+
+
+def server_view(applied: dict[str, Any]) -> dict[str, Any]:
+    """What the API server returns for an applied manifest: the same plus defaults."""
+    live = copy.deepcopy(applied)
+    live["metadata"].update(resourceVersion="12", generation=1, uid="x")
+    live["spec"].setdefault("replicas", 1)
+    live["spec"]["revisionHistoryLimit"] = 10
+    for container in live["spec"]["template"]["spec"]["containers"]:
+        container.setdefault("imagePullPolicy", "IfNotPresent")
+        container["terminationMessagePath"] = "/dev/termination-log"
+    live["status"] = {"replicas": 1}
+    return live
+
+
+def containers(live: dict[str, Any]) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = live["spec"]["template"]["spec"]["containers"]
+    return result
+
+
+@pytest.mark.parametrize(
+    ("change", "drift"),
+    [
+        (lambda live: None, None),
+        # someone scaled it: replicas is not in the manifest, so it is not ours
+        (lambda live: live["spec"].update(replicas=5), None),
+        # containers listed in another order: matched by name
+        (lambda live: containers(live).reverse(), None),
+        # an extra env var added by someone else is not ours either
+        (lambda live: containers(live)[0]["env"].append({"name": "X", "value": "1"}), None),
+        (lambda live: containers(live)[0].update(image="evil/api:6"),
+         "spec.template.spec.containers[api].image was changed"),
+        (lambda live: containers(live)[0]["env"].pop(0),
+         "spec.template.spec.containers[api].env[MODE] was changed"),
+        (lambda live: containers(live).pop(1),
+         "spec.template.spec.containers[sidecar] was changed"),
+        (lambda live: live["spec"]["template"]["metadata"]["labels"].update(app="x"),
+         "spec.template.metadata.labels.app was changed"),
+        (lambda live: live["metadata"]["annotations"].pop(APPLIED_ANNOTATION),
+         "no record of the applied spec"),
+        (lambda live: live["metadata"]["annotations"].update({APPLIED_ANNOTATION: "{"}),
+         "not JSON"),
+        (lambda live: live["metadata"]["annotations"].update({APPLIED_ANNOTATION: "{}"}),
+         "does not match its hash"),
+    ],
+)  # fmt: skip
+def test_drift(change: Callable[[dict[str, Any]], None], drift: str | None) -> None:
+    live = server_view(prepare(manifest()))
+    change(live)
+    found = find_drift(live)
+    if drift is None:
+        assert found is None
+    else:
+        assert found is not None and drift in found

@@ -1,0 +1,91 @@
+"""Fixtures for the deployment syncer against real HTTP servers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.services.runtime import Runtime, build_runtime, open_backend, open_syncer
+from app.services.syncing import Syncer
+from tests.conftest import SettingsFactory
+from tests.support.backend import LocalBackend
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.servers import ThreadedServer
+from tests.support.sync_world import KEY, NAMESPACE, NODE, WRITES, key_seed
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[KubeEmulator]:
+    with KubeEmulator.serve(rollout_delay=0.05, progress_deadline=0.3) as emu:
+        yield emu
+
+
+@pytest.fixture(scope="module")
+def backend_server() -> Iterator[tuple[LocalBackend, ThreadedServer]]:
+    backend = LocalBackend(NODE, KEY.public_key())
+    with backend.serve() as server:
+        yield backend, server
+
+
+@dataclass
+class World:
+    backend: LocalBackend
+    emulator: KubeEmulator
+    runtime: Runtime
+    syncer: Syncer
+
+    def desire(self, *pairs: tuple[str, str], allow_empty: bool = False, **manifests: Any) -> None:
+        """Set the backend's desired state; a manifest is registered for every pair."""
+        from tests.support.sync_world import manifest
+
+        for name, version in pairs:
+            self.backend.set_manifest(name, version, manifests.get(name) or manifest(name, version))
+        self.backend.set_desired(
+            [{"name": n, "version": v} for n, v in pairs], allow_empty=allow_empty
+        )
+
+    def deployments(self) -> dict[str, dict[str, Any]]:
+        return {d["metadata"]["name"]: d for d in self.emulator.list_deployments(NAMESPACE)}
+
+    def kube_writes(self) -> list[str]:
+        return [f"{r.method} {r.path}" for r in self.emulator.requests if r.method in WRITES]
+
+    def forget_requests(self) -> None:
+        self.emulator.clear_requests()
+        self.backend.clear_records()
+
+
+@pytest.fixture
+async def world(
+    emulator: KubeEmulator,
+    backend_server: tuple[LocalBackend, ThreadedServer],
+    make_settings: SettingsFactory,
+    tmp_path: Path,
+) -> AsyncIterator[World]:
+    backend, server = backend_server
+    emulator.reset()
+    backend.reset()
+    settings = make_settings(
+        node_id=NODE,
+        node_system_endpoint=server.url,
+        node_private_key=key_seed(),
+        kubeconfig=emulator.write_kubeconfig(tmp_path / "kubeconfig", NAMESPACE),
+        managed_namespace=NAMESPACE,
+        backend_retry_attempts=1,
+        backend_timeout_seconds=1.0,
+        kube_timeout_seconds=1.0,
+        ping_token_secret="sync-ping-secret",
+        sync_max_deletes=2,
+        sync_max_delete_percent=100,
+    )
+    runtime = build_runtime(settings)
+    async with AsyncExitStack() as stack:
+        open_backend(runtime, stack)
+        syncer = await open_syncer(runtime, stack)
+        assert syncer is not None, runtime.components["sync"].reason
+        yield World(backend=backend, emulator=emulator, runtime=runtime, syncer=syncer)

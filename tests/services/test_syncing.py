@@ -1,0 +1,290 @@
+"""The syncer over real HTTP: local backend (signatures checked) and the Kubernetes emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from app.domain.manifests import (
+    APPLIED_ANNOTATION,
+    MANAGED_BY_LABEL,
+    VERSION_ANNOTATION,
+    WORKLOAD_LABEL,
+)
+from app.domain.tokens import ping_token
+from app.services.syncing import SyncBusy
+from tests.services.conftest import World
+from tests.support.sync_world import NAMESPACE, manifest
+
+
+def env_of(deployment: dict[str, Any], container: int = 0) -> dict[str, str]:
+    spec = deployment["spec"]["template"]["spec"]["containers"][container]
+    return {e["name"]: e.get("value", "") for e in spec.get("env", [])}
+
+
+def image_of(deployment: dict[str, Any]) -> str:
+    image: str = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    return image
+
+
+async def test_first_sync_creates_everything_and_reports_versions(world: World) -> None:
+    world.desire(("api", "1.0.0"), ("worker", "2.3.0"))
+    outcome = await world.syncer.sync()
+    assert outcome.ok, outcome.as_dict()
+    assert {(r.name, r.action, r.outcome) for r in outcome.results} == {
+        ("api", "create", "applied"),
+        ("worker", "create", "applied"),
+    }
+    deployed = world.deployments()
+    api = deployed["api"]
+    assert api["metadata"]["labels"][MANAGED_BY_LABEL] == "workload-manager"
+    assert api["metadata"]["labels"][WORKLOAD_LABEL] == "api"
+    assert api["metadata"]["annotations"][VERSION_ANNOTATION] == "1.0.0"
+    env = env_of(api)
+    assert env["WORKLOAD_MANAGER_URL"] == world.runtime.settings.manager_url
+    assert env["WORKLOAD_MANAGER_PING_TOKEN"] == ping_token("sync-ping-secret", "api")
+    assert sorted((n, b["version"]) for n, b in world.backend.versions) == [
+        ("api", "1.0.0"),
+        ("worker", "2.3.0"),
+    ]
+    assert world.backend.rejected == []
+
+
+async def test_steady_state_costs_one_backend_request_and_one_list(world: World) -> None:
+    world.desire(("api", "1.0.0"), ("worker", "2.3.0"))
+    await world.syncer.sync()
+    world.forget_requests()
+    outcome = await world.syncer.sync()
+    assert {r.outcome for r in outcome.results} == {"unchanged"}
+    assert [(r.method, r.status) for r in world.backend.requests] == [("GET", 304)]
+    assert [(r.method, r.path) for r in world.emulator.requests] == [
+        ("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments")
+    ]
+
+
+async def test_a_version_bump_is_rolled_out_and_reported(world: World) -> None:
+    world.desire(("api", "1.0.0"), ("worker", "2.3.0"))
+    await world.syncer.sync()
+    # someone scaled the workload; the manifest does not set replicas
+    world.emulator.edit_deployment(NAMESPACE, "api", lambda d: d["spec"].update(replicas=3))
+    world.desire(("api", "1.1.0"), ("worker", "2.3.0"))
+    world.forget_requests()
+    outcome = await world.syncer.sync()
+    by_name = {r.name: r for r in outcome.results}
+    assert (by_name["api"].action, by_name["api"].outcome) == ("update", "applied")
+    assert by_name["api"].from_version == "1.0.0"
+    assert by_name["worker"].outcome == "unchanged"
+    api = world.deployments()["api"]
+    assert image_of(api) == "registry.example/api:1.1.0"
+    assert api["spec"]["replicas"] == 3, "a replica count set by someone else survives"
+    assert [(n, b["version"]) for n, b in world.backend.versions] == [("api", "1.1.0")]
+    # only the changed workload's manifest was fetched
+    fetched = [r.path for r in world.backend.requests if "manifest" in r.path]
+    assert fetched == ["/v1/nodes/node-sync/workloads/api/manifest"]
+
+
+async def test_fields_dropped_from_the_manifest_are_removed(world: World) -> None:
+    world.desire(("api", "1.0.0"), api=manifest("api", "1.0.0", env={"OLD_FLAG": "1"}))
+    await world.syncer.sync()
+    assert "OLD_FLAG" in env_of(world.deployments()["api"])
+    world.desire(("api", "1.1.0"))
+    await world.syncer.sync()
+    assert "OLD_FLAG" not in env_of(world.deployments()["api"])
+
+
+async def test_drift_made_by_hand_is_repaired(world: World) -> None:
+    world.desire(("api", "1.0.0"))
+    await world.syncer.sync()
+
+    def tamper(d: dict[str, Any]) -> None:
+        d["spec"]["template"]["spec"]["containers"][0]["image"] = "evil/api:6.6.6"
+
+    world.emulator.edit_deployment(NAMESPACE, "api", tamper)
+    outcome = await world.syncer.sync()
+    (result,) = outcome.results
+    assert (result.action, result.outcome) == ("update", "applied")
+    assert "containers[api].image was changed" in result.reason
+    assert image_of(world.deployments()["api"]) == "registry.example/api:1.0.0"
+    assert (await world.syncer.sync()).results[0].outcome == "unchanged"
+
+
+async def test_unmanaged_deployments_survive_every_sync(world: World) -> None:
+    theirs = manifest("theirs", "1")
+    theirs["metadata"]["namespace"] = NAMESPACE
+    world.emulator.add_deployment(theirs)
+    clash = manifest("api", "0.1")
+    clash["metadata"]["namespace"] = NAMESPACE
+    world.emulator.add_deployment(clash)
+    before = {n: d["metadata"]["resourceVersion"] for n, d in world.deployments().items()}
+    world.desire(("api", "1.0.0"), allow_empty=True)
+    outcome = await world.syncer.sync()
+    (result,) = outcome.results
+    assert (result.name, result.outcome) == ("api", "held")
+    assert "not managed" in result.reason
+    world.desire(allow_empty=True)
+    await world.syncer.sync()
+    after = {n: d["metadata"]["resourceVersion"] for n, d in world.deployments().items()}
+    assert after == before
+    assert world.kube_writes() == []
+
+
+@pytest.mark.parametrize("mode", ["500", "timeout", "garbage"])
+async def test_a_failing_backend_changes_nothing(world: World, mode: str) -> None:
+    world.desire(("api", "1.0.0"), ("worker", "1.0.0"))
+    await world.syncer.sync()
+    world.desire(("api", "2.0.0"))  # would update api and delete worker
+    world.backend.fail("workloads", mode, times=None, delay=5)  # type: ignore[arg-type]
+    world.forget_requests()
+    outcome = await world.syncer.sync()
+    assert outcome.aborted is not None and "nothing changed" in outcome.aborted
+    assert world.kube_writes() == []
+    assert world.runtime.components["sync"].state == "failing"
+    assert set(world.deployments()) == {"api", "worker"}
+    world.backend.clear_failures()
+
+
+async def test_one_failing_workload_does_not_block_the_others(world: World) -> None:
+    world.desire(("api", "1.0.0"), ("worker", "1.0.0"), ("web", "1.0.0"))
+    world.backend.fail("manifest", "500", times=1)  # the first manifest fetched fails
+    world.emulator.fail_next("PATCH", "/deployments/web", status=500, times=10)
+    outcome = await world.syncer.sync()
+    outcomes = sorted((r.name, r.outcome) for r in outcome.results)
+    assert outcomes.count(("web", "failed")) == 1
+    assert sum(o == "failed" for _, o in outcomes) == 2
+    assert sum(o == "applied" for _, o in outcomes) == 1
+    assert not outcome.ok
+    assert world.runtime.components["sync"].state == "failing"
+    world.emulator.clear_faults()
+    again = await world.syncer.sync()
+    assert again.ok, again.as_dict()
+    assert set(world.deployments()) == {"api", "worker", "web"}
+
+
+async def test_a_conflict_re_reads_and_plans_again(world: World) -> None:
+    world.desire(("api", "1.0.0"))
+    await world.syncer.sync()
+    world.desire(("api", "1.1.0"))
+    world.emulator.fail_next("PATCH", "/deployments/api", status=409, times=1)
+    outcome = await world.syncer.sync()
+    (result,) = outcome.results
+    assert result.outcome == "applied"
+    assert "after a conflict" in result.reason
+    assert image_of(world.deployments()["api"]) == "registry.example/api:1.1.0"
+
+
+async def test_policy_violations_are_held_with_the_reason(world: World) -> None:
+    bad = manifest("api", "1.0.0")
+    bad["spec"]["template"]["spec"]["hostNetwork"] = True
+    world.desire(("api", "1.0.0"), ("ok", "1.0.0"), api=bad)
+    outcome = await world.syncer.sync()
+    by_name = {r.name: r for r in outcome.results}
+    assert (by_name["api"].outcome, by_name["api"].action) == ("held", "hold")
+    assert "hostNetwork" in by_name["api"].reason
+    assert by_name["ok"].outcome == "applied"
+    assert set(world.deployments()) == {"ok"}
+
+
+async def test_orphans_are_deleted_within_the_budget(world: World) -> None:
+    world.desire(*[(f"w{i}", "1") for i in range(4)])
+    await world.syncer.sync()
+    world.desire(("w0", "1"))
+    first = await world.syncer.sync()
+    assert sorted(r.name for r in first.results if r.action == "delete") == ["w1", "w2"]
+    assert [r.name for r in first.results if r.outcome == "held"] == ["w3"]
+    assert set(world.deployments()) == {"w0", "w3"}
+    await world.syncer.sync()
+    assert set(world.deployments()) == {"w0"}
+
+
+async def test_an_empty_list_deletes_nothing_unless_allowed(world: World) -> None:
+    world.desire(("api", "1"))
+    await world.syncer.sync()
+    world.desire()
+    held = await world.syncer.sync()
+    assert [(r.name, r.outcome) for r in held.results] == [("api", "held")]
+    assert set(world.deployments()) == {"api"}
+    world.desire(allow_empty=True)
+    await world.syncer.sync()
+    assert world.deployments() == {}
+
+
+async def test_a_lost_version_report_is_sent_by_the_next_sync(world: World) -> None:
+    world.desire(("api", "1.0.0"))
+    world.backend.fail("version", "500", times=1)
+    await world.syncer.sync()
+    assert world.backend.versions == []
+    await world.syncer.sync()
+    assert [(n, b["version"]) for n, b in world.backend.versions] == [("api", "1.0.0")]
+
+
+async def test_dry_run_plans_and_changes_nothing(world: World) -> None:
+    world.desire(("api", "1.0.0"))
+    world.forget_requests()
+    outcome = await world.syncer.sync(dry_run=True)
+    assert [(r.name, r.action, r.outcome) for r in outcome.results] == [
+        ("api", "create", "planned")
+    ]
+    assert world.kube_writes() == []
+    assert world.backend.versions == []
+    assert world.syncer.last is None
+
+
+async def test_syncs_never_overlap(world: World) -> None:
+    world.desire(("api", "1.0.0"))
+    world.backend.fail("workloads", "timeout", times=1, delay=0.5)
+    first = asyncio.create_task(world.syncer.sync())
+    await asyncio.sleep(0.1)
+    with pytest.raises(SyncBusy):
+        await world.syncer.sync()
+    await first
+
+
+async def test_rollout_state_feeds_workload_status(world: World) -> None:
+    world.emulator.mark_bad_image("registry.example/broken:1")
+    world.desire(
+        ("api", "1.0.0"),
+        ("broken", "1"),
+        ("blocked", "1"),
+        broken=manifest("broken", "1", image="registry.example/broken:1"),
+        blocked={**manifest("blocked", "1"), "kind": "StatefulSet"},
+    )
+    await world.syncer.sync()
+    book = world.runtime.book
+    await asyncio.sleep(0.5)  # past the emulator's rollout delay and progress deadline
+    await world.syncer.refresh_view()
+    statuses = {v.name: v.status for v in book.views()}
+    assert statuses == {"api": "unknown", "broken": "failed", "blocked": "missing"}
+    api = book.view("api")
+    assert api is not None
+    assert (api.desired_version, api.deployed_version, api.rollout) == ("1.0.0", "1.0.0", "ready")
+
+
+async def test_applied_spec_is_recorded_for_drift_checks(world: World) -> None:
+    world.desire(("api", "1.0.0"))
+    await world.syncer.sync()
+    annotations = world.deployments()["api"]["metadata"]["annotations"]
+    applied = json.loads(annotations[APPLIED_ANNOTATION])
+    assert applied["template"]["spec"]["containers"][0]["image"] == "registry.example/api:1.0.0"
+
+
+async def test_an_edit_between_plan_and_apply_is_a_real_conflict(world: World) -> None:
+    world.desire(("api", "1.0.0"))
+    await world.syncer.sync()
+    world.desire(("api", "1.1.0"))
+    # hold the apply at the server while someone edits the Deployment
+    world.emulator.delay_next("PATCH", "/deployments/api", seconds=0.3, times=1)
+    world.forget_requests()
+    task = asyncio.create_task(world.syncer.sync())
+    await asyncio.sleep(0.15)
+    world.emulator.edit_deployment(NAMESPACE, "api", lambda d: d["spec"].update(replicas=2))
+    outcome = await task
+    patches = [r.status for r in world.emulator.requests if r.method == "PATCH"]
+    assert patches == [409, 200]
+    (result,) = outcome.results
+    assert result.outcome == "applied" and "after a conflict" in result.reason
+    api = world.deployments()["api"]
+    assert image_of(api) == "registry.example/api:1.1.0"
+    assert api["spec"]["replicas"] == 2

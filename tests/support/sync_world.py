@@ -1,0 +1,66 @@
+"""A local backend and a Kubernetes API emulator, served once per module, plus manifests.
+
+Sync tests share these (starting servers costs more than the tests) and reset them
+before each test.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+NODE = "node-sync"
+NAMESPACE = "workloads"
+KEY = Ed25519PrivateKey.generate()
+WRITES = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def key_seed() -> str:
+    raw = KEY.private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+    return base64.b64encode(raw).decode()
+
+
+def manifest(
+    name: str, version: str, *, image: str | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """A plain Deployment manifest as the backend would serve it for (name, version)."""
+    container: dict[str, Any] = {
+        "name": name,
+        "image": image or f"registry.example/{name}:{version}",
+    }
+    if env:
+        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [container]},
+            },
+        },
+    }
+
+
+def sync_env(backend_url: str, kubeconfig: Path) -> dict[str, str]:
+    """Environment for a manager process that syncs from the backend into the emulator."""
+    return {
+        "NODE_ID": NODE,
+        "NODE_SYSTEM_ENDPOINT": backend_url,
+        "NODE_PRIVATE_KEY": key_seed(),
+        "KUBECONFIG": str(kubeconfig),
+        "MANAGED_NAMESPACE": NAMESPACE,
+        "SCHEDULER_JITTER_FRACTION": "0",
+        "BACKEND_RETRY_ATTEMPTS": "1",
+        "BACKEND_TIMEOUT_SECONDS": "2",
+        "KUBE_TIMEOUT_SECONDS": "2",
+        "PING_TOKEN_SECRET": "sync-ping-secret",
+    }
