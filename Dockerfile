@@ -18,8 +18,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     APP_ENV=production \
-    DATA_DIR=/tmp/workload-manager
+    DATA_DIR=/tmp/workload-manager \
+    MIGRATIONS_DIR=/app/migrations
 COPY --from=build /opt/venv /opt/venv
+COPY migrations /app/migrations
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin manager
 USER 10001
 EXPOSE 8080

@@ -113,6 +113,48 @@ def render_outcome(outcome: SyncOutcome) -> str:
     return "\n".join(lines)
 
 
+def _migrate(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from app.adapters.registry import AsyncpgRegistry, RegistryUnavailable
+    from app.domain.migrations import MigrationError
+    from app.services import migrating
+
+    try:
+        settings = load_settings(_check_production=False)
+    except SettingsError as exc:
+        print(f"workload-manager: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if settings.database_url is None:
+        print("workload-manager: DATABASE_URL (or CAPABILITY_REGISTRY) is not set", file=sys.stderr)
+        return 2
+    directory = migrating.migrations_dir(settings.migrations_dir)
+
+    async def run() -> int:
+        assert settings.database_url is not None
+        registry = AsyncpgRegistry(
+            settings.database_url.get_secret_value(), timeout=settings.database_timeout_seconds
+        )
+        await registry.open()
+        try:
+            applied = await migrating.migrate(registry, directory)
+        finally:
+            await registry.close()
+        for migration in applied:
+            print(f"applied {migration.filename}")
+        print(f"schema up to date ({len(applied)} applied now) from {directory}")
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except MigrationError as exc:
+        print(f"workload-manager: migrations refused: {exc}", file=sys.stderr)
+        return 1
+    except RegistryUnavailable as exc:
+        print(f"workload-manager: database unreachable: {exc}", file=sys.stderr)
+        return 1
+
+
 def _keygen(args: argparse.Namespace) -> int:
     from app.adapters.signing import generate_keypair
 
@@ -141,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     sync.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
     sync.set_defaults(func=_sync)
+
+    migrate = sub.add_parser("migrate", help="apply pending schema migrations, then exit")
+    migrate.set_defaults(func=_migrate)
 
     keygen = sub.add_parser("keygen", help="print a new Ed25519 node key pair")
     keygen.add_argument(

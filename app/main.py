@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from app import __version__
 from app.adapters import sentry
-from app.api import admin, pings, probes, status
+from app.api import admin, fleet, pings, probes, status
 from app.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from app.services.runtime import Runtime, build_runtime, start_runtime
 from app.settings import Settings, load_settings
@@ -52,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(status.router)
     app.include_router(probes.router)
     app.include_router(admin.router)
+    app.include_router(fleet.router)
     app.add_middleware(
         BodyLimitMiddleware,
         default_limit=DEFAULT_BODY_LIMIT,

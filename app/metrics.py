@@ -108,6 +108,18 @@ class Metrics:
             ["action", "outcome"],
             registry=self.registry,
         )
+        self.heartbeats = Counter(
+            f"{PREFIX}_heartbeats_total",
+            "Capability registry heartbeats by outcome (ok, failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.heartbeat_duration = Histogram(
+            f"{PREFIX}_heartbeat_duration_seconds",
+            "Time one registry heartbeat took, retries included.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
         self.up_since = Gauge(
             f"{PREFIX}_start_time_seconds",
             "Unix time the manager started.",

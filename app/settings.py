@@ -9,13 +9,16 @@ clear line naming the variable.
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from app.domain.requirements import Tier
 
 PLACEHOLDERS = frozenset(
     {"", "changeme", "change-me", "change_me", "placeholder", "todo", "xxx", "secret", "example"}
@@ -101,8 +104,18 @@ class Settings(BaseSettings):
     database_url: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("DATABASE_URL", "CAPABILITY_REGISTRY")
     )
+    database_timeout_seconds: float = _ranged(5.0, 0.1, 120.0)
+    migrate_on_start: bool | None = None
+    migrations_dir: Path | None = None
     nats_url: str | None = None
     embedded_services: bool = True
+
+    # --- capability registry
+    registry_enabled: bool = True
+    node_tier: Tier | None = Field(default=None, validation_alias=AliasChoices("NODE_TIER", "TIER"))
+    node_region: str | None = Field(default=None, max_length=50)
+    node_trust_zone: str | None = Field(default=None, max_length=50)
+    node_capabilities: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     # --- observability
     sentry_dsn: SecretStr | None = None
@@ -130,6 +143,27 @@ class Settings(BaseSettings):
             raise ValueError("must be an http(s) URL")
         return value.rstrip("/")
 
+    @field_validator("node_capabilities", mode="before")
+    @classmethod
+    def _capabilities(cls, value: Any) -> Any:
+        # `NODE_CAPABILITIES=` (blank) means none; otherwise a JSON list of strings
+        if not isinstance(value, str):
+            return value
+        if not value.strip():
+            return []
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError('must be a JSON list of names, e.g. ["embeddings"]') from None
+
+    @field_validator("node_capabilities")
+    @classmethod
+    def _capability_names(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if not item or len(item) > 64 or not all(c.isalnum() or c in "-_.:" for c in item):
+                raise ValueError(f"{item!r} is not a capability name (letters, digits, -_.:)")
+        return sorted(set(value))
+
     @field_validator("log_level")
     @classmethod
     def _log_level(cls, value: str) -> str:
@@ -149,6 +183,12 @@ class Settings(BaseSettings):
         return self.log_format == "json"
 
     @property
+    def migrates_on_start(self) -> bool:
+        if self.migrate_on_start is None:
+            return not self.is_production
+        return self.migrate_on_start
+
+    @property
     def has_signing_key(self) -> bool:
         return self.node_private_key is not None or self.node_private_key_file is not None
 
@@ -160,6 +200,9 @@ class Settings(BaseSettings):
             ("API_TOKEN", _reveal(self.api_token)),
             ("PING_TOKEN_SECRET", _reveal(self.ping_token_secret)),
         ]
+        if self.registry_enabled:
+            required.append(("DATABASE_URL", _reveal(self.database_url)))
+            required.append(("NODE_TIER", self.node_tier.value if self.node_tier else None))
         if self.report_enabled:
             required.append(("NODE_SYSTEM_ENDPOINT", self.node_system_endpoint))
             if self.node_private_key_file is None:
@@ -192,8 +235,12 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
-def load_settings(**overrides: Any) -> Settings:
-    """Read the environment (and `.env`), turning validation errors into one line each."""
+def load_settings(*, _check_production: bool = True, **overrides: Any) -> Settings:
+    """Read the environment (and `.env`), turning validation errors into one line each.
+
+    One-shot commands that need only part of the configuration (`migrate`) skip the
+    production completeness check; `serve` never does.
+    """
     from pydantic import ValidationError
 
     try:
@@ -202,5 +249,6 @@ def load_settings(**overrides: Any) -> Settings:
         first = exc.errors()[0]
         field = ".".join(str(part) for part in first["loc"]).upper() or "settings"
         raise SettingsError(f"{field}: {first['msg']}") from None
-    settings.check_production()
+    if _check_production:
+        settings.check_production()
     return settings

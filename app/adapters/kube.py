@@ -107,6 +107,15 @@ class KubeDeployments:
     async def aclose(self) -> None:
         await self._api_client.close()
 
+    async def server_version(self) -> str:
+        """The cluster's version (e.g. `v1.31.4+k3s1`), for the node's fingerprint."""
+        version = client.VersionApi(self._api_client)
+        body = await self._call(
+            "get version",
+            lambda: version.get_code(_preload_content=False, _request_timeout=self._timeout),
+        )
+        return str(body.get("gitVersion", "unknown"))
+
     async def _call(self, what: str, request: Callable[[], Awaitable[Any]]) -> Any:
         """One API call with retries; returns the decoded JSON body (None when empty)."""
         async for attempt in stamina.retry_context(

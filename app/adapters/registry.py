@@ -1,12 +1,29 @@
-"""PostgreSQL access through asyncpg (the capability registry lives here).
+"""PostgreSQL through asyncpg: the capability registry and the schema migrations.
 
-For now: a connectivity check that says which server answered, used by start-up and
-`/v1/status` to show whether the configured or embedded database is reachable.
+The pool starts empty (`min_size=0`), so the manager starts while PostgreSQL is down
+and connects when it returns; a connection broken by a server restart is replaced by
+the pool on the next acquire. Every statement has a timeout. JSONB columns come and go
+as Python objects.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from typing import Any
+
 import asyncpg
+
+from app.domain.migrations import Applied, Migration, pending
+from app.domain.requirements import NodeProfile, Requirements
+
+# pg_advisory_xact_lock key for migrations: any constant shared by every migrator.
+MIGRATION_LOCK_KEY = 0x574D_4D49_4752  # "WMMIGR"
+
+# A migration may build an index on a large table, or wait for another node's migrator.
+MIGRATION_TIMEOUT = 600.0
+
+RegistryUnavailable = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 
 
 async def server_version(url: str, *, connect_timeout: float) -> str:
@@ -17,3 +34,154 @@ async def server_version(url: str, *, connect_timeout: float) -> str:
         return version
     finally:
         await conn.close(timeout=connect_timeout)
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    for kind in ("json", "jsonb"):
+        await conn.set_type_codec(kind, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+_UPSERT = """
+INSERT INTO worker_capabilities AS w (node_id, tier, region, trust_zone, hardware, capabilities,
+                                      status, last_heartbeat, heartbeat_interval_seconds,
+                                      created_at, updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, now(), $8, now(), now())
+ON CONFLICT (node_id) DO UPDATE SET
+  tier = EXCLUDED.tier, region = EXCLUDED.region, trust_zone = EXCLUDED.trust_zone,
+  hardware = EXCLUDED.hardware, capabilities = EXCLUDED.capabilities,
+  status = EXCLUDED.status, last_heartbeat = now(),
+  heartbeat_interval_seconds = EXCLUDED.heartbeat_interval_seconds, updated_at = now()
+RETURNING last_heartbeat
+"""
+
+_HEARTBEAT = """
+UPDATE worker_capabilities
+SET last_heartbeat = now(), updated_at = now(), status = $2
+WHERE node_id = $1
+RETURNING last_heartbeat
+"""
+
+_NODES = """
+SELECT node_id, tier, region, trust_zone, hardware, capabilities, status, liveness,
+       last_heartbeat, heartbeat_age_seconds::float8 AS heartbeat_age_seconds,
+       heartbeat_interval_seconds, created_at, updated_at
+FROM worker_liveness_now
+WHERE ($1::text IS NULL OR tier = $1)
+  AND ($2::text IS NULL OR liveness = $2)
+  AND ($3::text IS NULL OR capabilities @> jsonb_build_array($3::text))
+ORDER BY node_id
+LIMIT $4
+"""
+
+_ELIGIBLE = """
+SELECT node_id, tier, region, trust_zone, hardware, capabilities
+FROM eligible_workers($1, $2, $3, $4, $5, $6, $7, coalesce($8, now()))
+"""
+
+
+class AsyncpgRegistry:
+    def __init__(self, url: str, *, timeout: float, max_connections: int = 4) -> None:
+        self._url = url
+        self._timeout = timeout
+        self._max = max_connections
+        self._pool: asyncpg.Pool | None = None
+
+    async def open(self) -> None:
+        self._pool = await asyncpg.create_pool(
+            self._url,
+            min_size=0,
+            max_size=self._max,
+            timeout=self._timeout,
+            command_timeout=self._timeout,
+            init=_init_connection,
+        )
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise RuntimeError("registry is not open")
+        return self._pool
+
+    async def upsert(self, node: NodeProfile, *, status: str, interval_seconds: int) -> None:
+        await self.pool.fetchval(
+            _UPSERT,
+            node.node_id,
+            node.tier.value,
+            node.region,
+            node.trust_zone,
+            node.hardware,
+            node.capabilities,
+            status,
+            interval_seconds,
+            timeout=self._timeout,
+        )
+
+    async def heartbeat(self, node_id: str, *, status: str) -> bool:
+        """Move last_heartbeat; False when the node has no row (it must register first)."""
+        moved = await self.pool.fetchval(_HEARTBEAT, node_id, status, timeout=self._timeout)
+        return moved is not None
+
+    async def nodes(
+        self,
+        *,
+        tier: str | None = None,
+        liveness: str | None = None,
+        capability: str | None = None,
+        limit: int = 1000,
+    ) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            _NODES, tier, liveness, capability, limit, timeout=self._timeout
+        )
+        return [dict(r) for r in rows]
+
+    async def eligible(self, requirements: Requirements, *, at: Any = None) -> list[NodeProfile]:
+        hw = requirements.hardware
+        rows = await self.pool.fetch(
+            _ELIGIBLE,
+            [t.value for t in requirements.tier] if requirements.tier is not None else None,
+            requirements.region,
+            requirements.trust_zone,
+            requirements.capabilities or None,
+            hw.gpu,
+            hw.min_memory_gb,
+            hw.min_cpu_count,
+            at,
+            timeout=self._timeout,
+        )
+        return [NodeProfile(**dict(r)) for r in rows]
+
+    async def migrate(self, migrations: Sequence[Migration]) -> list[Migration]:
+        """Apply pending migrations in one transaction under an advisory lock.
+
+        Concurrent migrators (an init container per node) queue on the lock; the ones
+        after the first find nothing left to do.
+        """
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                "SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY, timeout=MIGRATION_TIMEOUT
+            )
+            await conn.execute(
+                """CREATE TABLE IF NOT EXISTS schema_migrations (
+                     version INTEGER PRIMARY KEY,
+                     name TEXT NOT NULL,
+                     checksum TEXT NOT NULL,
+                     applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"""
+            )
+            rows = await conn.fetch("SELECT version, name, checksum FROM schema_migrations")
+            todo = pending(
+                migrations, [Applied(r["version"], r["name"], r["checksum"]) for r in rows]
+            )
+            for migration in todo:
+                await conn.execute(migration.sql, timeout=MIGRATION_TIMEOUT)
+                await conn.execute(
+                    "INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+                    migration.version,
+                    migration.name,
+                    migration.checksum,
+                )
+            return todo

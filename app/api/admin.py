@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
@@ -21,7 +21,7 @@ router = APIRouter(tags=["admin"], dependencies=[Depends(require_api_token)])
     },
 )
 async def post_sync(
-    request: Request, dry_run: bool = Query(default=False, description="plan only")
+    request: Request, dry_run: Annotated[bool, Query(description="plan only")] = False
 ) -> dict[str, Any]:
     rt = runtime(request)
     if rt.syncer is None:

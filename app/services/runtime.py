@@ -16,19 +16,27 @@ from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
 from app import __version__
-from app.adapters import bus, registry
+from app.adapters import bus, registry, system
 from app.adapters.backend import BackendClient
 from app.adapters.desired_files import DesiredFiles
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
-from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
+from app.adapters.kube import ClusterUnavailable, KubeDeployments, KubeError, load_configuration
+from app.adapters.registry import AsyncpgRegistry
 from app.adapters.signing import NodeSigner, load_private_key, node_id_for
 from app.domain.components import Component, ComponentState
 from app.domain.manifests import Injection, ManifestPolicy
+from app.domain.migrations import MigrationError
 from app.domain.planning import SyncPolicy
+from app.domain.requirements import Tier
 from app.domain.tokens import ping_token
 from app.metrics import Metrics
+from app.services import migrating
+from app.services.heartbeating import Heartbeat
+from app.services.migrating import migrations_dir
 from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
 from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
@@ -39,6 +47,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 5.0
 NOT_YET = "not part of this release yet"
+DEVELOPMENT_TIER = Tier.C
 
 
 @dataclass
@@ -55,6 +64,8 @@ class Runtime:
     started_wall: datetime = field(default_factory=lambda: datetime.now(UTC))
     backend: BackendClient | None = None
     syncer: Syncer | None = None
+    registry: AsyncpgRegistry | None = None
+    heartbeat: Heartbeat | None = None
     cluster_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     database_url: str | None = None
     nats_url: str | None = None
@@ -98,10 +109,23 @@ def _components(settings: Settings, signer: NodeSigner | None) -> dict[str, Comp
         "postgres": data_service("postgres", database, "DATABASE_URL"),
         "nats": data_service("nats", settings.nats_url, "NATS_URL"),
         "sync": _sync_component(settings, signer),
-        "registry": Component("registry", False, NOT_YET),
+        "registry": _registry_component(settings, database, embedded),
         "worker": Component("worker", False, NOT_YET),
         "self_update": Component("self_update", False, NOT_YET),
     }
+
+
+def _registry_component(settings: Settings, database: str | None, embedded: bool) -> Component:
+    if not settings.registry_enabled:
+        return Component("registry", False, "switched off by REGISTRY_ENABLED=false")
+    if database is None and not embedded:
+        return Component("registry", False, "no DATABASE_URL (or CAPABILITY_REGISTRY) set")
+    tier = settings.node_tier or DEVELOPMENT_TIER
+    reason = f"tier {tier.value} in worker_capabilities, heartbeat every "
+    reason += f"{settings.heartbeat_interval_seconds:g} s"
+    if settings.node_tier is None:
+        reason += " (NODE_TIER unset: tier C for development)"
+    return Component("registry", True, reason)
 
 
 def _sync_component(settings: Settings, signer: NodeSigner | None) -> Component:
@@ -174,6 +198,12 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
         )
         stack.push_async_callback(_final_report, rt)
 
+    heartbeat = await open_registry(rt, stack)
+    if heartbeat is not None:
+        rt.scheduler.add_loop(
+            "heartbeat", heartbeat.beat, every=settings.heartbeat_interval_seconds, first_after=0.1
+        )
+
     syncer = await open_syncer(rt, stack)
     if syncer is not None:
         rt.scheduler.add_loop(
@@ -216,6 +246,65 @@ def open_backend(rt: Runtime, stack: AsyncExitStack) -> BackendClient | None:
     )
     stack.push_async_callback(rt.backend.aclose)
     return rt.backend
+
+
+async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
+    """The registry pool, pending migrations (development), and the heartbeat.
+
+    Shutdown marks the node `draining` first and `offline` last, so whatever stops in
+    between (jobs, the last report) happens while the fleet already routes around it.
+    """
+    settings = rt.settings
+    component = rt.components["registry"]
+    if not component.enabled or rt.database_url is None:
+        return None
+    registry = AsyncpgRegistry(rt.database_url, timeout=settings.database_timeout_seconds)
+    await registry.open()
+    stack.push_async_callback(registry.close)
+    rt.registry = registry
+    prepare = None
+    if settings.migrates_on_start:
+        directory = migrations_dir(settings.migrations_dir)
+
+        async def prepare() -> None:
+            try:
+                applied = await migrating.migrate(registry, directory)
+            except MigrationError as exc:
+                component.failed(datetime.now(UTC), f"migrations refused: {exc}")
+                log.error("migrations from %s refused: %s", directory, exc)
+                raise
+            component.detail["migrations_applied_at_start"] = [m.filename for m in applied]
+
+    disk = settings.data_dir if settings.data_dir.exists() else Path.cwd()
+
+    async def fingerprint() -> dict[str, Any]:
+        hardware = await asyncio.to_thread(system.fingerprint, disk)
+        if rt.syncer is not None:  # the cluster client exists once sync has started
+            try:
+                hardware["k3s_version"] = await rt.syncer.kube.server_version()
+            except KubeError:
+                pass
+        return hardware
+
+    heartbeat = Heartbeat(
+        registry=registry,
+        node_id=rt.node_id,
+        tier=settings.node_tier or DEVELOPMENT_TIER,
+        region=settings.node_region,
+        trust_zone=settings.node_trust_zone,
+        capabilities=settings.node_capabilities,
+        fingerprint=fingerprint,
+        interval_seconds=settings.heartbeat_interval_seconds,
+        component=component,
+        metrics=rt.metrics,
+        retry_max_wait=min(5.0, settings.heartbeat_interval_seconds / 4),
+        prepare=prepare,
+    )
+    rt.heartbeat = heartbeat
+    budget = min(5.0, settings.shutdown_grace_seconds)
+    stack.push_async_callback(heartbeat.mark, "offline", within=budget)
+    stack.push_async_callback(heartbeat.mark, "draining", within=budget)
+    return heartbeat
 
 
 async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:

@@ -14,6 +14,8 @@ PRODUCTION_OK = {
     "PING_TOKEN_SECRET": "s3cret-for-pings",
     "NODE_SYSTEM_ENDPOINT": "https://backend.example.net",
     "NODE_PRIVATE_KEY": "A" * 43 + "=",
+    "DATABASE_URL": "postgresql://registry:pw@db.example:5432/registry",
+    "NODE_TIER": "A",
 }
 
 
@@ -71,6 +73,8 @@ def test_production_with_everything_set_loads(monkeypatch: pytest.MonkeyPatch) -
         ("NODE_SYSTEM_ENDPOINT", None, "NODE_SYSTEM_ENDPOINT is required"),
         ("NODE_PRIVATE_KEY", None, "NODE_PRIVATE_KEY is required"),
         ("NODE_PRIVATE_KEY", "change-me", "NODE_PRIVATE_KEY is required"),
+        ("DATABASE_URL", None, "DATABASE_URL is required"),
+        ("NODE_TIER", None, "NODE_TIER is required"),
     ],
 )
 def test_production_refuses_missing_or_placeholder(
@@ -109,6 +113,9 @@ def test_production_accepts_a_key_file_instead(
         ("APP_ENV", "staging", "APP_ENV"),
         ("NODE_SYSTEM_ENDPOINT", "ftp://x", "NODE_SYSTEM_ENDPOINT"),
         ("PING_STALE_SECONDS", "0", "PING_STALE_SECONDS"),
+        ("NODE_TIER", "D", "NODE_TIER"),
+        ("NODE_CAPABILITIES", "not json", "NODE_CAPABILITIES"),
+        ("NODE_CAPABILITIES", '["ok", "bad name"]', "NODE_CAPABILITIES"),
     ],
 )
 def test_invalid_values_name_the_variable(
@@ -146,3 +153,18 @@ def test_secrets_are_masked_in_repr_and_dumps(monkeypatch: pytest.MonkeyPatch) -
 )
 def test_redact_url(url: str, expected: str) -> None:
     assert redact_url(url) == expected
+
+
+def test_registry_can_be_switched_off_in_production(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(monkeypatch, PRODUCTION_OK)
+    monkeypatch.delenv("DATABASE_URL")
+    monkeypatch.delenv("NODE_TIER")
+    monkeypatch.setenv("REGISTRY_ENABLED", "false")
+    assert load_settings(_env_file=None).registry_enabled is False
+
+
+def test_worker_daemonset_names_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(monkeypatch, {"TIER": "B", "CAPABILITY_REGISTRY": "postgresql://r@db/reg"})
+    s = load_settings(_env_file=None)
+    assert s.node_tier == "B"
+    assert s.database_url is not None

@@ -1,0 +1,39 @@
+"""The fleet as the capability registry sees it: live nodes and what they can do."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+
+from app.adapters.registry import RegistryUnavailable
+from app.api.auth import require_api_token, runtime
+
+router = APIRouter(tags=["fleet"], dependencies=[Depends(require_api_token)])
+
+Liveness = Literal["online", "draining", "suspect", "offline"]
+
+
+@router.get(
+    "/v1/fleet/nodes",
+    summary="Registered nodes with their liveness (judged by the database clock)",
+    responses={503: {"description": "The registry is off or unreachable"}},
+)
+async def fleet_nodes(
+    request: Request,
+    tier: Annotated[Literal["A", "B", "C"] | None, Query()] = None,
+    status: Annotated[Liveness | None, Query(description="liveness, not the raw status")] = None,
+    capability: Annotated[str | None, Query(max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> dict[str, Any]:
+    rt = runtime(request)
+    if rt.registry is None:
+        reason = rt.components["registry"].reason
+        raise HTTPException(status_code=503, detail=f"registry is off: {reason}")
+    try:
+        nodes = await rt.registry.nodes(
+            tier=tier, liveness=status, capability=capability, limit=limit
+        )
+    except RegistryUnavailable as exc:
+        raise HTTPException(status_code=503, detail=f"registry unreachable: {exc}") from None
+    return {"count": len(nodes), "nodes": nodes}

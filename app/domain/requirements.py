@@ -1,0 +1,84 @@
+"""Job requirements against a node's profile: does this node satisfy them, and if not, why.
+
+The same rules run in SQL (`eligible_workers`, migrations/0002) to find the live nodes
+that could run a job; tests hold both to one table of cases.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Tier(StrEnum):
+    A = "A"
+    B = "B"
+    C = "C"
+
+
+class HardwareRequirements(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu: bool | None = None
+    min_memory_gb: float | None = Field(default=None, ge=0)
+    min_cpu_count: int | None = Field(default=None, ge=0)
+
+
+class Requirements(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tier: list[Tier] | None = None
+    region: str | None = None
+    trust_zone: str | None = None
+    hardware: HardwareRequirements = HardwareRequirements()
+    capabilities: list[str] = Field(default_factory=list)
+
+
+class NodeProfile(BaseModel):
+    """What a node registers: the registry row, minus liveness."""
+
+    model_config = ConfigDict(frozen=True)
+
+    node_id: str
+    tier: Tier
+    region: str | None = None
+    trust_zone: str | None = None
+    hardware: dict[str, Any] = Field(default_factory=dict)
+    capabilities: list[str] = Field(default_factory=list)
+
+
+class Mismatch(StrEnum):
+    TIER = "tier"
+    REGION = "region"
+    TRUST_ZONE = "trust_zone"
+    GPU = "hardware.gpu"
+    MEMORY = "hardware.min_memory_gb"
+    CPU = "hardware.min_cpu_count"
+    CAPABILITIES = "capabilities"
+
+
+def match_requirements(requirements: Requirements, node: NodeProfile) -> list[Mismatch]:
+    """Every requirement the node does not meet; empty when it can run the job."""
+    misses: list[Mismatch] = []
+    if requirements.tier is not None and node.tier not in requirements.tier:
+        misses.append(Mismatch.TIER)
+    if requirements.region is not None and node.region != requirements.region:
+        misses.append(Mismatch.REGION)
+    if requirements.trust_zone is not None and node.trust_zone != requirements.trust_zone:
+        misses.append(Mismatch.TRUST_ZONE)
+    hw = requirements.hardware
+    if hw.gpu and node.hardware.get("gpu") is not True:
+        misses.append(Mismatch.GPU)
+    if hw.min_memory_gb is not None and _number(node.hardware.get("memory_gb")) < hw.min_memory_gb:
+        misses.append(Mismatch.MEMORY)
+    if hw.min_cpu_count is not None and _number(node.hardware.get("cpu_count")) < hw.min_cpu_count:
+        misses.append(Mismatch.CPU)
+    if not set(requirements.capabilities) <= set(node.capabilities):
+        misses.append(Mismatch.CAPABILITIES)
+    return misses
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else -1.0

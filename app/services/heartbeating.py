@@ -1,0 +1,136 @@
+"""Capability registration and the heartbeat: the node tells the fleet what it can do.
+
+At start the node registers (upsert, `online`); every HEARTBEAT_INTERVAL_SECONDS it
+moves `last_heartbeat` with a one-row UPDATE, and rewrites hardware and capabilities
+only when the fingerprint changed (or the row vanished). PostgreSQL being down never
+stops the manager: a failed beat is retried with jittered backoff within the tick,
+then simply again at the next one. On shutdown the node is `draining`, then `offline`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import stamina
+
+from app.adapters.registry import AsyncpgRegistry, RegistryUnavailable
+from app.domain.components import Component
+from app.domain.migrations import MigrationError
+from app.domain.requirements import NodeProfile, Tier
+from app.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+FINGERPRINT_EVERY_SECONDS = 600.0
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        *,
+        registry: AsyncpgRegistry,
+        node_id: str,
+        tier: Tier,
+        region: str | None,
+        trust_zone: str | None,
+        capabilities: list[str],
+        fingerprint: Callable[[], Awaitable[dict[str, Any]]],
+        interval_seconds: float,
+        component: Component,
+        metrics: Metrics,
+        prepare: Callable[[], Awaitable[object]] | None = None,
+        retry_attempts: int = 3,
+        retry_max_wait: float = 5.0,
+    ) -> None:
+        self._registry = registry
+        self._node_id = node_id
+        self._tier = tier
+        self._region = region
+        self._trust_zone = trust_zone
+        self._capabilities = capabilities
+        self._fingerprint = fingerprint
+        self._interval = max(1, round(interval_seconds))
+        self._component = component
+        self._metrics = metrics
+        self._attempts = retry_attempts
+        self._max_wait = retry_max_wait
+        self._prepare = prepare
+        self._profile: NodeProfile | None = None
+        self._profile_at = 0.0
+        self._written: NodeProfile | None = None
+        self.status = "online"
+
+    async def profile(self) -> NodeProfile:
+        """The node's profile, with the hardware fingerprint refreshed every 10 minutes."""
+        if self._profile is None or time.monotonic() - self._profile_at > FINGERPRINT_EVERY_SECONDS:
+            hardware = await self._fingerprint()
+            derived = {"gpu"} if hardware.get("gpu") else set()
+            self._profile = NodeProfile(
+                node_id=self._node_id,
+                tier=self._tier,
+                region=self._region,
+                trust_zone=self._trust_zone,
+                hardware=hardware,
+                capabilities=sorted(set(self._capabilities) | derived),
+            )
+            self._profile_at = time.monotonic()
+        return self._profile
+
+    async def beat(self) -> bool:
+        """One heartbeat (registering when needed); True when the registry has it."""
+        started = time.monotonic()
+        try:
+            async for attempt in stamina.retry_context(
+                on=RegistryUnavailable,
+                attempts=self._attempts,
+                wait_initial=min(0.2, self._max_wait),
+                wait_max=self._max_wait,
+                timeout=None,
+            ):
+                with attempt:
+                    await self._write(self.status)
+        except (*RegistryUnavailable, MigrationError) as exc:
+            self._metrics.heartbeats.labels("failed").inc()
+            self._component.failed(datetime.now(UTC), f"{type(exc).__name__}: {exc}")
+            self._written = None  # re-register in full once the database is back
+            log.warning(
+                "registry heartbeat failed (%d in a row): %s",
+                self._component.consecutive_failures,
+                exc,
+            )
+            return False
+        finally:
+            self._metrics.heartbeat_duration.observe(time.monotonic() - started)
+        self._metrics.heartbeats.labels("ok").inc()
+        self._component.succeeded(datetime.now(UTC), status=self.status)
+        return True
+
+    async def _write(self, status: str) -> None:
+        if self._prepare is not None:
+            # e.g. migrations in development: done once, as soon as the database answers
+            await self._prepare()
+            self._prepare = None
+        profile = await self.profile()
+        if self._written == profile and await self._registry.heartbeat(
+            self._node_id, status=status
+        ):
+            return
+        await self._registry.upsert(profile, status=status, interval_seconds=self._interval)
+        if self._written is None:
+            log.info("registered node %s (tier %s) as %s", self._node_id, self._tier, status)
+        self._written = profile
+
+    async def mark(self, status: str, *, within: float) -> None:
+        """Set the node's status now (draining, offline), within `within` s; never raises."""
+        self.status = status
+        try:
+            await asyncio.wait_for(self._write(status), timeout=within)
+        except (*RegistryUnavailable, MigrationError) as exc:
+            log.warning("could not mark node %s %s in the registry: %s", self._node_id, status, exc)
+            return
+        log.info("node %s is %s in the registry", self._node_id, status)

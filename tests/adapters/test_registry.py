@@ -1,0 +1,247 @@
+"""The capability registry against a real PostgreSQL: schema, migrations, lifecycle, queries."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from app.adapters.embedded import EmbeddedPostgres
+from app.adapters.registry import AsyncpgRegistry
+from app.domain.migrations import MigrationError
+from app.domain.requirements import Mismatch, NodeProfile, Requirements
+from app.services import migrating
+from tests.support.databases import MIGRATIONS, fresh_database
+from tests.support.requirement_cases import CASES, NODES
+
+SEED_COLUMNS = [
+    # (name, data_type, character_maximum_length, is_nullable, has_default)
+    ("node_id", "character varying", 255, "NO", False),
+    ("tier", "character varying", 10, "NO", False),
+    ("region", "character varying", 50, "YES", False),
+    ("trust_zone", "character varying", 50, "YES", False),
+    ("hardware", "jsonb", None, "NO", False),
+    ("capabilities", "jsonb", None, "NO", False),
+    ("status", "character varying", 20, "NO", False),
+    ("last_heartbeat", "timestamp with time zone", None, "NO", False),
+    ("created_at", "timestamp with time zone", None, "YES", True),
+    ("updated_at", "timestamp with time zone", None, "YES", True),
+]
+SEED_INDEXES = {
+    name: f"CREATE {unique}INDEX {name} ON public.worker_capabilities USING btree ({column})"
+    for name, unique, column in [
+        ("worker_capabilities_pkey", "UNIQUE ", "node_id"),
+        ("idx_worker_capabilities_tier", "", "tier"),
+        ("idx_worker_capabilities_status", "", "status"),
+        ("idx_worker_capabilities_heartbeat", "", "last_heartbeat"),
+    ]
+}
+
+
+@pytest.fixture
+async def database(postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
+    async with fresh_database(postgres_server.url) as url:
+        yield url
+
+
+@pytest.fixture
+async def registry(database: str) -> AsyncIterator[AsyncpgRegistry]:
+    reg = AsyncpgRegistry(database, timeout=5)
+    await reg.open()
+    await migrating.migrate(reg, MIGRATIONS)
+    yield reg
+    await reg.close()
+
+
+async def test_schema_keeps_the_seed_ddl(registry: AsyncpgRegistry) -> None:
+    async with registry.pool.acquire() as conn:
+        columns = await conn.fetch(
+            """SELECT column_name, data_type, character_maximum_length, is_nullable,
+                      column_default IS NOT NULL AS has_default
+               FROM information_schema.columns
+               WHERE table_name = 'worker_capabilities' ORDER BY ordinal_position"""
+        )
+        index_rows = await conn.fetch(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'worker_capabilities'"
+        )
+        indexes: dict[str, str] = {r["indexname"]: r["indexdef"] for r in index_rows}
+        defaults = await conn.fetch(
+            """SELECT column_default FROM information_schema.columns
+               WHERE table_name = 'worker_capabilities'
+                 AND column_name IN ('created_at', 'updated_at')"""
+        )
+    seed = [tuple(c) for c in columns][: len(SEED_COLUMNS)]
+    assert seed == SEED_COLUMNS
+    assert all(d["column_default"] == "CURRENT_TIMESTAMP" for d in defaults)
+    for name, definition in SEED_INDEXES.items():
+        assert indexes[name] == definition
+    # later migrations only add: one column, one GIN index
+    assert [c["column_name"] for c in columns][len(SEED_COLUMNS) :] == [
+        "heartbeat_interval_seconds"
+    ]
+    assert set(indexes) - set(SEED_INDEXES) == {"idx_worker_capabilities_capabilities"}
+
+
+async def test_migrations_are_recorded_and_run_once(registry: AsyncpgRegistry) -> None:
+    assert await migrating.migrate(registry, MIGRATIONS) == []
+    async with registry.pool.acquire() as conn:
+        rows = await conn.fetch("SELECT version, name FROM schema_migrations ORDER BY version")
+    assert [(r["version"], r["name"]) for r in rows] == [
+        (1, "worker_capabilities"),
+        (2, "liveness_and_matching"),
+    ]
+
+
+async def test_a_changed_applied_migration_is_refused(
+    registry: AsyncpgRegistry, tmp_path: Path
+) -> None:
+    copy = tmp_path / "migrations"
+    shutil.copytree(MIGRATIONS, copy)
+    first = copy / "0001_worker_capabilities.sql"
+    first.write_text(first.read_text() + "\n-- edited\n")
+    with pytest.raises(MigrationError, match=r"0001_worker_capabilities\.sql changed"):
+        await migrating.migrate(registry, copy)
+
+
+async def test_concurrent_migrators_apply_each_file_once(database: str) -> None:
+    registries = [AsyncpgRegistry(database, timeout=5) for _ in range(4)]
+    for reg in registries:
+        await reg.open()
+    try:
+        results = await asyncio.gather(*(migrating.migrate(r, MIGRATIONS) for r in registries))
+    finally:
+        for reg in registries:
+            await reg.close()
+    assert sorted(len(r) for r in results) == [0, 0, 0, 2]
+
+
+async def test_failed_migration_leaves_nothing_half_applied(database: str, tmp_path: Path) -> None:
+    copy = tmp_path / "migrations"
+    shutil.copytree(MIGRATIONS, copy)
+    (copy / "0003_broken.sql").write_text("CREATE TABLE ok_part (x int);\nSELECT no_such_column;")
+    reg = AsyncpgRegistry(database, timeout=5)
+    await reg.open()
+    try:
+        with pytest.raises(asyncpg.PostgresError):
+            await migrating.migrate(reg, copy)
+        async with reg.pool.acquire() as conn:
+            tables = await conn.fetchval(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name IN "
+                "('ok_part', 'worker_capabilities', 'schema_migrations')"
+            )
+        assert tables == 0
+    finally:
+        await reg.close()
+
+
+PROFILE = NODES[0]
+
+
+async def db_now(reg: AsyncpgRegistry) -> datetime:
+    now: datetime = await reg.pool.fetchval("SELECT now()")
+    return now
+
+
+async def row(reg: AsyncpgRegistry, node_id: str) -> asyncpg.Record:
+    record = await reg.pool.fetchrow(
+        "SELECT *, worker_liveness(status, last_heartbeat, heartbeat_interval_seconds) AS live "
+        "FROM worker_capabilities WHERE node_id = $1",
+        node_id,
+    )
+    assert record is not None
+    return record
+
+
+async def test_register_heartbeat_drain_offline(registry: AsyncpgRegistry) -> None:
+    await registry.upsert(PROFILE, status="online", interval_seconds=30)
+    first = await row(registry, PROFILE.node_id)
+    assert (first["status"], first["live"], first["tier"]) == ("online", "online", "A")
+    assert first["hardware"] == PROFILE.hardware
+    assert first["capabilities"] == PROFILE.capabilities
+    await asyncio.sleep(0.01)
+    assert await registry.heartbeat(PROFILE.node_id, status="online") is True
+    second = await row(registry, PROFILE.node_id)
+    assert second["last_heartbeat"] > first["last_heartbeat"]
+    assert second["created_at"] == first["created_at"]
+    assert await registry.heartbeat(PROFILE.node_id, status="draining") is True
+    assert (await row(registry, PROFILE.node_id))["live"] == "draining"
+    assert await registry.heartbeat(PROFILE.node_id, status="offline") is True
+    assert (await row(registry, PROFILE.node_id))["live"] == "offline"
+    assert await registry.heartbeat("never-registered", status="online") is False
+
+
+@pytest.mark.parametrize(
+    ("age_seconds", "status", "liveness"),
+    [
+        (0, "online", "online"),
+        (59, "online", "online"),       # < 2 missed heartbeats at 30 s
+        (61, "online", "suspect"),
+        (89, "online", "suspect"),
+        (91, "online", "offline"),
+        (10, "draining", "draining"),
+        (70, "draining", "suspect"),
+        (0, "offline", "offline"),
+    ],
+)  # fmt: skip
+async def test_liveness_by_the_database_clock(
+    registry: AsyncpgRegistry, age_seconds: int, status: str, liveness: str
+) -> None:
+    await registry.upsert(PROFILE, status=status, interval_seconds=30)
+    current = await row(registry, PROFILE.node_id)
+    at = current["last_heartbeat"] + timedelta(seconds=age_seconds)
+    computed = await registry.pool.fetchval(
+        "SELECT worker_liveness($1, $2, $3, $4)", status, current["last_heartbeat"], 30, at
+    )
+    assert computed == liveness
+
+
+@pytest.fixture
+async def fleet(registry: AsyncpgRegistry) -> AsyncpgRegistry:
+    for node in NODES:
+        await registry.upsert(node, status="online", interval_seconds=30)
+    return registry
+
+
+@pytest.mark.parametrize(("title", "requirements", "expected"), CASES, ids=[c[0] for c in CASES])
+async def test_eligible_nodes_match_the_python_matcher(
+    fleet: AsyncpgRegistry,
+    title: str,
+    requirements: Requirements,
+    expected: dict[str, list[Mismatch]],
+) -> None:
+    eligible = [n.node_id for n in await fleet.eligible(requirements)]
+    assert eligible == sorted(n.node_id for n in NODES if n.node_id not in expected)
+
+
+async def test_only_live_nodes_are_eligible(fleet: AsyncpgRegistry) -> None:
+    later = await db_now(fleet) + timedelta(seconds=75)
+    await fleet.heartbeat("b-us", status="draining")
+    assert [n.node_id for n in await fleet.eligible(Requirements())] == [
+        "a-eu-cpu",
+        "a-eu-gpu",
+        "c-none",
+    ]
+    assert await fleet.eligible(Requirements(), at=later) == []
+
+
+async def test_node_listing_filters(fleet: AsyncpgRegistry) -> None:
+    assert [n["node_id"] for n in await fleet.nodes(tier="A")] == ["a-eu-cpu", "a-eu-gpu"]
+    assert [n["node_id"] for n in await fleet.nodes(capability="embeddings")] == [
+        "a-eu-cpu",
+        "a-eu-gpu",
+    ]
+    await fleet.heartbeat("c-none", status="draining")
+    assert [n["node_id"] for n in await fleet.nodes(liveness="draining")] == ["c-none"]
+    assert len(await fleet.nodes(limit=2)) == 2
+    one = (await fleet.nodes(tier="B"))[0]
+    assert one["liveness"] == "online" and 0 <= one["heartbeat_age_seconds"] < 5
+
+
+async def test_profile_round_trips(fleet: AsyncpgRegistry) -> None:
+    (node,) = await fleet.eligible(Requirements(region="us"))
+    assert node == NodeProfile.model_validate(NODES[2].model_dump())

@@ -1,0 +1,178 @@
+"""Registration and heartbeats through the manager's lifespan, PostgreSQL faults included."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from app.adapters.embedded import EmbeddedPostgres, free_port
+from app.main import create_app
+from tests.conftest import SettingsFactory, running
+from tests.support.databases import fresh_database
+
+NODE = "node-hb"
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"condition not met within {within} s")
+
+
+async def fetch_row(url: str) -> asyncpg.Record | None:
+    try:
+        conn = await asyncpg.connect(url, timeout=2)
+    except (OSError, asyncpg.PostgresError):
+        return None
+    try:
+        return await conn.fetchrow("SELECT * FROM worker_capabilities WHERE node_id = $1", NODE)
+    except asyncpg.UndefinedTableError:
+        return None
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def database(postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
+    async with fresh_database(postgres_server.url) as url:
+        yield url
+
+
+def registry_settings(
+    make_settings: SettingsFactory, url: str, **extra: object
+) -> dict[str, object]:
+    return {
+        "database_url": url,
+        "node_id": NODE,
+        "node_tier": "B",
+        "node_region": "eu",
+        "node_capabilities": ["embeddings"],
+        "heartbeat_interval_seconds": 0.5,
+        **extra,
+    }
+
+
+async def test_registers_migrates_heartbeats_then_drains_and_goes_offline(
+    make_settings: SettingsFactory, database: str
+) -> None:
+    app = create_app(make_settings(**registry_settings(make_settings, database)))
+    async with running(app) as client:
+        await wait_until(lambda: _has_row(database))
+        first = await fetch_row(database)
+        assert first is not None
+        assert (first["tier"], first["region"], first["status"]) == ("B", "eu", "online")
+        assert first["capabilities"] == '["embeddings"]'
+        assert '"cpu_count"' in first["hardware"]
+        # a heartbeat moves the timestamp and leaves hardware alone when nothing changed
+        conn = await asyncpg.connect(database)
+        await conn.execute(
+            "UPDATE worker_capabilities SET hardware = '{\"marker\": 1}' WHERE node_id = $1", NODE
+        )
+        await conn.close()
+        await wait_until(lambda: _moved(database, first["last_heartbeat"]))
+        later = await fetch_row(database)
+        assert later is not None and later["hardware"] == '{"marker": 1}'
+        status = (await client.get("/v1/status")).json()["components"]["registry"]
+        assert status["state"] == "ok"
+        assert "0001_worker_capabilities.sql" in status["detail"]["migrations_applied_at_start"]
+        fleet = (await client.get("/v1/fleet/nodes?tier=B")).json()
+        assert [n["node_id"] for n in fleet["nodes"]] == [NODE]
+        assert fleet["nodes"][0]["liveness"] == "online"
+        metrics = (await client.get("/metrics")).text
+        assert 'workload_manager_heartbeats_total{outcome="ok"}' in metrics
+    final = await fetch_row(database)
+    assert final is not None and final["status"] == "offline"
+
+
+async def _has_row(url: str) -> bool:
+    return await fetch_row(url) is not None
+
+
+async def _moved(url: str, since: object) -> bool:
+    current = await fetch_row(url)
+    return current is not None and current["last_heartbeat"] > since
+
+
+async def test_shutdown_marks_draining_before_offline(
+    make_settings: SettingsFactory, database: str
+) -> None:
+    app = create_app(make_settings(**registry_settings(make_settings, database)))
+    async with running(app):
+        await wait_until(lambda: _has_row(database))
+        # record every status the row takes from now on, from inside the database
+        conn = await asyncpg.connect(database)
+        await conn.execute(
+            """CREATE TABLE status_log (id serial PRIMARY KEY, status text);
+               CREATE FUNCTION log_status() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN INSERT INTO status_log (status) VALUES (NEW.status); RETURN NEW; END $$;
+               CREATE TRIGGER status_log AFTER UPDATE ON worker_capabilities
+               FOR EACH ROW EXECUTE FUNCTION log_status();"""
+        )
+        await conn.close()
+    conn = await asyncpg.connect(database)
+    statuses = [r["status"] for r in await conn.fetch("SELECT status FROM status_log ORDER BY id")]
+    await conn.close()
+    assert statuses[-2:] == ["draining", "offline"]
+    assert set(statuses[:-2]) <= {"online"}
+
+
+async def test_postgres_down_at_start_then_back(
+    make_settings: SettingsFactory, tmp_path: Path
+) -> None:
+    server = EmbeddedPostgres(tmp_path / "pg", port=free_port())
+    app = create_app(make_settings(**registry_settings(make_settings, server.url)))
+    try:
+        async with running(app) as client:
+            # the manager is up and serving while the database is down
+            assert (await client.get("/healthz")).status_code == 200
+            await asyncio.sleep(1.2)
+            registry = (await client.get("/v1/status")).json()["components"]["registry"]
+            assert registry["state"] == "failing"
+            assert registry["consecutive_failures"] >= 1
+            assert (await client.get("/readyz")).status_code == 200
+            await asyncio.to_thread(server.start)
+            await wait_until(lambda: _has_row(server.url), within=15)
+            await wait_until(lambda: _registry_ok(client), within=5)
+    finally:
+        server.stop()
+
+
+async def _registry_ok(client: httpx.AsyncClient) -> bool:
+    component = (await client.get("/v1/status")).json()["components"]["registry"]
+    return bool(component["state"] == "ok")
+
+
+async def test_postgres_restarted_mid_run_heartbeats_resume(
+    make_settings: SettingsFactory, tmp_path: Path
+) -> None:
+    server = EmbeddedPostgres(tmp_path / "pg").start()
+    app = create_app(make_settings(**registry_settings(make_settings, server.url)))
+    try:
+        async with running(app) as client:
+            await wait_until(lambda: _has_row(server.url))
+            await asyncio.to_thread(server.stop)
+            await wait_until(lambda: _registry_failing(client), within=10)
+            await asyncio.to_thread(server.start)
+            before = time.monotonic()
+            restarted = await fetch_row(server.url)
+            assert restarted is not None
+            await wait_until(lambda: _moved(server.url, restarted["last_heartbeat"]), within=10)
+            # resumed within about one interval (0.5 s) plus the retry backoff
+            assert time.monotonic() - before < 5
+            await wait_until(lambda: _registry_ok(client), within=5)
+    finally:
+        server.stop()
+
+
+async def _registry_failing(client: httpx.AsyncClient) -> bool:
+    component = (await client.get("/v1/status")).json()["components"]["registry"]
+    return bool(component["state"] == "failing")
