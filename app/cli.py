@@ -16,6 +16,7 @@ from app.settings import SettingsError, load_settings
 
 if TYPE_CHECKING:
     from app.services.syncing import SyncOutcome
+    from app.settings import Settings
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -155,6 +156,90 @@ def _migrate(args: argparse.Namespace) -> int:
         return 1
 
 
+def _nats_settings() -> Settings | None:
+    try:
+        settings = load_settings(_check_production=False)
+    except SettingsError as exc:
+        print(f"workload-manager: configuration error: {exc}", file=sys.stderr)
+        return None
+    if settings.nats_url is None:
+        print("workload-manager: NATS_URL is not set", file=sys.stderr)
+        return None
+    return settings
+
+
+def _init_streams(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from app.adapters.bus import BusError, JetStreamBus
+    from app.services.streams import TIERS, init_streams
+
+    settings = _nats_settings()
+    if settings is None:
+        return 2
+    assert settings.nats_url is not None
+    bus = JetStreamBus(settings.nats_url, name="workload-manager/init-streams", timeout=10)
+
+    async def run() -> None:
+        await asyncio.wait_for(bus.connect(), timeout=15)
+        try:
+            tiers = tuple(args.tier) if args.tier else TIERS
+            for what, result in await init_streams(bus, settings, tiers=tiers):
+                print(f"{result:9}  {what}")
+        finally:
+            await bus.drain()
+
+    try:
+        asyncio.run(run())
+    except (*BusError, TimeoutError) as exc:
+        print(f"workload-manager: NATS: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _publish(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    from datetime import datetime
+
+    from pydantic import ValidationError
+
+    from app.adapters.bus import BusError, JetStreamBus
+    from app.services.streams import new_job, publish_job
+
+    settings = _nats_settings()
+    if settings is None:
+        return 2
+    assert settings.nats_url is not None
+    try:
+        job = new_job(
+            args.type,
+            payload=json.loads(args.payload),
+            requirements=json.loads(args.requirements),
+            idempotency_key=args.key,
+            deadline=datetime.fromisoformat(args.deadline) if args.deadline else None,
+        )
+    except (ValueError, ValidationError) as exc:
+        print(f"workload-manager: invalid job: {exc}", file=sys.stderr)
+        return 2
+    bus = JetStreamBus(settings.nats_url, name="workload-manager/publish", timeout=10)
+
+    async def run() -> int:
+        await asyncio.wait_for(bus.connect(), timeout=15)
+        try:
+            return await publish_job(bus, job, kind=args.kind, tier=args.tier)
+        finally:
+            await bus.drain()
+
+    try:
+        sequence = asyncio.run(run())
+    except (*BusError, TimeoutError) as exc:
+        print(f"workload-manager: NATS: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"published job {job.job_id} (key {job.idempotency_key}) as stream sequence {sequence}")
+    return 0
+
+
 def _keygen(args: argparse.Namespace) -> int:
     from app.adapters.signing import generate_keypair
 
@@ -186,6 +271,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     migrate = sub.add_parser("migrate", help="apply pending schema migrations, then exit")
     migrate.set_defaults(func=_migrate)
+
+    streams = sub.add_parser("init-streams", help="create or update the JetStream topology")
+    streams.add_argument(
+        "--tier", action="append", choices=("A", "B", "C"), help="consumers for these tiers only"
+    )
+    streams.set_defaults(func=_init_streams, tier=None)
+
+    publish = sub.add_parser("publish", help="publish one job (schema job/v1)")
+    publish.add_argument("--kind", choices=("online", "offline", "write"), required=True)
+    publish.add_argument("--tier", choices=("A", "B", "C"), required=True)
+    publish.add_argument("--type", required=True, help="job type, e.g. memory.write or noop")
+    publish.add_argument("--payload", default="{}", help="JSON object")
+    publish.add_argument("--requirements", default="{}", help="JSON object")
+    publish.add_argument("--key", help="idempotency key (default: the job id)")
+    publish.add_argument("--deadline", help="RFC 3339 time after which the job expires")
+    publish.set_defaults(func=_publish)
 
     keygen = sub.add_parser("keygen", help="print a new Ed25519 node key pair")
     keygen.add_argument(

@@ -120,6 +120,40 @@ class Metrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=self.registry,
         )
+        self.jobs = Counter(
+            f"{PREFIX}_jobs_total",
+            "Job deliveries by job type and outcome (completed, retrying, dead, rejected, "
+            "expired, refused, not-here, held, duplicate, ...).",
+            ["type", "outcome"],
+            registry=self.registry,
+        )
+        self.job_duration = Histogram(
+            f"{PREFIX}_job_duration_seconds",
+            "Time from delivery to answer, by job type.",
+            ["type"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=self.registry,
+        )
+        self.jobs_unroutable = Counter(
+            f"{PREFIX}_jobs_unroutable_total",
+            "Jobs the registry says no live node can run.",
+            registry=self.registry,
+        )
+        self.jobs_in_flight = Gauge(
+            f"{PREFIX}_jobs_in_flight", "Jobs running on this node now.", registry=self.registry
+        )
+        self.consumer_pending = Gauge(
+            f"{PREFIX}_consumer_pending_messages",
+            "Messages in the tier's consumer not yet delivered, by stream.",
+            ["stream"],
+            registry=self.registry,
+        )
+        self.consumer_ack_pending = Gauge(
+            f"{PREFIX}_consumer_ack_pending_messages",
+            "Messages delivered and not yet answered (by any node of the tier), by stream.",
+            ["stream"],
+            registry=self.registry,
+        )
         self.up_since = Gauge(
             f"{PREFIX}_start_time_seconds",
             "Unix time the manager started.",

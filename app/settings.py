@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.domain.requirements import Tier
@@ -110,6 +117,29 @@ class Settings(BaseSettings):
     nats_url: str | None = None
     embedded_services: bool = True
 
+    # --- job worker (NATS JetStream)
+    worker_enabled: bool = True
+    worker_concurrency: int = Field(default=4, ge=1, le=256)
+    job_fetch_batch: int = Field(default=10, ge=1, le=256)
+    job_ack_wait_seconds: float = _ranged(30.0, 1.0, 3_600.0)
+    job_max_deliver: int = Field(default=5, ge=1, le=1_000)
+    job_backoff_seconds: Annotated[list[float], NoDecode] = Field(
+        default_factory=lambda: [5.0, 30.0, 120.0, 600.0]
+    )
+    job_max_ack_pending: int = Field(default=1_000, ge=1, le=1_000_000)
+    job_not_here_delay_seconds: float = _ranged(30.0, 0.1, 3_600.0)
+    job_held_delay_seconds: float = _ranged(10.0, 0.1, 3_600.0)
+    job_timeout_seconds: float = _ranged(600.0, 0.1, 86_400.0)
+    job_stream_retention: str = Field(default="workqueue", pattern="^(workqueue|limits)$")
+    nats_stream_replicas: int | None = Field(default=None, ge=1, le=5)
+    nats_stream_max_age_seconds: float = _ranged(7 * 86_400.0, 60.0, 365 * 86_400.0)
+    nats_duplicate_window_seconds: float = _ranged(120.0, 1.0, 86_400.0)
+    nats_auto_init_streams: bool | None = None
+    http_job_allowed_suffixes: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [".svc", ".svc.cluster.local"]
+    )
+    http_job_timeout_seconds: float = _ranged(30.0, 0.1, 3_600.0)
+
     # --- capability registry
     registry_enabled: bool = True
     node_tier: Tier | None = Field(default=None, validation_alias=AliasChoices("NODE_TIER", "TIER"))
@@ -164,6 +194,35 @@ class Settings(BaseSettings):
                 raise ValueError(f"{item!r} is not a capability name (letters, digits, -_.:)")
         return sorted(set(value))
 
+    @field_validator("job_backoff_seconds", "http_job_allowed_suffixes", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        """`5,30,120` or a JSON list."""
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except ValueError:
+                raise ValueError("must be a JSON list or comma-separated values") from None
+        return [part.strip() for part in text.split(",") if part.strip()]
+
+    @field_validator("job_backoff_seconds")
+    @classmethod
+    def _backoff(cls, value: list[float]) -> list[float]:
+        if any(step <= 0 for step in value):
+            raise ValueError("every backoff step must be positive")
+        return value
+
+    @model_validator(mode="after")
+    def _deliveries_cover_backoff(self) -> Settings:
+        # the consumer's backoff is [ack_wait, *JOB_BACKOFF_SECONDS] and NATS wants
+        # max_deliver to cover it
+        if self.job_max_deliver <= len(self.job_backoff_seconds):
+            raise ValueError("JOB_MAX_DELIVER must be more than the number of JOB_BACKOFF_SECONDS")
+        return self
+
     @field_validator("log_level")
     @classmethod
     def _log_level(cls, value: str) -> str:
@@ -181,6 +240,18 @@ class Settings(BaseSettings):
         if self.log_format == "auto":
             return self.is_production
         return self.log_format == "json"
+
+    @property
+    def stream_replicas(self) -> int:
+        if self.nats_stream_replicas is not None:
+            return self.nats_stream_replicas
+        return 3 if self.is_production else 1
+
+    @property
+    def auto_init_streams(self) -> bool:
+        if self.nats_auto_init_streams is None:
+            return not self.is_production
+        return self.nats_auto_init_streams
 
     @property
     def migrates_on_start(self) -> bool:

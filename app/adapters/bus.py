@@ -1,31 +1,39 @@
-"""NATS access through nats-py (the JetStream job worker lives here).
+"""NATS JetStream through nats-py: streams, durable pull consumers, publishing.
 
-For now: a connectivity check that reports the server's version and whether
-JetStream is enabled, used by start-up and `/v1/status`.
+Pitfalls handled here, so the worker does not have to know them:
+- `max_reconnect_attempts=0` means "no limit" when nats-py picks a server, so a single
+  attempt is spelled `1`; the manager's long-lived connection uses -1 (reconnect forever).
+- pull subscriptions can go silent after a server restart (nats.py #504): the worker
+  re-creates them after every reconnect, using `reconnects` to notice.
+- `fetch()` raises TimeoutError on an empty stream; here it returns an empty list.
+- the default error callback logs every failed attempt at ERROR (and so to Sentry);
+  connection trouble is logged once per state change instead.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
+from nats.js import api
 
 log = logging.getLogger(__name__)
 
+BusError = (nats.errors.Error, TimeoutError, OSError)
+
 
 async def _log_quietly(exc: Exception) -> None:
-    # nats-py's default callback logs every failed attempt at ERROR (and so to Sentry);
-    # the caller reports the outcome once instead.
     log.debug("nats: %s", exc)
 
 
 async def server_info(url: str, *, connect_timeout: float) -> dict[str, object]:
-    """Connect once, read the server's version, ask JetStream, close; raises on failure.
-
-    nats-py treats `max_reconnect_attempts=0` as "no limit" when picking a server, so a
-    single attempt is spelled `1` here.
-    """
+    """Connect once, read the server's version, ask JetStream, close; raises on failure."""
     nc = await nats.connect(
         url,
         connect_timeout=connect_timeout,
@@ -45,3 +53,213 @@ async def server_info(url: str, *, connect_timeout: float) -> dict[str, object]:
         return {"version": version, "jetstream": jetstream}
     finally:
         await nc.close()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    retention: str  # "limits" | "workqueue" | "interest"
+    max_age_seconds: float
+    duplicate_window_seconds: float
+    replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSpec:
+    stream: str
+    durable: str
+    filter_subject: str
+    ack_wait_seconds: float
+    max_deliver: int
+    backoff_seconds: tuple[float, ...]
+    max_ack_pending: int
+
+
+class Delivery:
+    """One delivered message: the data, and the four answers JetStream accepts."""
+
+    def __init__(self, msg: Any) -> None:
+        self._msg = msg
+
+    @property
+    def subject(self) -> str:
+        return str(self._msg.subject)
+
+    @property
+    def data(self) -> bytes:
+        return bytes(self._msg.data)
+
+    @property
+    def delivered(self) -> int:
+        return int(self._msg.metadata.num_delivered)
+
+    @property
+    def stream_sequence(self) -> int:
+        return int(self._msg.metadata.sequence.stream)
+
+    async def ack(self) -> None:
+        await self._msg.ack()
+
+    async def nak(self, delay: float) -> None:
+        # Always with a delay: a plain NAK ignores the consumer's BackOff.
+        await self._msg.nak(delay=max(delay, 0.001))
+
+    async def term(self) -> None:
+        await self._msg.term()
+
+    async def in_progress(self) -> None:
+        await self._msg.in_progress()
+
+
+class PullSubscription:
+    def __init__(self, sub: Any) -> None:
+        self._sub = sub
+
+    async def fetch(self, batch: int, *, wait: float) -> list[Delivery]:
+        try:
+            msgs = await self._sub.fetch(batch=batch, timeout=wait)
+        except (nats.errors.TimeoutError, TimeoutError):
+            return []
+        return [Delivery(m) for m in msgs]
+
+    async def unsubscribe(self) -> None:
+        try:
+            await self._sub.unsubscribe()
+        except (nats.errors.Error, TimeoutError):
+            pass
+
+
+class JetStreamBus:
+    """The manager's long-lived connection: reconnects forever, reports its state."""
+
+    def __init__(self, url: str, *, name: str, timeout: float) -> None:
+        self._url = url
+        self._name = name
+        self._timeout = timeout
+        self._nc: Any = None
+        self.reconnects = 0
+        self.connected = False
+        self._closing = False
+
+    async def connect(self) -> None:
+        async def disconnected() -> None:
+            if self.connected and not self._closing:
+                log.warning("NATS connection lost; reconnecting")
+            self.connected = False
+
+        async def reconnected() -> None:
+            self.reconnects += 1
+            self.connected = True
+            log.info("NATS reconnected (%d)", self.reconnects)
+
+        self._nc = await nats.connect(
+            self._url,
+            name=self._name,
+            connect_timeout=self._timeout,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=1,
+            allow_reconnect=True,
+            error_cb=_log_quietly,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+        )
+        self.connected = True
+
+    @property
+    def _js(self) -> Any:
+        return self._nc.jetstream(timeout=self._timeout)
+
+    async def drain(self) -> None:
+        """Stop subscriptions, flush what is pending, close."""
+        self._closing = True
+        if self._nc is not None and not self._nc.is_closed:
+            if not self.connected:
+                await self._nc.close()  # nothing to flush; draining would wait for a server
+                return
+            try:
+                await self._nc.drain()
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.debug("nats drain: %s", exc)
+                await self._nc.close()
+
+    async def ensure_stream(self, spec: StreamSpec) -> str:
+        """Create or update a stream to match `spec`; returns created | updated | unchanged."""
+        config = api.StreamConfig(
+            name=spec.name,
+            subjects=list(spec.subjects),
+            retention=api.RetentionPolicy(spec.retention),
+            max_age=spec.max_age_seconds,
+            duplicate_window=spec.duplicate_window_seconds,
+            num_replicas=spec.replicas,
+            storage=api.StorageType.FILE,
+        )
+        try:
+            info = await self._js.stream_info(spec.name)
+        except nats.js.errors.NotFoundError:
+            await self._js.add_stream(config)
+            return "created"
+        current = info.config
+        if (
+            sorted(current.subjects or []) == sorted(spec.subjects)
+            and current.max_age == spec.max_age_seconds
+            and current.duplicate_window == spec.duplicate_window_seconds
+            and current.num_replicas == spec.replicas
+            and current.retention == config.retention
+        ):
+            return "unchanged"
+        await self._js.update_stream(config)
+        return "updated"
+
+    async def ensure_consumer(self, spec: ConsumerSpec) -> str:
+        config = api.ConsumerConfig(
+            durable_name=spec.durable,
+            filter_subject=spec.filter_subject,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_wait=spec.ack_wait_seconds,
+            max_deliver=spec.max_deliver,
+            backoff=list(spec.backoff_seconds) or None,
+            max_ack_pending=spec.max_ack_pending,
+        )
+        try:
+            info = await self._js.consumer_info(spec.stream, spec.durable)
+        except nats.js.errors.NotFoundError:
+            await self._js.add_consumer(spec.stream, config)
+            return "created"
+        current = info.config
+        if (
+            current.filter_subject == spec.filter_subject
+            and current.ack_wait == spec.ack_wait_seconds
+            and current.max_deliver == spec.max_deliver
+            and list(current.backoff or []) == list(spec.backoff_seconds)
+            and current.max_ack_pending == spec.max_ack_pending
+        ):
+            return "unchanged"
+        # Creating with the same durable name updates a consumer's mutable settings.
+        await self._js.add_consumer(spec.stream, config)
+        return "updated"
+
+    async def consumer_state(self, stream: str, durable: str) -> dict[str, int]:
+        info = await self._js.consumer_info(stream, durable)
+        return {
+            "pending": int(info.num_pending or 0),
+            "ack_pending": int(info.num_ack_pending or 0),
+        }
+
+    async def subscribe(self, *, stream: str, durable: str) -> PullSubscription:
+        sub = await self._js.pull_subscribe_bind(durable=durable, stream=stream)
+        return PullSubscription(sub)
+
+    async def publish(
+        self, subject: str, body: dict[str, Any], *, msg_id: str | None = None
+    ) -> int:
+        """Publish to a stream and wait for its ack; `msg_id` deduplicates within the window."""
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        ack = await self._js.publish(
+            subject, json.dumps(body, separators=(",", ":")).encode(), headers=headers
+        )
+        return int(ack.seq)
+
+    async def stream_names(self) -> Sequence[str]:
+        return [s.config.name for s in await self._js.streams_info()]

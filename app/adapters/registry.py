@@ -1,4 +1,4 @@
-"""PostgreSQL through asyncpg: the capability registry and the schema migrations.
+"""PostgreSQL through asyncpg: capability registry, job ledger and schema migrations.
 
 The pool starts empty (`min_size=0`), so the manager starts while PostgreSQL is down
 and connects when it returns; a connection broken by a server restart is replaced by
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Any
 
 import asyncpg
@@ -185,3 +186,101 @@ class AsyncpgRegistry:
                     migration.checksum,
                 )
             return todo
+
+
+class Claim(StrEnum):
+    CLAIMED = "claimed"  # this node runs it now
+    COMPLETED = "completed"  # done before: acknowledge without running
+    DEAD = "dead"  # dead-lettered before: terminate
+    HELD = "held"  # another node holds a live lease: try again later
+
+
+_CLAIM = """
+INSERT INTO job_ledger AS l (idempotency_key, job_id, job_type, node_id, status, attempts,
+                             lease_until)
+VALUES ($1, $2, $3, $4, 'running', 1, now() + make_interval(secs => $5))
+ON CONFLICT (idempotency_key) DO UPDATE SET
+  node_id = EXCLUDED.node_id, status = 'running', attempts = l.attempts + 1,
+  lease_until = EXCLUDED.lease_until, updated_at = now(), error = NULL
+WHERE l.status = 'retrying'
+   OR (l.status = 'running' AND (l.lease_until IS NULL OR l.lease_until < now()
+                                 OR l.node_id = EXCLUDED.node_id))
+RETURNING attempts
+"""
+
+_FINISH = """
+UPDATE job_ledger
+SET status = $3::varchar, result = $4, error = $5, lease_until = NULL, updated_at = now(),
+    completed_at = CASE WHEN $3::varchar = 'completed' THEN now() END
+WHERE idempotency_key = $1 AND node_id = $2 AND status = 'running'
+RETURNING 1
+"""
+
+
+class AsyncpgLedger:
+    """The idempotency ledger: each transition is one atomic statement."""
+
+    def __init__(self, registry: AsyncpgRegistry) -> None:
+        self._registry = registry
+
+    @property
+    def _timeout(self) -> float:
+        return self._registry._timeout
+
+    async def claim(
+        self, *, key: str, job_id: str, job_type: str, node_id: str, lease_seconds: float
+    ) -> tuple[Claim, float]:
+        """The claim, and for HELD the seconds left on the other node's lease."""
+        pool = self._registry.pool
+        attempts = await pool.fetchval(
+            _CLAIM, key, job_id, job_type, node_id, lease_seconds, timeout=self._timeout
+        )
+        if attempts is not None:
+            return Claim.CLAIMED, 0.0
+        row = await pool.fetchrow(
+            """SELECT status,
+                      greatest(EXTRACT(EPOCH FROM lease_until - now()), 0)::float8 AS left
+               FROM job_ledger WHERE idempotency_key = $1""",
+            key,
+            timeout=self._timeout,
+        )
+        if row is None:  # released between the two statements: let the next delivery claim it
+            return Claim.HELD, 0.0
+        if row["status"] == "completed":
+            return Claim.COMPLETED, 0.0
+        if row["status"] == "dead":
+            return Claim.DEAD, 0.0
+        return Claim.HELD, float(row["left"] or 0.0)
+
+    async def renew(self, *, key: str, node_id: str, lease_seconds: float) -> bool:
+        renewed = await self._registry.pool.fetchval(
+            """UPDATE job_ledger SET lease_until = now() + make_interval(secs => $3),
+                      updated_at = now()
+               WHERE idempotency_key = $1 AND node_id = $2 AND status = 'running'
+               RETURNING 1""",
+            key, node_id, lease_seconds, timeout=self._timeout,
+        )  # fmt: skip
+        return renewed is not None
+
+    async def complete(self, *, key: str, node_id: str, result: Any) -> bool:
+        done = await self._registry.pool.fetchval(
+            _FINISH, key, node_id, "completed", result, None, timeout=self._timeout
+        )
+        return done is not None
+
+    async def fail(self, *, key: str, node_id: str, error: str, dead: bool) -> bool:
+        status = "dead" if dead else "retrying"
+        done = await self._registry.pool.fetchval(
+            _FINISH, key, node_id, status, None, error, timeout=self._timeout
+        )
+        return done is not None
+
+    async def release(self, *, key: str, node_id: str) -> bool:
+        """Give a claimed job back (shutdown): the next delivery may run it at once."""
+        return await self.fail(key=key, node_id=node_id, error="released on shutdown", dead=False)
+
+    async def counts(self) -> dict[str, int]:
+        rows = await self._registry.pool.fetch(
+            "SELECT status, count(*) AS n FROM job_ledger GROUP BY status", timeout=self._timeout
+        )
+        return {r["status"]: r["n"] for r in rows}

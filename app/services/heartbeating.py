@@ -64,6 +64,8 @@ class Heartbeat:
         self._profile_at = 0.0
         self._written: NodeProfile | None = None
         self.status = "online"
+        # set once the node is registered (and, in development, the schema is migrated)
+        self.registered = asyncio.Event()
 
     async def profile(self) -> NodeProfile:
         """The node's profile, with the hardware fingerprint refreshed every 10 minutes."""
@@ -108,6 +110,7 @@ class Heartbeat:
             self._metrics.heartbeat_duration.observe(time.monotonic() - started)
         self._metrics.heartbeats.labels("ok").inc()
         self._component.succeeded(datetime.now(UTC), status=self.status)
+        self.registered.set()
         return True
 
     async def _write(self, status: str) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -22,12 +23,15 @@ from typing import Any
 from app import __version__
 from app.adapters import bus, registry, system
 from app.adapters.backend import BackendClient
+from app.adapters.bus import JetStreamBus
 from app.adapters.desired_files import DesiredFiles
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.kube import ClusterUnavailable, KubeDeployments, KubeError, load_configuration
-from app.adapters.registry import AsyncpgRegistry
+from app.adapters.registry import AsyncpgLedger, AsyncpgRegistry
 from app.adapters.signing import NodeSigner, load_private_key, node_id_for
+from app.adapters.workload_http import WorkloadHttp
 from app.domain.components import Component, ComponentState
+from app.domain.jobs import STREAMS, consumer_name
 from app.domain.manifests import Injection, ManifestPolicy
 from app.domain.migrations import MigrationError
 from app.domain.planning import SyncPolicy
@@ -35,11 +39,14 @@ from app.domain.requirements import Tier
 from app.domain.tokens import ping_token
 from app.metrics import Metrics
 from app.services import migrating
+from app.services.handlers import load_handlers
 from app.services.heartbeating import Heartbeat
 from app.services.migrating import migrations_dir
 from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
+from app.services.streams import consumer_specs, init_streams
 from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
+from app.services.working import Worker, WorkerConfig
 from app.services.workloads import WorkloadBook
 from app.settings import Settings, redact_url
 
@@ -66,6 +73,8 @@ class Runtime:
     syncer: Syncer | None = None
     registry: AsyncpgRegistry | None = None
     heartbeat: Heartbeat | None = None
+    worker: Worker | None = None
+    bus: JetStreamBus | None = None
     cluster_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     database_url: str | None = None
     nats_url: str | None = None
@@ -110,7 +119,7 @@ def _components(settings: Settings, signer: NodeSigner | None) -> dict[str, Comp
         "nats": data_service("nats", settings.nats_url, "NATS_URL"),
         "sync": _sync_component(settings, signer),
         "registry": _registry_component(settings, database, embedded),
-        "worker": Component("worker", False, NOT_YET),
+        "worker": _worker_component(settings, database, embedded),
         "self_update": Component("self_update", False, NOT_YET),
     }
 
@@ -126,6 +135,24 @@ def _registry_component(settings: Settings, database: str | None, embedded: bool
     if settings.node_tier is None:
         reason += " (NODE_TIER unset: tier C for development)"
     return Component("registry", True, reason)
+
+
+def _worker_component(settings: Settings, database: str | None, embedded: bool) -> Component:
+    if not settings.worker_enabled:
+        return Component("worker", False, "switched off by WORKER_ENABLED=false")
+    if settings.nats_url is None and not embedded:
+        return Component("worker", False, "no NATS_URL set")
+    if not settings.registry_enabled or (database is None and not embedded):
+        return Component(
+            "worker", False, "needs the registry's database for its idempotency ledger"
+        )
+    tier = (settings.node_tier or DEVELOPMENT_TIER).value
+    return Component(
+        "worker",
+        True,
+        f"consumer wm-{tier} on MM_ONLINE, MM_OFFLINE, MM_WRITE; "
+        f"{settings.worker_concurrency} job(s) at a time",
+    )
 
 
 def _sync_component(settings: Settings, signer: NodeSigner | None) -> Component:
@@ -203,6 +230,10 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
         rt.scheduler.add_loop(
             "heartbeat", heartbeat.beat, every=settings.heartbeat_interval_seconds, first_after=0.1
         )
+
+    worker = await open_worker(rt, stack)
+    if worker is not None and rt.bus is not None:
+        rt.scheduler.add_loop("consumer-stats", _consumer_stats(rt), every=15.0, first_after=5.0)
 
     syncer = await open_syncer(rt, stack)
     if syncer is not None:
@@ -305,6 +336,117 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
     stack.push_async_callback(heartbeat.mark, "offline", within=budget)
     stack.push_async_callback(heartbeat.mark, "draining", within=budget)
     return heartbeat
+
+
+async def open_worker(rt: Runtime, stack: AsyncExitStack) -> Worker | None:
+    """The job worker as a supervised task; it connects to NATS inside the task, so a
+    NATS outage at start delays the worker, never the manager."""
+    settings = rt.settings
+    component = rt.components["worker"]
+    if not component.enabled or rt.nats_url is None:
+        return None
+    if rt.registry is None or rt.heartbeat is None:
+        component.switch_off("the registry is not running: no idempotency ledger")
+        return None
+    tier = (settings.node_tier or DEVELOPMENT_TIER).value
+    bus = JetStreamBus(
+        rt.nats_url, name=f"workload-manager/{rt.node_id}", timeout=settings.backend_timeout_seconds
+    )
+    http = WorkloadHttp(
+        timeout=settings.http_job_timeout_seconds,
+        allowed_suffixes=tuple(settings.http_job_allowed_suffixes),
+    )
+    stack.push_async_callback(http.aclose)
+    worker = Worker(
+        bus=bus,
+        ledger=AsyncpgLedger(rt.registry),
+        registry=rt.registry,
+        node=rt.heartbeat.profile,
+        handlers=load_handlers(),
+        http=http,
+        config=WorkerConfig(
+            tier=tier,
+            concurrency=settings.worker_concurrency,
+            batch=settings.job_fetch_batch,
+            ack_wait=settings.job_ack_wait_seconds,
+            max_deliver=settings.job_max_deliver,
+            backoff=tuple(settings.job_backoff_seconds),
+            not_here_delay=settings.job_not_here_delay_seconds,
+            held_delay=settings.job_held_delay_seconds,
+            job_timeout=settings.job_timeout_seconds,
+        ),
+        metrics=rt.metrics,
+        component=component,
+    )
+    rt.worker, rt.bus = worker, bus
+    rt.metrics.jobs_in_flight.set_function(lambda: worker.in_flight)
+
+    async def start_and_run() -> None:
+        if not bus.connected:
+            await bus.connect()
+        if settings.auto_init_streams:
+            changes = await init_streams(bus, settings)
+        else:
+            changes = []
+            for consumer in consumer_specs(settings, (tier,)):
+                changes.append((consumer.durable, await bus.ensure_consumer(consumer)))
+        component.detail["topology"] = dict(changes)
+        # no jobs before the node is registered: the ledger's schema exists by then
+        await heartbeat.registered.wait()
+        component.succeeded(datetime.now(UTC), connected=True)
+        await worker.run()
+
+    heartbeat = rt.heartbeat
+    supervisor = asyncio.create_task(
+        _supervise("worker", start_and_run, component), name="job-worker"
+    )
+
+    async def drain() -> None:
+        grace = max(rt.settings.shutdown_grace_seconds - 5.0, 1.0)
+        await heartbeat.mark("draining", within=min(5.0, grace))
+        if bus.connected:
+            await worker.announce_draining()
+        await worker.stop(grace=grace)
+        # the fetch loops notice the stop within one fetch wait and unsubscribe cleanly;
+        # cancelling one mid-fetch would leave a pull request that stalls the drain
+        _done, pending = await asyncio.wait({supervisor}, timeout=5.0)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(supervisor, return_exceptions=True)
+        await bus.drain()
+
+    stack.push_async_callback(drain)
+    return worker
+
+
+async def _supervise(name: str, body: Callable[[], Awaitable[None]], component: Component) -> None:
+    """Run a long-lived task; restart it with backoff if it dies, never silently."""
+    failures = 0
+    while True:
+        try:
+            await body()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            failures += 1
+            delay = min(60.0, 2.0**failures) * random.uniform(0.5, 1.0)
+            component.failed(datetime.now(UTC), f"{type(exc).__name__}: {exc}")
+            log.exception("%s crashed (%d in a row); restarting in %.1f s", name, failures, delay)
+            await asyncio.sleep(delay)
+
+
+def _consumer_stats(rt: Runtime) -> Callable[[], Awaitable[None]]:
+    async def collect() -> None:
+        if rt.bus is None or not rt.bus.connected:
+            return
+        tier = (rt.settings.node_tier or DEVELOPMENT_TIER).value
+        for stream in STREAMS.values():
+            state = await rt.bus.consumer_state(stream, consumer_name(tier))
+            rt.metrics.consumer_pending.labels(stream).set(state["pending"])
+            rt.metrics.consumer_ack_pending.labels(stream).set(state["ack_pending"])
+
+    return collect
 
 
 async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:

@@ -94,6 +94,7 @@ async def test_migrations_are_recorded_and_run_once(registry: AsyncpgRegistry) -
     assert [(r["version"], r["name"]) for r in rows] == [
         (1, "worker_capabilities"),
         (2, "liveness_and_matching"),
+        (3, "job_ledger"),
     ]
 
 
@@ -117,13 +118,13 @@ async def test_concurrent_migrators_apply_each_file_once(database: str) -> None:
     finally:
         for reg in registries:
             await reg.close()
-    assert sorted(len(r) for r in results) == [0, 0, 0, 2]
+    assert sorted(len(r) for r in results) == [0, 0, 0, 3]
 
 
 async def test_failed_migration_leaves_nothing_half_applied(database: str, tmp_path: Path) -> None:
     copy = tmp_path / "migrations"
     shutil.copytree(MIGRATIONS, copy)
-    (copy / "0003_broken.sql").write_text("CREATE TABLE ok_part (x int);\nSELECT no_such_column;")
+    (copy / "0099_broken.sql").write_text("CREATE TABLE ok_part (x int);\nSELECT no_such_column;")
     reg = AsyncpgRegistry(database, timeout=5)
     await reg.open()
     try:

@@ -1,0 +1,95 @@
+"""Job handlers, looked up by job `type`: built-ins and entry-point plugins.
+
+A handler is `async def handle(job: Job, context: HandlerContext) -> JSON-able result`.
+It raises `RetryableJobFailure` or `PermanentJobFailure` to say how a failure should be
+treated; anything else unexpected is retried within the consumer's max_deliver.
+
+Plugins register in the `workload_manager.handlers` entry-point group, the entry
+point's name being the job type:
+
+    [project.entry-points."workload_manager.handlers"]
+    "memory.write" = "my_package.handlers:write_memory"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from app.adapters.workload_http import WorkloadHttp, WorkloadHttpError
+from app.domain.jobs import Job, PermanentJobFailure, RetryableJobFailure
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "workload_manager.handlers"
+NOOP_MAX_DELAY_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class HandlerContext:
+    node_id: str
+    delivered: int
+    http: WorkloadHttp
+
+
+Handler = Callable[[Job, HandlerContext], Awaitable[Any]]
+
+
+async def noop(job: Job, context: HandlerContext) -> dict[str, Any]:
+    """Does nothing, for tests, drills and benchmarks. The payload may ask it to take
+    `delay_seconds` (at most 300) or to fail: `fail` = "retryable" | "permanent", and
+    `fail_times` to fail only on the first N deliveries."""
+    delay = float(job.payload.get("delay_seconds", 0))
+    if delay:
+        await asyncio.sleep(min(max(delay, 0.0), NOOP_MAX_DELAY_SECONDS))
+    fail = job.payload.get("fail")
+    if fail and context.delivered <= int(job.payload.get("fail_times", 1_000_000)):
+        if fail == "permanent":
+            raise PermanentJobFailure("noop asked to fail permanently")
+        raise RetryableJobFailure("noop asked to fail, retryably")
+    return {"noop": True, "delivered": context.delivered}
+
+
+async def http(job: Job, context: HandlerContext) -> dict[str, Any]:
+    """POST `payload.body` to `payload.url`, a workload's in-cluster URL.
+
+    5xx answers and timeouts are retried; 4xx answers, a URL outside the cluster and a
+    missing URL are permanent failures.
+    """
+    url = job.payload.get("url")
+    if not isinstance(url, str):
+        raise PermanentJobFailure("payload.url is required (a workload's in-cluster URL)")
+    try:
+        status, body = await context.http.post(
+            url, job.payload.get("body", {}), headers={"Idempotency-Key": job.idempotency_key}
+        )
+    except WorkloadHttpError as exc:
+        if exc.retryable:
+            raise RetryableJobFailure(str(exc)) from None
+        raise PermanentJobFailure(str(exc)) from None
+    return {"status": status, "body": body}
+
+
+BUILT_IN: dict[str, Handler] = {"noop": noop, "http": http}
+
+
+def load_handlers() -> dict[str, Handler]:
+    """Built-ins plus installed plugins; a plugin that fails to load is logged and skipped."""
+    handlers = dict(BUILT_IN)
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            handler = entry.load()
+        except Exception:  # a broken plugin must not stop the manager
+            log.exception("job handler plugin %s (%s) failed to load", entry.name, entry.value)
+            continue
+        if not callable(handler):
+            log.error("job handler plugin %s is not callable; skipped", entry.name)
+            continue
+        if entry.name in BUILT_IN:
+            log.warning("plugin %s replaces the built-in handler", entry.name)
+        handlers[entry.name] = handler
+    return handlers

@@ -1,0 +1,105 @@
+"""The JetStream topology (streams and the tiers' durable consumers) and job publishing.
+
+`init_streams` creates or updates, idempotently, the three job streams, MM_EVENTS and
+one durable pull consumer per job stream and tier (`wm-<tier>`, shared by every node of
+the tier). `publish_job` is the library form of `workload-manager publish`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from app.adapters.bus import ConsumerSpec, JetStreamBus, StreamSpec
+from app.domain.jobs import (
+    EVENTS_STREAM,
+    STREAMS,
+    Job,
+    consumer_filter,
+    consumer_name,
+    job_subject,
+)
+from app.domain.requirements import Requirements, Tier
+from app.settings import Settings
+
+TIERS = tuple(t.value for t in Tier)
+
+
+def stream_specs(settings: Settings) -> list[StreamSpec]:
+    def spec(name: str, subject: str, retention: str) -> StreamSpec:
+        return StreamSpec(
+            name=name,
+            subjects=(subject,),
+            retention=retention,
+            max_age_seconds=settings.nats_stream_max_age_seconds,
+            duplicate_window_seconds=settings.nats_duplicate_window_seconds,
+            replicas=settings.stream_replicas,
+        )
+
+    specs = [
+        spec(name, f"mm.{kind}.>", settings.job_stream_retention) for kind, name in STREAMS.items()
+    ]
+    specs.append(spec(EVENTS_STREAM, "mm.events.>", "limits"))
+    return specs
+
+
+def consumer_specs(settings: Settings, tiers: tuple[str, ...] = TIERS) -> list[ConsumerSpec]:
+    return [
+        ConsumerSpec(
+            stream=stream,
+            durable=consumer_name(tier),
+            filter_subject=consumer_filter(kind, tier),
+            ack_wait_seconds=settings.job_ack_wait_seconds,
+            max_deliver=settings.job_max_deliver,
+            # NATS takes backoff[0] as the ack wait when a backoff is set, so the list
+            # starts with it: an unanswered delivery (a crashed worker) is redelivered
+            # after ack_wait, later ones further apart; NAKs carry their own delays.
+            backoff_seconds=(settings.job_ack_wait_seconds, *settings.job_backoff_seconds),
+            max_ack_pending=settings.job_max_ack_pending,
+        )
+        for kind, stream in STREAMS.items()
+        for tier in tiers
+    ]
+
+
+async def init_streams(
+    bus: JetStreamBus, settings: Settings, *, tiers: tuple[str, ...] = TIERS
+) -> list[tuple[str, str]]:
+    """Create or update everything; returns (what, created|updated|unchanged) pairs."""
+    changes = []
+    for stream in stream_specs(settings):
+        changes.append((f"stream {stream.name}", await bus.ensure_stream(stream)))
+    for consumer in consumer_specs(settings, tiers):
+        what = f"consumer {consumer.stream}/{consumer.durable}"
+        changes.append((what, await bus.ensure_consumer(consumer)))
+    return changes
+
+
+def new_job(
+    job_type: str,
+    *,
+    payload: dict[str, Any] | None = None,
+    requirements: Requirements | dict[str, Any] | None = None,
+    idempotency_key: str | None = None,
+    deadline: datetime | None = None,
+) -> Job:
+    job_id = uuid.uuid4()
+    return Job.model_validate(
+        {
+            "schema": "job/v1",
+            "job_id": job_id,
+            "idempotency_key": idempotency_key or str(job_id),
+            "type": job_type,
+            "requirements": requirements or {},
+            "payload": payload or {},
+            "created_at": datetime.now(UTC),
+            "deadline": deadline,
+        }
+    )
+
+
+async def publish_job(bus: JetStreamBus, job: Job, *, kind: str, tier: str) -> int:
+    """Publish with `Nats-Msg-Id` = idempotency key: a duplicate within the window is dropped."""
+    body = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return await bus.publish(job_subject(kind, tier, job.type), body, msg_id=job.idempotency_key)

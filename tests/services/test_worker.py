@@ -1,0 +1,286 @@
+"""The job worker in the manager's lifespan, against a real nats-server and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from fastapi import FastAPI
+
+from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
+from app.main import create_app
+from tests.conftest import SettingsFactory, running, runtime_of
+from tests.support.databases import fresh_database
+from tests.support.jobs_world import EventLog, ledger, publish, publisher, watching_events
+
+NODE = "node-worker-a"
+
+
+@pytest.fixture
+async def database(postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
+    async with fresh_database(postgres_server.url) as url:
+        yield url
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path) -> Any:
+    server = EmbeddedNats(tmp_path / "nats").start()
+    yield server.url
+    server.stop()
+
+
+def worker_settings(database: str, nats_url: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "database_url": database,
+        "nats_url": nats_url,
+        "node_id": NODE,
+        "node_tier": "A",
+        "node_region": "eu",
+        "node_trust_zone": "z1",
+        "node_capabilities": ["embeddings"],
+        "heartbeat_interval_seconds": 0.5,
+        "worker_concurrency": 4,
+        "job_ack_wait_seconds": 2.0,
+        "job_max_deliver": 3,
+        "job_backoff_seconds": [0.2, 0.4],
+        "job_not_here_delay_seconds": 0.2,
+        "job_held_delay_seconds": 0.2,
+        "shutdown_grace_seconds": 10.0,
+        **extra,
+    }
+
+
+@pytest.fixture
+async def manager(
+    make_settings: SettingsFactory, database: str, nats_url: str
+) -> AsyncIterator[FastAPI]:
+    app = create_app(make_settings(**worker_settings(database, nats_url)))
+    async with running(app):
+        worker = runtime_of(app).components["worker"]
+        for _ in range(100):
+            if worker.state == "ok":
+                break
+            await asyncio.sleep(0.05)
+        assert worker.state == "ok", worker.as_dict()
+        yield app
+
+
+async def test_a_noop_job_completes_once(manager: FastAPI, database: str, nats_url: str) -> None:
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        job = await publish(bus, payload={"x": 1})
+        await events.wait_for(lambda: "job.completed" in events.kinds())
+    (completed,) = events.of("job.completed")
+    assert completed["job_id"] == str(job.job_id)
+    assert completed["node_id"] == NODE
+    assert completed["result"] == {"noop": True, "delivered": 1}
+    row = (await ledger(database))[job.idempotency_key]
+    assert (row["status"], row["attempts"], row["node_id"]) == ("completed", 1, NODE)
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"not json", "payload is not JSON"),
+        (b'{"schema": "job/v1"}', "job_id: Field required"),
+        (b'{"schema": "job/v2", "job_id": "x"}', "schema"),
+    ],
+)
+async def test_an_invalid_job_is_terminated_with_an_event(
+    manager: FastAPI, database: str, nats_url: str, raw: bytes, reason: str
+) -> None:
+    import nats
+
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        nc = await nats.connect(nats_url)
+        await nc.jetstream().publish("mm.write.A.noop", raw)
+        await nc.close()
+        await events.wait_for(lambda: "job.rejected" in events.kinds())
+        # the consumer is not stuck: the next job still runs
+        job = await publish(bus)
+        await events.wait_for(lambda: "job.completed" in events.kinds(job.idempotency_key))
+    assert reason in events.of("job.rejected")[0]["reason"]
+    assert list(await ledger(database)) == [job.idempotency_key]
+
+
+async def test_an_expired_job_is_terminated(manager: FastAPI, nats_url: str) -> None:
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        job = await publish(bus, deadline=datetime.now(UTC) - timedelta(seconds=1))
+        await events.wait_for(lambda: "job.expired" in events.kinds(job.idempotency_key))
+    assert "deadline" in events.of("job.expired")[0]["reason"]
+
+
+async def test_another_trust_zone_is_a_security_refusal(manager: FastAPI, nats_url: str) -> None:
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        job = await publish(bus, requirements={"trust_zone": "z9"})
+        await events.wait_for(lambda: "job.rejected" in events.kinds(job.idempotency_key))
+    (rejected,) = events.of("job.rejected")
+    assert rejected["security"] is True and "z9" in rejected["reason"]
+
+
+async def test_unmet_requirements_are_retried_then_reported_unroutable_and_dead(
+    manager: FastAPI, database: str, nats_url: str
+) -> None:
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        job = await publish(bus, requirements={"capabilities": ["quantum"]})
+        await events.wait_for(lambda: "job.dead" in events.kinds(job.idempotency_key))
+    kinds = events.kinds(job.idempotency_key)
+    assert kinds.count("job.unroutable") == 2  # deliveries 1 and 2 were naked with a delay
+    assert "no node ran it after 3 deliveries" in events.of("job.dead")[0]["reason"]
+    assert await ledger(database) == {}
+
+
+async def test_a_retryable_failure_is_retried_and_then_succeeds(
+    manager: FastAPI, database: str, nats_url: str
+) -> None:
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        job = await publish(bus, payload={"fail": "retryable", "fail_times": 1})
+        await events.wait_for(lambda: "job.completed" in events.kinds(job.idempotency_key))
+    assert events.kinds(job.idempotency_key) == ["job.failed", "job.completed"]
+    assert events.of("job.failed")[0]["retry_in_seconds"] == 0.2
+    row = (await ledger(database))[job.idempotency_key]
+    assert (row["status"], row["attempts"]) == ("completed", 2)
+
+
+@pytest.mark.parametrize(
+    ("payload", "failed_first"),
+    [({"fail": "permanent"}, 0), ({"fail": "retryable"}, 2)],
+)
+async def test_permanent_failures_and_the_last_delivery_are_dead_lettered(
+    manager: FastAPI, database: str, nats_url: str, payload: dict[str, Any], failed_first: int
+) -> None:
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        job = await publish(bus, payload=payload)
+        await events.wait_for(lambda: "job.dead" in events.kinds(job.idempotency_key))
+    assert events.kinds(job.idempotency_key) == ["job.failed"] * failed_first + ["job.dead"]
+    row = (await ledger(database))[job.idempotency_key]
+    assert row["status"] == "dead" and "noop asked to fail" in row["error"]
+
+
+async def test_the_same_key_runs_once(manager: FastAPI, database: str, nats_url: str) -> None:
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        first = await publish(bus, idempotency_key="order-42")
+        await events.wait_for(lambda: "job.completed" in events.kinds("order-42"))
+        # the same key again: within the duplicate window NATS drops it...
+        await publish(bus, idempotency_key="order-42")
+        # ...and past it (a different message id) the ledger acknowledges without running
+        import nats
+
+        nc = await nats.connect(nats_url)
+        again = first.model_dump(mode="json", by_alias=True, exclude_none=True)
+        again["job_id"] = "00000000-0000-4000-8000-000000000042"
+        import json
+
+        await nc.jetstream().publish("mm.write.A.noop", json.dumps(again).encode())
+        await nc.close()
+        await asyncio.sleep(1.0)
+    assert events.kinds("order-42") == ["job.completed"]
+    row = (await ledger(database))["order-42"]
+    assert (row["status"], row["attempts"]) == ("completed", 1)
+    metrics = runtime_of(manager).metrics.jobs.labels("noop", "duplicate")._value.get()
+    assert metrics == 1
+
+
+async def test_a_key_held_by_a_live_lease_elsewhere_waits_then_is_taken_over(
+    manager: FastAPI, database: str, nats_url: str
+) -> None:
+    conn = await asyncpg.connect(database)
+    await conn.execute(
+        """INSERT INTO job_ledger (idempotency_key, job_id, job_type, node_id, status, lease_until)
+           VALUES ('held-1', gen_random_uuid(), 'noop', 'other-node', 'running',
+                   now() + interval '1.5 seconds')"""
+    )
+    await conn.close()
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        await publish(bus, idempotency_key="held-1")
+        await asyncio.sleep(0.8)
+        assert events.kinds("held-1") == []
+        await events.wait_for(lambda: "job.completed" in events.kinds("held-1"))
+    row = (await ledger(database))["held-1"]
+    assert (row["node_id"], row["attempts"]) == (NODE, 2)
+
+
+async def test_a_slow_job_is_kept_alive_past_ack_wait(
+    manager: FastAPI, database: str, nats_url: str
+) -> None:
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        job = await publish(bus, payload={"delay_seconds": 3.0})  # ack_wait is 2 s
+        await events.wait_for(lambda: "job.completed" in events.kinds(job.idempotency_key))
+    assert events.of("job.completed")[0]["result"]["delivered"] == 1
+    assert (await ledger(database))[job.idempotency_key]["attempts"] == 1
+
+
+async def test_shutdown_lets_a_running_job_finish(
+    make_settings: SettingsFactory, database: str, nats_url: str
+) -> None:
+    app = create_app(make_settings(**worker_settings(database, nats_url)))
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        async with running(app):
+            await _worker_ready(app)
+            job = await publish(bus, payload={"delay_seconds": 1.0})
+            await _until_running(app)
+        # the lifespan has ended: the job finished within the grace period
+        assert "job.completed" in events.kinds(job.idempotency_key)
+        await events.wait_for(lambda: "node.offline" in events.kinds())
+    assert [k for k in events.kinds() if k.startswith("node.")] == [
+        "node.online",
+        "node.draining",
+        "node.offline",
+    ]
+    assert (await ledger(database))[job.idempotency_key]["status"] == "completed"
+
+
+async def test_shutdown_hands_back_what_cannot_finish_and_it_runs_later(
+    make_settings: SettingsFactory, database: str, nats_url: str
+) -> None:
+    settings = worker_settings(database, nats_url, shutdown_grace_seconds=6.0)
+    app = create_app(make_settings(**settings))
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        async with running(app):
+            await _worker_ready(app)
+            job = await publish(bus, payload={"delay_seconds": 30.0, "fail_times": 0})
+            await _until_running(app)
+        row = (await ledger(database))[job.idempotency_key]
+        assert (row["status"], row["error"]) == ("retrying", "released on shutdown")
+        assert "job.completed" not in events.kinds(job.idempotency_key)
+    # a later run (think: the next pod) picks it up from the stream; here it succeeds fast
+    async with asyncpg.create_pool(database) as pool:
+        await pool.execute("UPDATE job_ledger SET status = 'retrying'")
+    app2 = create_app(make_settings(**settings, job_timeout_seconds=0.5))
+    async with watching_events(nats_url) as events, running(app2):
+        await _worker_ready(app2)
+        await events.wait_for(lambda: bool(events.kinds(job.idempotency_key)), within=20)
+    assert events.kinds(job.idempotency_key)[0] in ("job.failed", "job.dead")
+    row = (await ledger(database))[job.idempotency_key]
+    assert row["attempts"] >= 2, "the job was handed back and claimed again, not lost"
+
+
+async def _worker_ready(app: FastAPI) -> None:
+    component = runtime_of(app).components["worker"]
+    for _ in range(200):
+        if component.state == "ok":
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(component.as_dict())
+
+
+async def _until_running(app: FastAPI) -> None:
+    worker = runtime_of(app).worker
+    assert worker is not None
+    for _ in range(200):
+        if worker.in_flight:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("no job started")
+
+
+def test_event_log_filters() -> None:
+    log = EventLog()
+    log.events.append(("mm.events.n.job.completed", {"idempotency_key": "k"}))
+    log.events.append(("mm.events.n.node.online", {"idempotency_key": None}))
+    assert log.kinds("k") == ["job.completed"]
+    assert log.kinds() == ["job.completed", "node.online"]

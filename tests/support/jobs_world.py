@@ -1,0 +1,85 @@
+"""Helpers for job-worker tests: publish jobs, collect events, read the ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+import nats
+
+from app.adapters.bus import JetStreamBus
+from app.domain.jobs import Job
+from app.services.streams import new_job, publish_job
+
+
+class EventLog:
+    """Every message on mm.events.> as (subject, body), via a core NATS subscription."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def kinds(self, key: str | None = None) -> list[str]:
+        return [
+            subject.split(".", 3)[3]
+            for subject, body in self.events
+            if key is None or body.get("idempotency_key") == key
+        ]
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [body for subject, body in self.events if subject.endswith("." + kind)]
+
+    async def wait_for(self, predicate: Callable[[], bool], within: float = 15.0) -> None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"events so far: {self.events}")
+
+
+@asynccontextmanager
+async def watching_events(url: str) -> AsyncIterator[EventLog]:
+    log = EventLog()
+    nc = await nats.connect(url)
+
+    async def collect(msg: Any) -> None:
+        log.events.append((msg.subject, json.loads(msg.data)))
+
+    await nc.subscribe("mm.events.>", cb=collect)
+    try:
+        yield log
+    finally:
+        await nc.drain()
+
+
+@asynccontextmanager
+async def publisher(url: str) -> AsyncIterator[JetStreamBus]:
+    bus = JetStreamBus(url, name="test-publisher", timeout=5)
+    await bus.connect()
+    try:
+        yield bus
+    finally:
+        await bus.drain()
+
+
+async def publish(
+    bus: JetStreamBus, job_type: str = "noop", *, kind: str = "write", tier: str = "A",
+    **fields: Any,
+) -> Job:  # fmt: skip
+    job = new_job(job_type, **fields)
+    await publish_job(bus, job, kind=kind, tier=tier)
+    return job
+
+
+async def ledger(url: str) -> dict[str, asyncpg.Record]:
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch("SELECT * FROM job_ledger")
+    finally:
+        await conn.close()
+    return {r["idempotency_key"]: r for r in rows}
