@@ -240,6 +240,15 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schema(args: argparse.Namespace) -> int:
+    import json
+
+    from app.domain.jobs import job_json_schema
+
+    print(json.dumps(job_json_schema(), indent=2, sort_keys=True))
+    return 0
+
+
 def _keygen(args: argparse.Namespace) -> int:
     from app.adapters.signing import generate_keypair
 
@@ -287,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--key", help="idempotency key (default: the job id)")
     publish.add_argument("--deadline", help="RFC 3339 time after which the job expires")
     publish.set_defaults(func=_publish)
+
+    schema = sub.add_parser("job-schema", help="print the JSON Schema of job/v1")
+    schema.set_defaults(func=_schema)
 
     keygen = sub.add_parser("keygen", help="print a new Ed25519 node key pair")
     keygen.add_argument(

@@ -54,6 +54,14 @@ class Job(BaseModel):
     deadline: AwareDatetime | None = None
 
 
+def job_json_schema() -> dict[str, Any]:
+    """JSON Schema of job/v1, as published in docs/job-schema-v1.json."""
+    schema = Job.model_json_schema(by_alias=True)
+    schema["$id"] = "https://node-system/schemas/job/v1.json"
+    schema["title"] = "Job (schema job/v1)"
+    return schema
+
+
 def job_subject(kind: str, tier: str, job_type: str) -> str:
     return f"mm.{kind}.{tier}.{job_type}"
 
