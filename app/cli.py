@@ -240,6 +240,45 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _self_update(args: argparse.Namespace) -> int:
+    import asyncio
+    from contextlib import AsyncExitStack
+
+    from app.adapters.kube import KubeError
+    from app.adapters.signing import InvalidKeyError
+    from app.adapters.versions import VersionSourceError
+    from app.domain.updates import VersionFileError
+    from app.services.runtime import build_runtime, open_self_updater
+
+    try:
+        rt = build_runtime(load_settings(_check_production=False))
+    except (SettingsError, InvalidKeyError) as exc:
+        print(f"workload-manager: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+    async def check() -> int:
+        async with AsyncExitStack() as stack:
+            updater = await open_self_updater(rt, stack)
+            if updater is None:
+                reason = rt.components["self_update"].reason
+                print(f"workload-manager: self-update is off: {reason}", file=sys.stderr)
+                return 2
+            try:
+                decision = await updater.check()
+            except (VersionSourceError, VersionFileError, KubeError) as exc:
+                print(f"workload-manager: cannot decide: {exc}", file=sys.stderr)
+                return 1
+        last = updater.last or {}
+        print(f"running:   {last.get('running')}")
+        print(f"published: {last.get('published')}")
+        print(f"decision:  {decision.choice.value} ({decision.reason})")
+        if decision.image:
+            print(f"image:     {decision.image}")
+        return 0
+
+    return asyncio.run(check())
+
+
 def _schema(args: argparse.Namespace) -> int:
     import json
 
@@ -296,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--key", help="idempotency key (default: the job id)")
     publish.add_argument("--deadline", help="RFC 3339 time after which the job expires")
     publish.set_defaults(func=_publish)
+
+    update = sub.add_parser("self-update", help="show what the self-update would do")
+    update.add_argument(
+        "--check", action="store_true", required=True, help="decide, change nothing"
+    )
+    update.set_defaults(func=_self_update)
 
     schema = sub.add_parser("job-schema", help="print the JSON Schema of job/v1")
     schema.set_defaults(func=_schema)

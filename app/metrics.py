@@ -154,6 +154,12 @@ class Metrics:
             ["stream"],
             registry=self.registry,
         )
+        self.self_updates = Counter(
+            f"{PREFIX}_self_updates_total",
+            "Self-update steps by outcome (applied, available, rolled-back, check-failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.up_since = Gauge(
             f"{PREFIX}_start_time_seconds",
             "Unix time the manager started.",

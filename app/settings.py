@@ -10,6 +10,7 @@ clear line naming the variable.
 from __future__ import annotations
 
 import json
+from datetime import time
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -85,8 +86,18 @@ class Settings(BaseSettings):
     report_interval_seconds: float = _ranged(60.0, 0.2, 86_400.0)
     sync_interval_seconds: float = _ranged(600.0, 1.0, 86_400.0)
     heartbeat_interval_seconds: float = _ranged(30.0, 0.2, 3_600.0)
+    self_update_enabled: bool = True
     self_update_url: str | None = None
     self_update_interval_seconds: float = _ranged(900.0, 1.0, 86_400.0)
+    self_image_repository: str = "ghcr.io/node-system/workload-manager"
+    self_container_name: str = "manager"
+    self_update_allow_prerelease: bool = False
+    self_update_window: str | None = Field(
+        default=None, pattern=r"^([01][0-9]|2[0-3]):[0-5][0-9]-([01][0-9]|2[0-3]):[0-5][0-9]$"
+    )
+    self_update_deadline_seconds: float = _ranged(300.0, 1.0, 3_600.0)
+    self_update_poll_seconds: float = _ranged(5.0, 0.05, 60.0)
+    self_update_timeout_seconds: float = _ranged(10.0, 0.1, 120.0)
     scheduler_jitter_fraction: float = _ranged(0.1, 0.0, 0.5)
 
     # --- cluster and desired state
@@ -240,6 +251,13 @@ class Settings(BaseSettings):
         if self.log_format == "auto":
             return self.is_production
         return self.log_format == "json"
+
+    @property
+    def update_window(self) -> tuple[time, time] | None:
+        if self.self_update_window is None:
+            return None
+        start, end = self.self_update_window.split("-")
+        return time.fromisoformat(start), time.fromisoformat(end)
 
     @property
     def stream_replicas(self) -> int:

@@ -22,6 +22,7 @@ import yaml
 from kubernetes_asyncio import client, config
 
 APPLY_PATCH = "application/apply-patch+yaml"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 FIELD_MANAGER = "workload-manager"
 DEFAULT_KUBECONFIG = Path("~/.kube/config")
 IN_CLUSTER_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -195,6 +196,22 @@ class KubeDeployments:
                 field_manager=FIELD_MANAGER,
                 force=True,
                 _content_type=APPLY_PATCH,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            ),
+        )
+        return obj
+
+    async def patch(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """A strategic-merge patch: containers merge by name, so one image can change alone."""
+        obj: dict[str, Any] = await self._call(
+            f"patch deployment {name}",
+            lambda: self._apps.patch_namespaced_deployment(
+                name,
+                self.namespace,
+                patch,
+                field_manager=FIELD_MANAGER,
+                _content_type=STRATEGIC_MERGE_PATCH,
                 _preload_content=False,
                 _request_timeout=self._timeout,
             ),

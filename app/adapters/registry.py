@@ -42,6 +42,10 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         await conn.set_type_codec(kind, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    return None
+
+
 _UPSERT = """
 INSERT INTO worker_capabilities AS w (node_id, tier, region, trust_zone, hardware, capabilities,
                                       status, last_heartbeat, heartbeat_interval_seconds,
@@ -95,6 +99,10 @@ class AsyncpgRegistry:
             timeout=self._timeout,
             command_timeout=self._timeout,
             init=_init_connection,
+            # The default reset sends four statements each time a connection goes back to
+            # the pool; the manager keeps no session state (no LISTEN, no session advisory
+            # locks, no SET), so that round trip per statement buys nothing.
+            reset=_keep_session,
         )
 
     async def close(self) -> None:

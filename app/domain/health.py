@@ -49,6 +49,7 @@ class Rollout:
     observed_generation: int
     replicas: int
     updated: int
+    total: int  # status.replicas: pods of every ReplicaSet, old ones still terminating
     ready: int
     available: int
     deadline_exceeded: bool
@@ -60,6 +61,7 @@ class Rollout:
         if (
             self.observed_generation < self.generation
             or self.updated < self.replicas
+            or self.total > self.updated
             or self.available < self.replicas
             or self.ready < self.replicas
         ):
@@ -84,6 +86,7 @@ def rollout_of(deployment: Mapping[str, Any]) -> Rollout:
         observed_generation=int(status.get("observedGeneration") or 0),
         replicas=int(spec.get("replicas", 1) or 0),
         updated=int(status.get("updatedReplicas") or 0),
+        total=int(status.get("replicas") or 0),
         ready=int(status.get("readyReplicas") or 0),
         available=int(status.get("availableReplicas") or 0),
         deadline_exceeded=deadline,

@@ -29,6 +29,7 @@ from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.kube import ClusterUnavailable, KubeDeployments, KubeError, load_configuration
 from app.adapters.registry import AsyncpgLedger, AsyncpgRegistry
 from app.adapters.signing import NodeSigner, load_private_key, node_id_for
+from app.adapters.versions import VersionFile
 from app.adapters.workload_http import WorkloadHttp
 from app.domain.components import Component, ComponentState
 from app.domain.jobs import STREAMS, consumer_name
@@ -37,6 +38,7 @@ from app.domain.migrations import MigrationError
 from app.domain.planning import SyncPolicy
 from app.domain.requirements import Tier
 from app.domain.tokens import ping_token
+from app.domain.updates import UpdatePolicy
 from app.metrics import Metrics
 from app.services import migrating
 from app.services.handlers import load_handlers
@@ -46,6 +48,7 @@ from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
 from app.services.streams import consumer_specs, init_streams
 from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
+from app.services.updating import SelfUpdater
 from app.services.working import Worker, WorkerConfig
 from app.services.workloads import WorkloadBook
 from app.settings import Settings, redact_url
@@ -73,6 +76,7 @@ class Runtime:
     syncer: Syncer | None = None
     registry: AsyncpgRegistry | None = None
     heartbeat: Heartbeat | None = None
+    updater: SelfUpdater | None = None
     worker: Worker | None = None
     bus: JetStreamBus | None = None
     cluster_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -120,7 +124,7 @@ def _components(settings: Settings, signer: NodeSigner | None) -> dict[str, Comp
         "sync": _sync_component(settings, signer),
         "registry": _registry_component(settings, database, embedded),
         "worker": _worker_component(settings, database, embedded),
-        "self_update": Component("self_update", False, NOT_YET),
+        "self_update": _self_update_component(settings),
     }
 
 
@@ -152,6 +156,24 @@ def _worker_component(settings: Settings, database: str | None, embedded: bool) 
         True,
         f"consumer wm-{tier} on MM_ONLINE, MM_OFFLINE, MM_WRITE; "
         f"{settings.worker_concurrency} job(s) at a time",
+    )
+
+
+def _self_update_component(settings: Settings) -> Component:
+    if not settings.self_update_enabled:
+        return Component("self_update", False, "switched off by SELF_UPDATE_ENABLED=false")
+    if settings.self_update_url is None:
+        return Component("self_update", False, "no SELF_UPDATE_URL set")
+    if settings.pod_namespace is None:
+        return Component(
+            "self_update",
+            False,
+            "not running in a cluster (no POD_NAMESPACE from the downward API)",
+        )
+    return Component(
+        "self_update",
+        True,
+        f"{settings.self_update_url} -> {settings.pod_namespace}/{settings.self_deployment_name}",
     )
 
 
@@ -248,6 +270,15 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
             syncer.refresh_view,
             every=settings.cluster_refresh_seconds,
             first_after=settings.cluster_refresh_seconds,
+        )
+
+    updater = await open_self_updater(rt, stack)
+    if updater is not None:
+        rt.scheduler.add_loop(
+            "self-update",
+            updater.run_scheduled,
+            every=settings.self_update_interval_seconds,
+            first_after=min(60.0, settings.self_update_interval_seconds),
         )
 
     rt.scheduler.start()
@@ -447,6 +478,42 @@ def _consumer_stats(rt: Runtime) -> Callable[[], Awaitable[None]]:
             rt.metrics.consumer_ack_pending.labels(stream).set(state["ack_pending"])
 
     return collect
+
+
+async def open_self_updater(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater | None:
+    settings = rt.settings
+    component = rt.components["self_update"]
+    if not component.enabled or settings.self_update_url is None:
+        return None
+    assert settings.pod_namespace is not None
+    try:
+        configuration, _source = await load_configuration(settings.kubeconfig)
+    except ClusterUnavailable as exc:
+        component.switch_off(str(exc))
+        return None
+    kube = KubeDeployments(
+        configuration, namespace=settings.pod_namespace, timeout=settings.kube_timeout_seconds
+    )
+    stack.push_async_callback(kube.aclose)
+    source = VersionFile(settings.self_update_url, timeout=settings.self_update_timeout_seconds)
+    stack.push_async_callback(source.aclose)
+    rt.updater = SelfUpdater(
+        source=source,
+        kube=kube,
+        deployment=settings.self_deployment_name,
+        container=settings.self_container_name,
+        policy=UpdatePolicy(
+            repository=settings.self_image_repository,
+            allow_prerelease=settings.self_update_allow_prerelease,
+            window=settings.update_window,
+        ),
+        deadline=settings.self_update_deadline_seconds,
+        poll_interval=settings.self_update_poll_seconds,
+        component=component,
+        metrics=rt.metrics,
+        cluster_lock=rt.cluster_lock,
+    )
+    return rt.updater
 
 
 async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:

@@ -127,6 +127,9 @@ class Worker:
         subscription: PullSubscription | None = None
         seen_reconnects = -1
         failures = 0
+        # An idle stream long-polls with one slot; once it delivers, it fetches in batches.
+        # Holding a batch of slots while waiting on an empty stream would starve busy ones.
+        active = False
         while not self._stopping:
             if not self._bus.connected:
                 await asyncio.sleep(0.2)
@@ -142,7 +145,7 @@ class Worker:
                     await self._pause(f"subscribe to {stream}/{durable}", exc, failures)
                     continue
                 seen_reconnects = self._bus.reconnects
-            slots = await self._reserve()
+            slots = await self._reserve(batch=self._config.batch if active else 1)
             if slots == 0:
                 continue
             try:
@@ -154,21 +157,22 @@ class Worker:
                 await self._pause(f"fetch from {stream}", exc, failures)
                 continue
             failures = 0
+            active = bool(deliveries)
             self._give_back(slots - len(deliveries))
             for delivery in deliveries:
                 self._spawn(delivery)
         if subscription is not None:
             await subscription.unsubscribe()
 
-    async def _reserve(self) -> int:
-        """Wait for a free job slot (in turn), then take more free ones, up to a batch."""
+    async def _reserve(self, *, batch: int) -> int:
+        """Wait for a free job slot (in turn), then take more free ones, up to `batch`."""
         while not self._stopping:
             try:
                 await asyncio.wait_for(self._slots.acquire(), timeout=1.0)
             except TimeoutError:
                 continue
             slots = 1
-            while slots < self._config.batch and not self._slots.locked():
+            while slots < batch and not self._slots.locked():
                 await self._slots.acquire()  # free: returns at once
                 slots += 1
             return slots

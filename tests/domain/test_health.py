@@ -9,10 +9,13 @@ from app.domain.health import (
     Ping,
     PingRecord,
     PingStatus,
+    Rollout,
+    RolloutPhase,
     WorkloadStatus,
     derive_status,
     is_workload_name,
     ping_age,
+    rollout_of,
 )
 
 STALE_AFTER = 30.0
@@ -88,3 +91,76 @@ def test_invalid_pings_name_the_field(body: str, field: str) -> None:
     with pytest.raises(ValidationError) as caught:
         Ping.model_validate_json(body)
     assert caught.value.errors()[0]["loc"][0] == field
+
+
+def deployment(
+    *, generation: int = 2, observed: int = 2, replicas: int = 2, updated: int = 2,
+    ready: int = 2, available: int = 2, total: int | None = None,
+    deadline: bool = False,
+) -> dict[str, object]:  # fmt: skip
+    conditions = [{"type": "Available", "status": "True"}]
+    if deadline:
+        conditions.append(
+            {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}
+        )
+    status = {
+        "observedGeneration": observed,
+        "replicas": updated if total is None else total,
+        "updatedReplicas": updated,
+        "readyReplicas": ready,
+        "availableReplicas": available,
+        "conditions": conditions,
+    }
+    return {
+        "metadata": {"generation": generation},
+        "spec": {"replicas": replicas},
+        "status": status,
+    }
+
+
+@pytest.mark.parametrize(
+    ("obj", "phase"),
+    [
+        (deployment(), RolloutPhase.READY),
+        (deployment(observed=1), RolloutPhase.ROLLING_OUT),  # controller has not seen it yet
+        (deployment(updated=1), RolloutPhase.ROLLING_OUT),
+        (deployment(available=1), RolloutPhase.ROLLING_OUT),
+        (deployment(ready=1, available=1), RolloutPhase.ROLLING_OUT),
+        (deployment(total=3), RolloutPhase.ROLLING_OUT),  # an old pod is still there
+        (deployment(deadline=True), RolloutPhase.FAILED),
+        (deployment(updated=1, deadline=True), RolloutPhase.FAILED),
+        (deployment(replicas=0, updated=0, ready=0, available=0), RolloutPhase.READY),
+        ({"metadata": {}, "spec": {}, "status": {}}, RolloutPhase.ROLLING_OUT),  # brand new
+    ],
+)
+def test_rollout_phase(obj: dict[str, object], phase: RolloutPhase) -> None:
+    assert rollout_of(obj).phase is phase
+
+
+HEALTHY_PING = record(PingStatus.HEALTHY, 100.0)
+READY = rollout_of(deployment())
+ROLLING = rollout_of(deployment(updated=1))
+FAILED = rollout_of(deployment(deadline=True))
+
+
+@pytest.mark.parametrize(
+    ("last", "expected", "rollout", "status"),
+    [
+        (HEALTHY_PING, True, READY, WorkloadStatus.HEALTHY),
+        (None, True, READY, WorkloadStatus.UNKNOWN),
+        (HEALTHY_PING, True, None, WorkloadStatus.MISSING),
+        (None, True, None, WorkloadStatus.MISSING),
+        (HEALTHY_PING, False, None, WorkloadStatus.HEALTHY),  # not desired, not deployed
+        (HEALTHY_PING, True, ROLLING, WorkloadStatus.ROLLING_OUT),
+        (HEALTHY_PING, True, FAILED, WorkloadStatus.FAILED),
+        (record(PingStatus.UNHEALTHY, 100.0), True, READY, WorkloadStatus.UNHEALTHY),
+        (record(PingStatus.HEALTHY, 10.0), True, READY, WorkloadStatus.STALE),
+        (None, False, FAILED, WorkloadStatus.FAILED),  # deployed but no longer desired
+    ],
+)
+def test_cluster_view_comes_first(
+    last: PingRecord | None, expected: bool, rollout: Rollout | None, status: WorkloadStatus
+) -> None:
+    assert derive_status(last, now=100.0, stale_after=30.0, expected=expected, rollout=rollout) is (
+        status
+    )

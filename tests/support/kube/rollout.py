@@ -132,7 +132,9 @@ def simulate(rollout: Rollout, deployment: Obj, now: float, timing: Timing, bad:
     return {
         "observedGeneration": rollout.generation,
         **_counts(
-            replicas=max(desired, ready),
+            # every pod counts: the new ReplicaSet's (not ready) and the old one's (still
+            # serving), which is how `kubectl rollout status` tells a rollout is not done
+            replicas=desired + ready,
             updatedReplicas=desired,
             readyReplicas=ready,
             availableReplicas=ready,
