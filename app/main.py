@@ -9,8 +9,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__
-from app.adapters import sentry
 from app.api import admin, fleet, pings, probes, status
+from app.api.fastping import PingFastPath
 from app.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from app.services.runtime import Runtime, build_runtime, start_runtime
 from app.settings import Settings, load_settings
@@ -23,6 +23,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     rt: Runtime = app.state.runtime
     async with AsyncExitStack() as stack:
         if rt.settings.sentry_dsn is not None:
+            from app.adapters import sentry
+
             stack.callback(sentry.flush)
         await start_runtime(rt, stack)
         try:
@@ -34,6 +36,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
     if settings.sentry_dsn is not None:
+        from app.adapters import sentry
+
         sentry.init(
             dsn=settings.sentry_dsn.get_secret_value(),
             environment=settings.app_env.value,
@@ -59,6 +63,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         limits=[(re.compile(r"/v1/workloads/[^/]+/health"), settings.ping_max_body_bytes)],
     )
     app.add_middleware(RequestIdMiddleware)
+    if settings.ping_fast_path:
+        app.add_middleware(PingFastPath, runtime=runtime, limit=settings.ping_max_body_bytes)
     return app
 
 

@@ -7,7 +7,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
 from app.api.auth import require_api_token, runtime
-from app.services.syncing import SyncBusy
 
 router = APIRouter(tags=["admin"], dependencies=[Depends(require_api_token)])
 
@@ -26,6 +25,8 @@ async def post_sync(
     rt = runtime(request)
     if rt.syncer is None:
         raise HTTPException(status_code=503, detail=f"sync is off: {rt.components['sync'].reason}")
+    from app.services.syncing import SyncBusy
+
     try:
         outcome = await rt.syncer.sync(dry_run=dry_run)
     except SyncBusy as exc:

@@ -6,7 +6,6 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
-from app.adapters.registry import RegistryUnavailable
 from app.api.auth import require_api_token, runtime
 
 router = APIRouter(tags=["fleet"], dependencies=[Depends(require_api_token)])
@@ -30,6 +29,8 @@ async def fleet_nodes(
     if rt.registry is None:
         reason = rt.components["registry"].reason
         raise HTTPException(status_code=503, detail=f"registry is off: {reason}")
+    from app.adapters.registry import RegistryUnavailable
+
     try:
         nodes = await rt.registry.nodes(
             tier=tier, liveness=status, capability=capability, limit=limit

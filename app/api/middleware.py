@@ -23,6 +23,14 @@ ASGIApp = Callable[[Scope, Receive, Send], Any]
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
+def safe_request_id(value: bytes | None) -> str | None:
+    """The caller's X-Request-ID when it is short and plain (it goes into logs), else None."""
+    if value is None:
+        return None
+    candidate = value.decode("latin-1")
+    return candidate if _SAFE_ID.fullmatch(candidate) else None
+
+
 class RequestIdMiddleware:
     """Take a sane `X-Request-ID` from the caller or make one; echo it; expose it to logs."""
 
@@ -33,13 +41,8 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = None
-        for key, value in scope["headers"]:
-            if key == b"x-request-id":
-                candidate = value.decode("latin-1")
-                rid = candidate if _SAFE_ID.fullmatch(candidate) else None
-                break
-        rid = rid or uuid.uuid4().hex[:16]
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        rid = safe_request_id(given) or uuid.uuid4().hex[:16]
         token = request_id.set(rid)
 
         async def send_with_id(message: Message) -> None:

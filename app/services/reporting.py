@@ -12,15 +12,17 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app import __version__
 from app.adapters import system
-from app.adapters.backend import BackendClient, BackendError
 from app.domain.components import Component
 from app.domain.reports import build_report
 from app.metrics import Metrics
 from app.services.workloads import WorkloadBook
+
+if TYPE_CHECKING:
+    from app.adapters.backend import BackendClient
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ class Reporter:
             self._metrics.reports.labels("logged").inc()
             self._component.succeeded(now, target="log")
             return True
+        from app.adapters.backend import BackendError
+
         started = time.monotonic()
         try:
             await self.backend.post_health(report)

@@ -18,40 +18,29 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app import __version__
-from app.adapters import bus, registry, system
-from app.adapters.backend import BackendClient
-from app.adapters.bus import JetStreamBus
-from app.adapters.desired_files import DesiredFiles
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
-from app.adapters.kube import ClusterUnavailable, KubeDeployments, KubeError, load_configuration
-from app.adapters.registry import AsyncpgLedger, AsyncpgRegistry
 from app.adapters.signing import NodeSigner, load_private_key, node_id_for
-from app.adapters.versions import VersionFile
-from app.adapters.workload_http import WorkloadHttp
 from app.domain.components import Component, ComponentState
-from app.domain.jobs import STREAMS, consumer_name
-from app.domain.manifests import Injection, ManifestPolicy
-from app.domain.migrations import MigrationError
-from app.domain.planning import SyncPolicy
 from app.domain.requirements import Tier
-from app.domain.tokens import ping_token
-from app.domain.updates import UpdatePolicy
 from app.metrics import Metrics
-from app.services import migrating
-from app.services.handlers import load_handlers
-from app.services.heartbeating import Heartbeat
-from app.services.migrating import migrations_dir
 from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
-from app.services.streams import consumer_specs, init_streams
-from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
-from app.services.updating import SelfUpdater
-from app.services.working import Worker, WorkerConfig
 from app.services.workloads import WorkloadBook
 from app.settings import Settings, redact_url
+
+# The clients of switched-off components are never imported (kubernetes-asyncio alone is
+# some 60 MiB): each `open_*` below imports what it needs when its component is on.
+if TYPE_CHECKING:
+    from app.adapters.backend import BackendClient
+    from app.adapters.bus import JetStreamBus
+    from app.adapters.registry import AsyncpgRegistry
+    from app.services.heartbeating import Heartbeat
+    from app.services.syncing import Syncer
+    from app.services.updating import SelfUpdater
+    from app.services.working import Worker
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +285,8 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
 
 def open_backend(rt: Runtime, stack: AsyncExitStack) -> BackendClient | None:
     """The signed backend client, when an endpoint and a key are configured."""
+    from app.adapters.backend import BackendClient
+
     settings = rt.settings
     if settings.node_system_endpoint is None or rt.signer is None:
         return None
@@ -316,6 +307,13 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
     Shutdown marks the node `draining` first and `offline` last, so whatever stops in
     between (jobs, the last report) happens while the fleet already routes around it.
     """
+    from app.adapters import system
+    from app.adapters.kube import KubeError
+    from app.adapters.registry import AsyncpgRegistry
+    from app.domain.migrations import MigrationError
+    from app.services import migrating
+    from app.services.heartbeating import Heartbeat
+
     settings = rt.settings
     component = rt.components["registry"]
     if not component.enabled or rt.database_url is None:
@@ -326,7 +324,7 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
     rt.registry = registry
     prepare = None
     if settings.migrates_on_start:
-        directory = migrations_dir(settings.migrations_dir)
+        directory = migrating.migrations_dir(settings.migrations_dir)
 
         async def prepare() -> None:
             try:
@@ -372,6 +370,13 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
 async def open_worker(rt: Runtime, stack: AsyncExitStack) -> Worker | None:
     """The job worker as a supervised task; it connects to NATS inside the task, so a
     NATS outage at start delays the worker, never the manager."""
+    from app.adapters.bus import JetStreamBus
+    from app.adapters.registry import AsyncpgLedger
+    from app.adapters.workload_http import WorkloadHttp
+    from app.services.handlers import load_handlers
+    from app.services.streams import consumer_specs, init_streams
+    from app.services.working import Worker, WorkerConfig
+
     settings = rt.settings
     component = rt.components["worker"]
     if not component.enabled or rt.nats_url is None:
@@ -468,6 +473,8 @@ async def _supervise(name: str, body: Callable[[], Awaitable[None]], component: 
 
 
 def _consumer_stats(rt: Runtime) -> Callable[[], Awaitable[None]]:
+    from app.domain.jobs import STREAMS, consumer_name
+
     async def collect() -> None:
         if rt.bus is None or not rt.bus.connected:
             return
@@ -481,6 +488,11 @@ def _consumer_stats(rt: Runtime) -> Callable[[], Awaitable[None]]:
 
 
 async def open_self_updater(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater | None:
+    from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
+    from app.adapters.versions import VersionFile
+    from app.domain.updates import UpdatePolicy
+    from app.services.updating import SelfUpdater
+
     settings = rt.settings
     component = rt.components["self_update"]
     if not component.enabled or settings.self_update_url is None:
@@ -518,6 +530,13 @@ async def open_self_updater(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater |
 
 async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
     """The deployment syncer, or None with the reason recorded on the sync component."""
+    from app.adapters.desired_files import DesiredFiles
+    from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
+    from app.domain.manifests import Injection, ManifestPolicy
+    from app.domain.planning import SyncPolicy
+    from app.domain.tokens import ping_token
+    from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
+
     settings = rt.settings
     component = rt.components["sync"]
     if not component.enabled:
@@ -631,10 +650,14 @@ async def _probe_postgres(rt: Runtime) -> None:
 
 
 async def _postgres_version(url: str) -> dict[str, object]:
+    from app.adapters import registry
+
     return {"server_version": await registry.server_version(url, connect_timeout=PROBE_TIMEOUT)}
 
 
 async def _probe_nats(rt: Runtime) -> None:
+    from app.adapters import bus
+
     if rt.nats_url is not None:
         url = rt.nats_url
         await _probe(

@@ -11,9 +11,21 @@ from fastapi import FastAPI
 
 from app.domain.tokens import ping_token
 from app.main import create_app
+from app.settings import Settings
 from tests.conftest import SettingsFactory, runtime_of
 
 GOOD = {"status": "healthy", "version": "1.2.0"}
+
+
+@pytest.fixture(params=[True, False], ids=["fast-path", "framework"])
+def settings(request: pytest.FixtureRequest, make_settings: SettingsFactory) -> Settings:
+    """Every test here runs against both the raw-ASGI fast path and the FastAPI route."""
+    return make_settings(ping_fast_path=request.param)
+
+
+@pytest.fixture(params=[True, False], ids=["fast-path", "framework"])
+def fast(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
 
 
 async def test_good_ping_is_recorded(client: httpx.AsyncClient, app: FastAPI) -> None:
@@ -93,8 +105,10 @@ async def test_body_just_under_the_limit_is_accepted(client: httpx.AsyncClient) 
 
 
 @pytest.fixture
-async def token_client(make_settings: SettingsFactory) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(make_settings(ping_token_secret="node-ping-secret"))
+async def token_client(
+    make_settings: SettingsFactory, fast: bool
+) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(make_settings(ping_token_secret="node-ping-secret", ping_fast_path=fast))
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://manager"
     ) as c:
@@ -131,8 +145,8 @@ async def test_token_is_checked_before_the_body_is_parsed(
     assert response.status_code == 401
 
 
-async def test_the_book_is_bounded(make_settings: SettingsFactory) -> None:
-    app = create_app(make_settings(max_tracked_workloads=2))
+async def test_the_book_is_bounded(make_settings: SettingsFactory, fast: bool) -> None:
+    app = create_app(make_settings(max_tracked_workloads=2, ping_fast_path=fast))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://m") as c:
         for name in ("a", "b"):
@@ -150,6 +164,10 @@ async def test_request_id_is_echoed_or_made(client: httpx.AsyncClient) -> None:
     assert given.headers["x-request-id"] == "abc-123"
     made = await client.post("/v1/workloads/api/health", json=GOOD)
     assert len(made.headers["x-request-id"]) == 16
+    assert (
+        made.headers["x-request-id"]
+        != (await client.post("/v1/workloads/api/health", json=GOOD)).headers["x-request-id"]
+    )
     hostile = await client.post(
         "/v1/workloads/api/health", json=GOOD, headers={"x-request-id": "a b\tc"}
     )

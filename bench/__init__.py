@@ -1,0 +1,36 @@
+"""Benchmarks for the workload manager: `python -m bench` (or `make bench`) runs them all.
+
+A benchmark is a module listed in BENCHMARKS that exposes `NAME`, `DESCRIPTION` and
+`run(options) -> dict`. The dict is stored as-is in bench/results/latest.json; its
+"tables" entry (a list of {"title", "columns", "rows"}) and "notes" are what gets printed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+# Add a module path here and `python -m bench` runs it, in this order.
+BENCHMARKS: tuple[str, ...] = ("bench.pings", "bench.sync", "bench.registry", "bench.jobs")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the command line says; every benchmark gets the same object."""
+
+    duration: float = 10.0  # seconds per measured phase
+    warmup: float = 3.0  # seconds of unmeasured load before the measured phases
+    quick: bool = False  # smoke-test mode: short phases, fewer repetitions
+    pin_cpus: bool = True  # server on one core, load generator on the other(s)
+    connections: int = 50  # keep-alive connections in the saturation phase
+    rate: float = 1000.0  # requests/s in the fixed-rate phase
+    profile: bool = False  # sample the manager with py-spy during an extra saturation phase
+
+
+class Benchmark(Protocol):
+    """The shape of a benchmark module."""
+
+    NAME: str
+    DESCRIPTION: str
+
+    def run(self, options: Options) -> dict[str, Any]: ...

@@ -1,0 +1,664 @@
+"""The jobs benchmark: noop jobs per second through the worker's whole path, against a floor.
+
+N noop jobs (5,000; 500 with --quick) are pre-published to mm.write.A.noop and run by the
+manager's worker inside its lifespan (validation, matching, ledger, event, ack), at the
+default WORKER_CONCURRENCY and at 16. The floor, in the same run on the same nats-server:
+a bare nats-py fetch-and-ack loop on a stream and consumer configured like MM_WRITE/wm-A.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import nats
+import nats.errors
+import nats.js.errors
+import psutil
+
+from app.adapters.bus import JetStreamBus
+from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
+from app.domain.jobs import STREAMS, Job, consumer_name
+from app.main import create_app
+from app.services.runtime import Runtime
+from app.services.streams import consumer_specs, init_streams, new_job, publish_job, stream_specs
+from app.settings import Settings
+from bench import Options, sampling
+from bench.checks import CheckFailed, check, say
+from tests.support.databases import fresh_database
+
+NAME = "jobs"
+DESCRIPTION = (
+    "noop jobs/s through the worker's whole path (validation, matching, ledger, event, ack) "
+    "against a bare nats-py fetch-ack loop on the same server (target: >= 0.5x)"
+)
+
+
+def _check(condition: bool, message: str) -> None:
+    check(condition, message)
+
+
+def _say(message: str) -> None:
+    say(NAME, message)
+
+
+JOBS = 5000
+QUICK_JOBS = 500
+DEFAULT_CONCURRENCY: int = Settings.model_fields["worker_concurrency"].default
+WIDE_CONCURRENCY = 16
+FETCH_BATCH: int = Settings.model_fields["job_fetch_batch"].default
+FETCH_WAIT = 1.0  # seconds; the worker's WorkerConfig.fetch_wait
+TARGET_RATIO = 0.5
+NODE, TIER, KIND = "bench-node", "A", "write"
+JOB_STREAM, DURABLE = STREAMS[KIND], consumer_name(TIER)
+BARE_STREAM, BARE_FILTER, BARE_DURABLE = "BENCH_BARE", "bench.bare.>", "bench-bare"
+BARE_SUBJECT = "bench.bare.noop"
+POLL = 0.01  # seconds between consumer-state polls while draining
+CPU_BOUND = 0.8  # CPU seconds per wall second of this process above which it is CPU-bound
+STALL = 30.0  # seconds without progress before a phase is declared stuck
+# Settings passed explicitly below; any other field set in the environment changes the run.
+EXPLICIT = frozenset(
+    {"data_dir", "embedded_services", "database_url", "nats_url", "node_id", "node_tier",
+     "report_enabled", "sync_enabled", "worker_concurrency", "job_fetch_batch",
+     "heartbeat_interval_seconds"}
+)  # fmt: skip
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+
+Snapshot = Mapping[str, Mapping[int, float]]  # what -> pid -> CPU seconds
+
+
+class CpuMeter:
+    """CPU seconds (user + system) of this process, nats-server and PostgreSQL's processes."""
+
+    def __init__(self, nats_pid: int, pg_pid: int) -> None:
+        self._nats = psutil.Process(nats_pid)
+        self._pg = psutil.Process(pg_pid)
+        self._self = psutil.Process()
+
+    @staticmethod
+    def _seconds(process: psutil.Process) -> float:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            return 0.0
+        return float(times.user + times.system)
+
+    def snapshot(self) -> Snapshot:
+        pg = [self._pg]
+        try:
+            pg += self._pg.children(recursive=True)
+        except psutil.Error:
+            pass
+        return {
+            "python": {self._self.pid: self._seconds(self._self)},
+            "nats": {self._nats.pid: self._seconds(self._nats)},
+            # a backend that started during the phase counts from zero: all of it is in it
+            "postgres": {p.pid: self._seconds(p) for p in pg},
+        }
+
+    @staticmethod
+    def spent(before: Snapshot, after: Snapshot) -> dict[str, float]:
+        return {
+            name: round(sum(t - before[name].get(pid, 0.0) for pid, t in pids.items()), 3)
+            for name, pids in after.items()
+        }
+
+
+@dataclass(frozen=True)
+class ConsumerView:
+    pending: int
+    ack_pending: int
+    redelivered: int
+    delivered: int
+
+    @property
+    def drained(self) -> bool:
+        return self.pending == 0 and self.ack_pending == 0
+
+
+@dataclass
+class World:
+    nats_url: str
+    pg_url: str
+    workdir: Path
+    cpu: CpuMeter
+    observer: Any  # a nats-py JetStream context, for consumer info only
+
+    async def consumer(self, stream: str, durable: str) -> ConsumerView:
+        info = await self.observer.consumer_info(stream, durable)
+        return ConsumerView(
+            pending=int(info.num_pending or 0),
+            ack_pending=int(info.num_ack_pending or 0),
+            redelivered=int(info.num_redelivered or 0),
+            delivered=int(info.delivered.consumer_seq or 0),
+        )
+
+    async def drained(
+        self, stream: str, durable: str, n: int, in_flight: Callable[[], int] | None = None
+    ) -> tuple[ConsumerView, list[int]]:
+        """Poll the consumer until nothing is pending or unacknowledged; fail on a stall.
+
+        Returns the last view and, when `in_flight` is given, its value at every poll.
+        """
+        samples: list[int] = []
+        last, progress_at = -1, time.monotonic()
+        while True:
+            view = await self.consumer(stream, durable)
+            if view.drained:
+                return view, samples
+            if in_flight is not None:
+                samples.append(in_flight())
+            left = view.pending + view.ack_pending
+            if left != last:
+                last, progress_at = left, time.monotonic()
+            _check(
+                time.monotonic() - progress_at < STALL,
+                f"{stream}/{durable}: no progress for {STALL:.0f} s with {view.pending} pending "
+                f"and {view.ack_pending} unacknowledged of {n}",
+            )
+            await asyncio.sleep(POLL)
+
+
+def _jobs(n: int, tag: str) -> list[Job]:
+    return [new_job("noop", idempotency_key=f"bench-{tag}-{i:05d}") for i in range(n)]
+
+
+def _body(job: Job) -> dict[str, Any]:
+    return job.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+async def _timed(label: str, n: int, publish: Callable[[int], Awaitable[object]]) -> float:
+    """Publish n messages one after the other, each awaiting its JetStream ack: the wall."""
+    _say(f"{label}: publishing {n} messages")
+    started = time.perf_counter()
+    for i in range(n):
+        await publish(i)
+    return time.perf_counter() - started
+
+
+def _percentile(values: Sequence[float], p: int) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
+
+
+def _settings(world: World, database_url: str, concurrency: int, tag: str) -> Settings:
+    return Settings(
+        _env_file=None,
+        data_dir=world.workdir / f"data-{tag}",
+        embedded_services=False,
+        database_url=database_url,
+        nats_url=world.nats_url,
+        node_id=NODE,
+        node_tier=TIER,
+        report_enabled=False,
+        sync_enabled=False,
+        worker_concurrency=concurrency,
+        job_fetch_batch=FETCH_BATCH,
+        heartbeat_interval_seconds=30,
+    )
+
+
+# --- the floor: nats-py alone ------------------------------------------------------------
+
+
+async def _bare(world: World, settings: Settings, n: int, batch: int, tag: str) -> dict[str, Any]:
+    """One loop: fetch(batch) from a durable pull consumer, ack each message, until n acked."""
+    (stream,) = [s for s in stream_specs(settings) if s.name == JOB_STREAM]
+    (consumer,) = [c for c in consumer_specs(settings, (TIER,)) if c.stream == JOB_STREAM]
+    bodies = [_body(job) for job in _jobs(n, f"bare-{tag}")]
+    bus = JetStreamBus(world.nats_url, name="bench-bare-publisher", timeout=10.0)
+    await bus.connect()
+    nc = await nats.connect(world.nats_url, name="bench-bare-consumer")
+    js = nc.jetstream(timeout=10.0)
+    try:
+        try:
+            await js.delete_stream(BARE_STREAM)
+        except nats.js.errors.NotFoundError:
+            pass
+        # the same stream and consumer settings as MM_WRITE and wm-A, by construction
+        await bus.ensure_stream(replace(stream, name=BARE_STREAM, subjects=(BARE_FILTER,)))
+        await bus.ensure_consumer(
+            replace(consumer, stream=BARE_STREAM, durable=BARE_DURABLE, filter_subject=BARE_FILTER)
+        )
+        publish_wall = await _timed(
+            f"floor, batch {batch}",
+            n,
+            lambda i: bus.publish(BARE_SUBJECT, bodies[i], msg_id=bodies[i]["idempotency_key"]),
+        )
+        view = await world.consumer(BARE_STREAM, BARE_DURABLE)
+        _check(
+            view.pending == n, f"{view.pending} messages pending on the floor's consumer, not {n}"
+        )
+        _say(f"floor, batch {batch}: fetch and ack")
+        fetches = empty = acked = 0
+        before = world.cpu.snapshot()
+        started = time.perf_counter()
+        sub = await js.pull_subscribe_bind(BARE_DURABLE, stream=BARE_STREAM)
+        while acked < n:
+            fetches += 1
+            try:
+                msgs = await sub.fetch(batch, timeout=FETCH_WAIT)
+            except (nats.errors.TimeoutError, TimeoutError):
+                empty += 1
+                _check(empty * FETCH_WAIT < STALL, f"the floor stalled at {acked} of {n} acked")
+                continue
+            for msg in msgs:
+                await msg.ack()
+                acked += 1
+        await nc.flush()
+        view, _ = await world.drained(BARE_STREAM, BARE_DURABLE, n)
+        wall = time.perf_counter() - started
+        cpu = CpuMeter.spent(before, world.cpu.snapshot())
+        await sub.unsubscribe()
+        _check(
+            acked == n and view.redelivered == 0, f"{acked} acked, {view.redelivered} redelivered"
+        )
+        return {
+            "messages": n,
+            "fetch_batch": batch,
+            "body_bytes": len(json_bytes(bodies[0])),
+            "publish_seconds": round(publish_wall, 4),
+            "publish_rate": round(n / publish_wall, 1),
+            "wall_seconds": round(wall, 4),
+            "rate": round(n / wall, 1),
+            "fetches": fetches,
+            "empty_fetches": empty,
+            "cpu_seconds": cpu,
+        }
+    finally:
+        try:
+            await js.delete_stream(BARE_STREAM)
+        except (nats.errors.Error, TimeoutError):
+            pass
+        await nc.close()
+        await bus.drain()
+
+
+def json_bytes(body: Mapping[str, Any]) -> bytes:
+    """The bytes JetStreamBus.publish sends for `body`."""
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+# --- the whole path: the manager's worker in its lifespan --------------------------------
+
+
+async def _worker_ready(runtime: Runtime) -> None:
+    component = runtime.components["worker"]
+    deadline = time.monotonic() + 60.0
+    while component.state != "ok":
+        _check(component.enabled, f"the worker is off: {component.reason}")
+        _check(time.monotonic() < deadline, f"the worker did not start: {component.as_dict()}")
+        await asyncio.sleep(0.001)
+
+
+def _outcomes(runtime: Runtime) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for metric in runtime.metrics.jobs.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total") and sample.value:
+                counts[sample.labels["outcome"]] = int(sample.value)
+    return counts
+
+
+def _mean_duration(runtime: Runtime) -> float | None:
+    """Mean delivery-to-answer time of noop jobs from the worker's histogram, in seconds."""
+    values: dict[str, float] = {}
+    for metric in runtime.metrics.job_duration.collect():
+        for sample in metric.samples:
+            if sample.labels.get("type") == "noop":
+                values[sample.name.rsplit("_", 1)[-1]] = sample.value
+    count = values.get("count", 0.0)
+    return values.get("sum", 0.0) / count if count else None
+
+
+async def _ledger(url: str) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        return await conn.fetch(
+            """SELECT idempotency_key, status, attempts, node_id,
+                      EXTRACT(EPOCH FROM completed_at - created_at)::float8 AS seconds,
+                      EXTRACT(EPOCH FROM created_at)::float8 AS claimed,
+                      EXTRACT(EPOCH FROM completed_at)::float8 AS completed
+               FROM job_ledger"""
+        )
+    finally:
+        await conn.close()
+
+
+async def _whole(
+    world: World, n: int, concurrency: int, tag: str, during: Callable[[], object] | None = None
+) -> dict[str, Any]:
+    """Pre-publish n noop jobs, start the manager, time from worker ready to all acked."""
+    jobs = _jobs(n, tag)
+    async with fresh_database(world.pg_url) as database_url:
+        settings = _settings(world, database_url, concurrency, tag)
+        bus = JetStreamBus(world.nats_url, name="bench-publisher", timeout=10.0)
+        await bus.connect()
+        try:
+            await init_streams(bus, settings)  # what the worker's start-up does, idempotently
+            start = await world.consumer(JOB_STREAM, DURABLE)
+            _check(start.drained, f"{JOB_STREAM}/{DURABLE} is not empty before the run: {start}")
+            publish_wall = await _timed(
+                f"whole path, concurrency {concurrency}",
+                n,
+                lambda i: publish_job(bus, jobs[i], kind=KIND, tier=TIER),
+            )
+        finally:
+            await bus.drain()
+        view = await world.consumer(JOB_STREAM, DURABLE)
+        _check(view.pending == n, f"{view.pending} jobs pending on {JOB_STREAM}/{DURABLE}, not {n}")
+        app = create_app(settings)
+        runtime: Runtime = app.state.runtime
+        _say(f"whole path, concurrency {concurrency}: starting the manager, running {n} jobs")
+        async with app.router.lifespan_context(app):
+            await _worker_ready(runtime)
+            before = world.cpu.snapshot()
+            started = time.perf_counter()
+            if during is not None:
+                during()
+            worker = runtime.worker
+            assert worker is not None
+            view, in_flight = await world.drained(JOB_STREAM, DURABLE, n, lambda: worker.in_flight)
+            wall = time.perf_counter() - started
+            cpu = CpuMeter.spent(before, world.cpu.snapshot())
+        rows = await _ledger(database_url)
+    outcomes = _outcomes(runtime)
+    keys = {job.idempotency_key for job in jobs}
+    completed = [r for r in rows if r["status"] == "completed"]
+    _check(
+        len(rows) == n and len(completed) == n and {r["idempotency_key"] for r in rows} == keys,
+        f"the ledger holds {len(rows)} rows, {len(completed)} completed; expected exactly the "
+        f"{n} published keys, completed",
+    )
+    attempts = sorted({int(r["attempts"]) for r in rows})
+    _check(attempts == [1], f"ledger attempts {attempts}, expected all 1")
+    _check({r["node_id"] for r in rows} == {NODE}, "a ledger row names another node")
+    _check(outcomes == {"completed": n}, f"worker outcomes {outcomes}, expected {n} completed")
+    _check(view.redelivered == 0, f"{view.redelivered} jobs were redelivered")
+    latencies = sorted(float(r["seconds"]) for r in rows)
+    span = max(float(r["completed"]) for r in rows) - min(float(r["claimed"]) for r in rows)
+    mean = _mean_duration(runtime)
+    return {
+        "jobs": n,
+        "concurrency": concurrency,
+        "fetch_batch": FETCH_BATCH,
+        "publish_seconds": round(publish_wall, 4),
+        "publish_rate": round(n / publish_wall, 1),
+        "wall_seconds": round(wall, 4),
+        "rate": round(n / wall, 1),
+        "ledger_span_seconds": round(span, 4),
+        "ledger_rate": round(n / span, 1) if span > 0 else None,
+        "claim_to_complete_ms": {
+            "p50": round(1000 * _percentile(latencies, 50), 2),
+            "p99": round(1000 * _percentile(latencies, 99), 2),
+            "max": round(1000 * latencies[-1], 2),
+        },
+        "delivery_to_answer_mean_ms": None if mean is None else round(1000 * mean, 2),
+        # jobs in flight at each 10 ms poll: how much of WORKER_CONCURRENCY was in use
+        "in_flight_mean": round(statistics.fmean(in_flight), 2) if in_flight else None,
+        "in_flight_max": max(in_flight, default=None),
+        "outcomes": outcomes,
+        "cpu_seconds": cpu,
+    }
+
+
+# --- runs --------------------------------------------------------------------------------
+
+
+async def _measure(world: World, n: int, concurrency: int) -> dict[str, Any]:
+    batch = min(concurrency, FETCH_BATCH)  # the worker never fetches more than free slots
+    tag = f"c{concurrency}"
+    result: dict[str, Any] = {"concurrency": concurrency, "bare": None, "whole": None}
+    result["failure"] = None
+    current = "floor"
+    try:
+        # only the stream and consumer settings are used: the database URL is a placeholder
+        settings = _settings(world, world.pg_url, concurrency, tag)
+        result["bare"] = await _bare(world, settings, n, batch, tag)
+        current = "whole path"
+        result["whole"] = await _whole(world, n, concurrency, tag)
+    except CheckFailed as exc:
+        result["failure"] = {"phase": current, "reason": str(exc)}
+        _say(f"concurrency {concurrency}: FAILED in {current}: {exc}")
+    if result["bare"] and result["whole"]:
+        result["ratio"] = round(result["whole"]["rate"] / result["bare"]["rate"], 3)
+        result["target_met"] = result["ratio"] >= TARGET_RATIO
+    return result
+
+
+async def _profile(world: World, n: int, expected_wall: float) -> dict[str, Any]:
+    """An extra, unmeasured whole-path run at concurrency 16 with py-spy sampling us."""
+    seconds = max(1.0, 0.9 * expected_wall)
+    output = world.workdir / "jobs.pyspy.txt"
+    holder: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            holder["sampler"] = sampling.start(os.getpid(), seconds, output)
+        except FileNotFoundError as exc:
+            holder["error"] = str(exc)
+
+    _say(f"profiling an extra run at concurrency {WIDE_CONCURRENCY} with py-spy")
+    try:
+        await _whole(world, n, WIDE_CONCURRENCY, "profile", during=start)
+    except CheckFailed as exc:
+        holder.setdefault("error", f"the profiled run failed: {exc}")
+    sampler = holder.get("sampler")
+    if sampler is None:
+        return {"error": holder.get("error", "py-spy did not start")}
+    deadline = time.monotonic() + seconds + 30.0
+    while sampler.poll() is None:  # no thread of ours waits on py-spy: it would be sampled
+        if time.monotonic() > deadline:
+            sampler.kill()
+            break
+        await asyncio.sleep(0.1)
+    _, stderr = sampler.communicate()
+    if sampler.returncode != 0 or not output.exists():
+        return {"error": f"py-spy exited with {sampler.returncode}: {stderr.decode()[-500:]}"}
+    return {"seconds": round(seconds, 1)} | sampling.summarize(output.read_text())
+
+
+async def _measure_all(world: World, n: int, profile: bool) -> dict[str, Any]:
+    nc = await nats.connect(world.nats_url, name="bench-observer")
+    world.observer = nc.jetstream(timeout=10.0)
+    try:
+        runs: dict[str, Any] = {}
+        for concurrency in dict.fromkeys((DEFAULT_CONCURRENCY, WIDE_CONCURRENCY)):
+            runs[str(concurrency)] = await _measure(world, n, concurrency)
+        result: dict[str, Any] = {"runs": runs}
+        wide = runs[str(WIDE_CONCURRENCY)].get("whole")
+        if profile and wide is not None:
+            result["profile"] = await _profile(world, n, wide["wall_seconds"])
+        return result
+    finally:
+        await nc.close()
+
+
+def run(options: Options) -> dict[str, Any]:
+    n = QUICK_JOBS if options.quick else JOBS
+    overridden = sorted(
+        k for k in os.environ if k.lower() in Settings.model_fields and k.lower() not in EXPLICIT
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-jobs-") as tmp:
+        workdir = Path(tmp)
+        pg = EmbeddedPostgres(workdir / "postgres")
+        server = EmbeddedNats(workdir / "nats")
+        try:
+            _say("starting PostgreSQL and nats-server")
+            pg.start()
+            server.start()
+            assert pg.pid is not None and server.pid is not None
+            world = World(server.url, pg.url, workdir, CpuMeter(server.pid, pg.pid), None)
+            measured = asyncio.run(_measure_all(world, n, options.profile))
+        finally:
+            server.stop()
+            pg.stop()
+    runs = measured["runs"]
+    setup = {
+        "jobs": n,
+        "concurrencies": [int(c) for c in runs],
+        "default_concurrency": DEFAULT_CONCURRENCY,
+        "job_fetch_batch": FETCH_BATCH,
+        "cpu_count": psutil.cpu_count(),
+        "load_average_1m_before": round(os.getloadavg()[0], 2),
+        "settings_from_environment": overridden,
+    }
+    result: dict[str, Any] = {"setup": setup, **measured}
+    result["ok"] = all(r["failure"] is None for r in runs.values())
+    result["targets"] = {
+        "whole_path_vs_floor": {
+            "target": f">= {TARGET_RATIO}x",
+            "observed": {c: r.get("ratio") for c, r in runs.items()},
+            "met": all(r.get("target_met") for r in runs.values()) if result["ok"] else None,
+        }
+    }
+    result["tables"] = _tables(runs, n, measured.get("profile"))
+    result["notes"] = _notes(setup, runs, measured.get("profile"))
+    return result
+
+
+# --- report ------------------------------------------------------------------------------
+
+
+def _cpu(phase: Mapping[str, Any]) -> str:
+    cpu, wall = phase["cpu_seconds"], phase["wall_seconds"]
+    parts = [f"{100 * cpu[k] / wall:.0f}" for k in ("python", "nats", "postgres")]
+    return " / ".join(parts)
+
+
+def _tables(
+    runs: Mapping[str, Any], n: int, profile: Mapping[str, Any] | None
+) -> list[dict[str, Any]]:
+    rows: list[list[str]] = []
+    for concurrency, r in runs.items():
+        default = " (default)" if int(concurrency) == DEFAULT_CONCURRENCY else ""
+        bare, whole = r["bare"], r["whole"]
+        if bare is not None:
+            rows.append([
+                f"floor: 1 loop, fetch {bare['fetch_batch']}, ack each",
+                f"{bare['publish_rate']:,.0f}", f"{bare['wall_seconds']:.3f}",
+                f"{bare['rate']:,.0f}", "1.00", "-", "-", _cpu(bare),
+            ])  # fmt: skip
+        if whole is not None:
+            lat = whole["claim_to_complete_ms"]
+            verdict = "met" if r["target_met"] else "NOT met"
+            rows.append([
+                f"whole path: WORKER_CONCURRENCY={concurrency}{default}",
+                f"{whole['publish_rate']:,.0f}", f"{whole['wall_seconds']:.3f}",
+                f"{whole['rate']:,.0f}", f"{r['ratio']:.2f} ({verdict})",
+                f"{whole['in_flight_mean']} of {concurrency}",
+                f"{lat['p50']:.1f} / {lat['p99']:.1f}", _cpu(whole),
+            ])  # fmt: skip
+        if r["failure"] is not None:
+            rows.append([f"FAILED at {concurrency} in {r['failure']['phase']}",
+                         *["-"] * 6, r["failure"]["reason"]])  # fmt: skip
+    tables = [
+        {
+            "title": f"jobs: {n:,} noop jobs, whole path against the bare fetch-ack floor",
+            "columns": [
+                "path", "publish /s", "wall s", "per s", f"x floor (>= {TARGET_RATIO})",
+                "in flight (mean)", "claim->done p50 / p99 ms", "CPU % py / nats / pg",
+            ],
+            "rows": rows,
+        }
+    ]  # fmt: skip
+    if profile is not None and "error" not in profile:
+        tables.append(
+            {
+                "title": f"jobs: py-spy, whole path at {WIDE_CONCURRENCY} "
+                f"({profile['samples']} samples; inclusive, top 15)",
+                "columns": ["function (file)", "% of samples"],
+                "rows": [[e["name"], f"{e['percent']:.1f}"] for e in profile["inclusive"][:15]],
+            }
+        )
+        tables.append(
+            {
+                "title": "jobs: py-spy, innermost frame by package",
+                "columns": ["package", "% of samples"],
+                "rows": [[e["name"], f"{e['percent']:.1f}"] for e in profile["by_package"]],
+            }
+        )
+    return tables
+
+
+def _notes(
+    setup: Mapping[str, Any], runs: Mapping[str, Any], profile: Mapping[str, Any] | None
+) -> list[str]:
+    n = setup["jobs"]
+    notes = [
+        f"whole path: {n:,} noop jobs (unique idempotency keys) are published to "
+        f"mm.write.{TIER}.noop with publish_job before the manager starts; the time runs from "
+        "the worker component turning ok to the consumer wm-A having nothing pending or "
+        "unacknowledged (polled every 10 ms), over the manager's real lifespan (create_app, "
+        "migrations, heartbeat) with a fresh database per run. Each job: parse and validate, "
+        "admit (matching), claim in the ledger, run noop, complete in the ledger, publish "
+        "job.completed to MM_EVENTS (awaiting its ack), ack.",
+        f"floor: the same number of messages of the same body size, with Nats-Msg-Id, on "
+        f"{BARE_STREAM} (a copy of the MM_WRITE stream and wm-A consumer settings), consumed by "
+        "ONE nats-py loop: pull_subscribe_bind, fetch(batch, timeout=1), await msg.ack() on "
+        "each, then flush and wait for the consumer to show nothing unacknowledged. batch = "
+        "min(concurrency, JOB_FETCH_BATCH), the most the worker fetches at once at that "
+        "concurrency; the floor does no work per message, so one loop is its best shape.",
+        "checked before reporting: the ledger holds exactly the published keys, all completed, "
+        "attempts all 1, this node; the worker counted only `completed` outcomes; no "
+        "redeliveries on either consumer.",
+        "claim->done = completed_at - created_at of each ledger row (claim, noop, complete; "
+        "fetch, parsing, the event and the ack are outside it); `in flight` = the worker's jobs "
+        "in flight at each 10 ms poll, against WORKER_CONCURRENCY; publish /s = one publisher "
+        "awaiting each JetStream ack. The JSON also has the rate by PostgreSQL's clock "
+        "(ledger_rate: jobs / (last completed_at - first claim)) and the worker histogram's "
+        "mean delivery->answer time.",
+        f"CPU: {setup['cpu_count']} logical cores shared by nats-server, PostgreSQL, this "
+        "process (the manager's event loop, the publisher and the poller) and nothing pinned; "
+        "`CPU %` = CPU seconds of each during the timed phase / wall seconds (100 = one core). "
+        f"Load average before the run: {setup['load_average_1m_before']} (other work on the "
+        "machine shows up as noise).",
+    ]
+    for concurrency, r in runs.items():
+        if r.get("ratio") is None:
+            continue
+        whole = r["whole"]
+        busy = whole["cpu_seconds"]["python"] / whole["wall_seconds"]
+        notes.append(
+            f"WORKER_CONCURRENCY={concurrency}: {whole['rate']:,.0f} jobs/s against a floor of "
+            f"{r['bare']['rate']:,.0f} msgs/s: {r['ratio']:.2f}x, target >= {TARGET_RATIO}x "
+            f"{'met' if r['target_met'] else 'NOT MET'}. This process used "
+            f"{1000 * whole['cpu_seconds']['python'] / n:.2f} ms of CPU per job (floor: "
+            f"{1000 * r['bare']['cpu_seconds']['python'] / n:.3f} ms per message) at "
+            f"{100 * busy:.0f}% of one core, with {whole['in_flight_mean']} of {concurrency} "
+            "job slots in use on average"
+            + (": CPU-bound." if busy >= CPU_BOUND else ": not CPU-bound, the slots sit idle.")
+        )
+    if profile is not None and "error" in profile:
+        notes.append(f"profile not taken: {profile['error']}")
+    elif profile is not None:
+        notes.append(
+            "py-spy sampled this process during an extra, unmeasured whole-path run at "
+            f"concurrency {WIDE_CONCURRENCY}; the publisher was idle then, so the samples are "
+            "the manager's (and the 10 ms poller's)."
+        )
+    for concurrency, r in runs.items():
+        if r["failure"] is not None:
+            notes.append(
+                f"FAILED at WORKER_CONCURRENCY={concurrency} in {r['failure']['phase']}: "
+                f"{r['failure']['reason']}"
+            )
+    if setup["settings_from_environment"]:
+        notes.append(
+            "settings also read from this environment (they change what is measured): "
+            + ", ".join(setup["settings_from_environment"])
+        )
+    return notes

@@ -1,0 +1,582 @@
+"""The ping benchmark: `POST /v1/workloads/{name}/health`, manager against a bare-ASGI floor.
+
+Both servers run as child processes under uvicorn with the same options, one after the
+other, each pinned to one core with the load generator on the other. Each gets a warm-up,
+a saturation phase (keep-alive connections, closed loop), a fixed-rate phase (open loop)
+and RSS readings when idle after start and after the load. Also: what importing costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench import Options, sampling
+from bench.checks import say
+from bench.imports import ImportEntry, importtime, package_costs, rss_after, top_modules
+from bench.loadgen import LoadGenerator, PhaseResult, encode_request, loop_name, run_async
+from bench.servers import HOST, ServerProcess, ServerSpec, free_port, running
+
+NAME = "pings"
+DESCRIPTION = "POST /v1/workloads/{name}/health: the manager against a bare ASGI floor"
+
+
+def _say(message: str) -> None:
+    say(NAME, message)
+
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOADS = tuple(f"bench-workload-{i:02d}" for i in range(50))
+BODY = b'{"status":"healthy","version":"1.2.0"}'
+PING_TOKEN_SECRET = "bench-ping-token-secret"  # only ever sent to 127.0.0.1
+SETTLE_SECONDS = 1.0  # quiet time before an RSS reading
+TARGET_THROUGHPUT_RATIO = 0.8
+TARGET_P99_MS = 20.0
+MIB = 1024 * 1024
+NOISY_OUTSIDE_CPU_PERCENT = 15.0  # above this, say the phase ran on a busy machine
+
+# RSS of a fresh interpreter after each statement: what each layer of the stack costs.
+RSS_STEPS: tuple[tuple[str, str], ...] = (
+    ("python, nothing imported", "pass"),
+    ("import uvicorn", "import uvicorn"),
+    (
+        "uvicorn + uvloop + httptools protocol",
+        "import uvicorn, uvloop, uvicorn.protocols.http.httptools_impl",
+    ),
+    ("import fastapi", "import fastapi"),
+    ("import app.main", "import app.main"),
+    ("app.main.create_app()", "import app.main; app.main.create_app()"),
+)
+
+
+def run(options: Options) -> dict[str, Any]:
+    available = sorted(os.sched_getaffinity(0))
+    server_cpus: set[int] | None = None
+    client_cpus: set[int] | None = None
+    if options.pin_cpus and len(available) >= 2:
+        server_cpus, client_cpus = {available[0]}, set(available[1:])
+    with tempfile.TemporaryDirectory(prefix="bench-pings-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "data").mkdir()
+        env = _manager_env(workdir)
+        imports = _import_costs(env, workdir, runs=1 if options.quick else 3)
+        original_affinity = os.sched_getaffinity(0)
+        try:
+            if client_cpus:
+                os.sched_setaffinity(0, client_cpus)
+            servers = {
+                "floor": _measure(_floor_spec, options, server_cpus, workdir),
+                "manager": _measure(
+                    lambda port: _manager_spec(port, env, workdir),
+                    options,
+                    server_cpus,
+                    workdir,
+                    with_profile=options.profile,
+                ),
+            }
+        finally:
+            os.sched_setaffinity(0, original_affinity)
+    setup = {
+        "workloads": len(WORKLOADS),
+        "body": BODY.decode(),
+        "auth": "bearer ping token per workload (PING_TOKEN_SECRET set on the manager)",
+        "connections": options.connections,
+        "duration_seconds": options.duration,
+        "warmup_seconds": options.warmup,
+        "fixed_rate": options.rate,
+        "server_cpus": sorted(server_cpus) if server_cpus else None,
+        "client_cpus": sorted(client_cpus) if client_cpus else None,
+        "client": f"bench.loadgen on {loop_name()} (asyncio protocols, pre-encoded requests)",
+        "server_options": "uvicorn.run(app, log_config=None, access_log=False, "
+        "server_header=False, timeout_graceful_shutdown=20), loop/http 'auto', one process",
+    }
+    result: dict[str, Any] = {"setup": setup, "servers": servers, "imports": imports}
+    result["targets"] = _targets(servers)
+    result["tables"] = _tables(servers, imports, result["targets"], options)
+    result["notes"] = _notes(setup, servers, imports)
+    return result
+
+
+# --- servers -----------------------------------------------------------------------------
+
+
+def _base_env() -> dict[str, str]:
+    env = {"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8"}
+    if "HOME" in os.environ:
+        env["HOME"] = os.environ["HOME"]
+    return env
+
+
+def _manager_env(workdir: Path) -> dict[str, str]:
+    return _base_env() | {
+        "HOST": HOST,
+        "EMBEDDED_SERVICES": "false",
+        "REPORT_ENABLED": "false",
+        "DATA_DIR": str(workdir / "data"),
+        "LOG_LEVEL": "WARNING",
+        "PING_TOKEN_SECRET": PING_TOKEN_SECRET,
+    }
+
+
+def _manager_spec(port: int, env: Mapping[str, str], workdir: Path) -> ServerSpec:
+    return ServerSpec(
+        label="manager",
+        argv=(sys.executable, "-m", "app", "serve"),
+        env={**env, "PORT": str(port)},
+        cwd=workdir,  # not the repo: a developer's .env must not change what is measured
+        ready_path="/readyz",
+    )
+
+
+def _floor_spec(port: int) -> ServerSpec:
+    return ServerSpec(
+        label="floor",
+        argv=(sys.executable, "-m", "bench.floor_app", "--host", HOST, "--port", str(port)),
+        env=_base_env(),
+        cwd=REPO,
+        ready_path="/",
+        ready_statuses=frozenset({404}),
+    )
+
+
+def _ping_token(name: str) -> str:
+    """The manager's per-workload token: hex HMAC-SHA256(PING_TOKEN_SECRET, name).
+
+    Computed here rather than imported so the benchmark does not follow app/'s module
+    layout; a scheme change shows up as 401s in the error rows.
+    """
+    return hmac.new(PING_TOKEN_SECRET.encode(), name.encode(), hashlib.sha256).hexdigest()
+
+
+def _requests(port: int) -> list[bytes]:
+    return [
+        encode_request(
+            method="POST",
+            path=f"/v1/workloads/{name}/health",
+            host=f"{HOST}:{port}",
+            body=BODY,
+            headers=[
+                ("Authorization", f"Bearer {_ping_token(name)}"),
+                ("Content-Type", "application/json"),
+                ("User-Agent", "bench-loadgen"),
+            ],
+        )
+        for name in WORKLOADS
+    ]
+
+
+def _measure(
+    spec_for: Callable[[int], ServerSpec],
+    options: Options,
+    cpus: set[int] | None,
+    workdir: Path,
+    *,
+    with_profile: bool = False,
+) -> dict[str, Any]:
+    port = free_port()
+    spec: ServerSpec = spec_for(port)
+    _say(f"{spec.label}: starting on port {port}")
+    with running(spec, port=port, cpus=cpus, log=workdir / f"{spec.label}.log") as server:
+        time.sleep(SETTLE_SECONDS)
+        idle = {"rss_bytes": server.rss_bytes(), "uss_bytes": server.uss_bytes()}
+        info = {
+            "pid": server.pid,
+            "threads": server.threads(),
+            "affinity": server.affinity(),
+            "loaded": server.loaded_extensions("uvloop", "httptools"),
+        }
+        phases = run_async(_drive(server, _requests(port), options))
+        time.sleep(SETTLE_SECONDS)
+        after = {"rss_bytes": server.rss_bytes(), "uss_bytes": server.uss_bytes()}
+        if with_profile:
+            _say(f"{spec.label}: profiling under load with py-spy")
+            phases["profile"] = _profile(server, _requests(port), options, workdir)
+        log_tail = server.log()
+    return {"process": info, "idle": idle, "after_load": after, **phases, "log_tail": log_tail}
+
+
+def _profile(
+    server: ServerProcess, requests: Sequence[bytes], options: Options, workdir: Path
+) -> dict[str, Any]:
+    """An extra, unmeasured saturation phase with py-spy sampling the server."""
+    seconds = max(2.0, min(options.duration, 10.0))
+    output = workdir / f"{server.spec.label}.pyspy.txt"
+    try:
+        sampler = sampling.start(server.pid, seconds, output)
+    except FileNotFoundError as exc:
+        return {"error": str(exc)}
+    gen = LoadGenerator(HOST, server.port, requests)
+    try:
+        run_async(gen.closed_loop(connections=options.connections, duration=seconds + 1.0))
+    finally:
+        try:
+            _, stderr = sampler.communicate(timeout=seconds + 30.0)
+        except subprocess.TimeoutExpired:
+            sampler.kill()
+            _, stderr = sampler.communicate()
+    if sampler.returncode != 0 or not output.exists():
+        return {"error": f"py-spy exited with {sampler.returncode}: {stderr.decode()[-500:]}"}
+    return sampling.summarize(output.read_text())
+
+
+async def _drive(
+    server: ServerProcess, requests: Sequence[bytes], options: Options
+) -> dict[str, Any]:
+    label = server.spec.label
+    gen = LoadGenerator(HOST, server.port, requests)
+    _say(f"{label}: warm-up {options.warmup:g} s, saturation {options.duration:g} s, "
+         f"{options.rate:g} req/s for {options.duration:g} s")  # fmt: skip
+    warm = await gen.closed_loop(connections=options.connections, duration=options.warmup)
+    saturation = await _with_server_cpu(
+        server, gen.closed_loop(connections=options.connections, duration=options.duration)
+    )
+    await asyncio.sleep(SETTLE_SECONDS)
+    fixed = await _with_server_cpu(
+        server,
+        gen.open_loop(
+            connections=options.connections, rate=options.rate, duration=options.duration
+        ),
+    )
+    return {
+        "warmup": warm.summary(),
+        "saturation": saturation,
+        "fixed_rate": fixed,
+    }
+
+
+async def _with_server_cpu(server: ServerProcess, phase: Awaitable[PhaseResult]) -> dict[str, Any]:
+    """The phase's summary, with the server's CPU and the CPU spent outside server and client."""
+    cpu0, busy0 = server.cpu_seconds(), _busy_cpu_seconds()
+    result = await phase
+    cpu1, busy1 = server.cpu_seconds(), _busy_cpu_seconds()
+    summary = result.summary()
+    wall = result.wall_seconds
+    summary["server_cpu_percent"] = round(100.0 * (cpu1 - cpu0) / wall, 1)
+    outside = (busy1 - busy0) - (cpu1 - cpu0) - result.client_cpu_seconds
+    summary["outside_cpu_percent"] = round(100.0 * max(0.0, outside) / wall, 1)
+    return summary
+
+
+def _busy_cpu_seconds() -> float:
+    """CPU time spent by the whole machine so far, idle and I/O wait excluded."""
+    t = psutil.cpu_times()
+    return float(t.user + t.nice + t.system + t.irq + t.softirq + t.steal)
+
+
+# --- imports -----------------------------------------------------------------------------
+
+
+def _import_costs(env: Mapping[str, str], workdir: Path, runs: int) -> dict[str, Any]:
+    _say("import costs: -X importtime and RSS per import, in fresh interpreters")
+    entries = importtime("app.main", env=env, cwd=workdir, runs=runs)
+    stdlib = sys.stdlib_module_names
+    packages = [p for p in package_costs(entries) if p.package not in stdlib | {"app"}]
+    rss = [
+        {
+            "label": label,
+            "statement": statement,
+            "rss_bytes": rss_after(statement, env=env, cwd=workdir),
+        }
+        for label, statement in RSS_STEPS
+    ]
+    alone = [
+        {"package": p.package, "rss_bytes": rss_after(f"import {p.package}", env=env, cwd=workdir)}
+        for p in packages[:12]
+    ]
+    return {
+        "total_ms": round(sum(e.self_us for e in entries) / 1000, 1),
+        "modules": len(entries),
+        "top_modules": [_entry(e) for e in top_modules(entries, 10)],
+        "top_packages": [
+            {
+                "package": p.package,
+                "cumulative_ms": round(p.cumulative_us / 1000, 1),
+                "self_ms": round(p.self_us / 1000, 1),
+                "modules": p.modules,
+                "via": p.via,
+            }
+            for p in packages[:12]
+        ],
+        "rss_steps": rss,
+        "rss_package_alone": alone,
+    }
+
+
+def _entry(entry: ImportEntry) -> dict[str, Any]:
+    return {
+        "module": entry.name,
+        "cumulative_ms": round(entry.cumulative_us / 1000, 1),
+        "self_ms": round(entry.self_us / 1000, 1),
+        "depth": entry.depth,
+        "parent": entry.parent,
+    }
+
+
+# --- report ------------------------------------------------------------------------------
+
+
+def _targets(servers: Mapping[str, Any]) -> dict[str, Any]:
+    floor, manager = servers["floor"], servers["manager"]
+    floor_rps = floor["saturation"]["requests_per_second"]
+    ratio = manager["saturation"]["requests_per_second"] / floor_rps if floor_rps else 0.0
+    fixed = manager["fixed_rate"]
+    p99 = fixed["latency_ms"]["p99"]
+    return {
+        "throughput_ratio": {
+            "measured": round(ratio, 3),
+            "target": f">= {TARGET_THROUGHPUT_RATIO}x floor",
+            "met": ratio >= TARGET_THROUGHPUT_RATIO,
+        },
+        "p99_at_fixed_rate_ms": {
+            "measured": p99,
+            "target": f"< {TARGET_P99_MS:g} ms",
+            "met": p99 is not None
+            and p99 < TARGET_P99_MS
+            and fixed["errors"] == 0
+            and fixed["unsent"] == 0,
+        },
+        "idle_rss_mib": {
+            "measured": round(manager["idle"]["rss_bytes"] / MIB, 1),
+            "target": "as low as possible",
+            "met": None,
+        },
+    }
+
+
+def _get(data: Mapping[str, Any], path: str) -> Any:
+    for key in path.split("."):
+        data = data[key]
+    return data
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MIB:.1f}"
+
+
+def _over(value: int, base: int) -> str:
+    return f"{(value - base) / MIB:+.1f}"
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def _pct(value: float) -> str:
+    return f"{value:.0f}"
+
+
+def _errors(phase: Mapping[str, Any]) -> str:
+    text = f"{phase['errors'] - phase['transport_errors']} / {phase['transport_errors']}"
+    if "unsent" in phase:
+        text += f" / {phase['unsent']}"
+    if set(phase["statuses"]) - {"204"}:
+        text += " (" + ", ".join(f"{k}: {v}" for k, v in phase["statuses"].items()) + ")"
+    return text
+
+
+# (label, path in a server's result, format, show manager/floor, key in targets)
+_MAIN_ROWS: tuple[tuple[str, str, Callable[[Any], str], bool, str | None], ...] = (
+    ("saturation: throughput (req/s)", "saturation.requests_per_second", _rate, True,
+     "throughput_ratio"),
+    ("saturation: latency p50 (ms)", "saturation.latency_ms.p50", _ms, True, None),
+    ("saturation: latency p99 (ms)", "saturation.latency_ms.p99", _ms, True, None),
+    ("saturation: latency max (ms)", "saturation.latency_ms.max", _ms, False, None),
+    ("saturation: errors (non-204 / transport)", "saturation", _errors, False, None),
+    ("saturation: server CPU (% of its core)", "saturation.server_cpu_percent", _pct, False, None),
+    ("saturation: load generator CPU (% of its core)", "saturation.client_cpu_percent", _pct,
+     False, None),
+    ("saturation: CPU outside both (% of a core)", "saturation.outside_cpu_percent", _pct, False,
+     None),
+    ("{rate}: achieved (req/s)", "fixed_rate.requests_per_second", _rate, False, None),
+    ("{rate}: latency p50 (ms)", "fixed_rate.latency_ms.p50", _ms, True, None),
+    ("{rate}: latency p99 (ms)", "fixed_rate.latency_ms.p99", _ms, True, "p99_at_fixed_rate_ms"),
+    ("{rate}: latency max (ms)", "fixed_rate.latency_ms.max", _ms, False, None),
+    ("{rate}: errors (non-204 / transport / unsent)", "fixed_rate", _errors, False, None),
+    ("{rate}: server CPU (% of its core)", "fixed_rate.server_cpu_percent", _pct, False, None),
+    ("{rate}: CPU outside both (% of a core)", "fixed_rate.outside_cpu_percent", _pct, False,
+     None),
+    ("RSS, idle after start (MiB)", "idle.rss_bytes", _mib, True, "idle_rss_mib"),
+    ("USS, idle after start (MiB)", "idle.uss_bytes", _mib, True, None),
+    ("RSS after the load (MiB)", "after_load.rss_bytes", _mib, True, None),
+    ("threads", "process.threads", str, False, None),
+)  # fmt: skip
+
+
+def _tables(
+    servers: Mapping[str, Any],
+    imports: Mapping[str, Any],
+    targets: Mapping[str, Any],
+    options: Options,
+) -> list[dict[str, Any]]:
+    floor, manager = servers["floor"], servers["manager"]
+    rows = []
+    for label, path, fmt, ratio, target_key in _MAIN_ROWS:
+        f, m = _get(floor, path), _get(manager, path)
+        target = targets[target_key] if target_key else None
+        rows.append(
+            [
+                label.format(rate=f"at {options.rate:g} req/s"),
+                fmt(f),
+                fmt(m),
+                f"{m / f:.2f}x" if ratio and m is not None and f else "",
+                target["target"] if target else "",
+                {True: "yes", False: "NO", None: "-"}[target["met"]] if target else "",
+            ]
+        )
+    tables = [
+        {
+            "title": "pings: POST /v1/workloads/{name}/health, floor (bare ASGI) vs manager",
+            "columns": ["metric", "floor", "manager", "mgr/floor", "target", "met"],
+            "rows": rows,
+        }
+    ]
+    tables += _import_tables(imports, floor, manager)
+    if "profile" in manager:
+        tables += _profile_tables(manager["profile"])
+    return tables
+
+
+def _import_tables(
+    imports: Mapping[str, Any], floor: Mapping[str, Any], manager: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    bare = imports["rss_steps"][0]["rss_bytes"]
+    alone = {a["package"]: a["rss_bytes"] for a in imports["rss_package_alone"]}
+    modules = {
+        "title": f"import app.main: {imports['total_ms']:.0f} ms, {imports['modules']} modules; "
+        "top 10 modules by cumulative time",
+        "columns": ["module", "cumulative ms", "self ms", "imported by"],
+        "rows": [
+            ["  " * e["depth"] + e["module"], f"{e['cumulative_ms']:.1f}", f"{e['self_ms']:.1f}",
+             e["parent"] or "-"]
+            for e in imports["top_modules"]
+        ],
+    }  # fmt: skip
+    packages = {
+        "title": "third-party packages that import app.main pulls in, by cumulative time",
+        "columns": ["package", "cumulative ms", "own ms", "modules", "first imported by",
+                    "RSS alone, MiB over bare python"],
+        "rows": [
+            [p["package"], f"{p['cumulative_ms']:.1f}", f"{p['self_ms']:.1f}", str(p["modules"]),
+             p["via"] or "-", _over(alone[p["package"]], bare) if p["package"] in alone else ""]
+            for p in imports["top_packages"]
+        ],
+    }  # fmt: skip
+    steps = [(s["label"], s["rss_bytes"]) for s in imports["rss_steps"]] + [
+        ("floor server, idle after start", floor["idle"]["rss_bytes"]),
+        ("manager server, idle after start", manager["idle"]["rss_bytes"]),
+    ]
+    rss = {
+        "title": "RSS: a fresh interpreter after each step, and the servers",
+        "columns": ["step", "RSS MiB", "MiB over bare python"],
+        "rows": [[label, _mib(value), _over(value, bare)] for label, value in steps],
+    }
+    return [modules, packages, rss]
+
+
+def _profile_tables(profile: Mapping[str, Any]) -> list[dict[str, Any]]:
+    if "error" in profile:
+        return [{"title": "manager profile", "columns": ["error"], "rows": [[profile["error"]]]}]
+    title = f"manager under saturation, py-spy ({profile['samples']} samples)"
+    return [
+        {
+            "title": f"{title}: share of samples by innermost frame's package",
+            "columns": ["package", "%"],
+            "rows": [[p["name"], f"{p['percent']:.1f}"] for p in profile["by_package"]],
+        },
+        {
+            "title": f"{title}: top functions by own time (innermost frame)",
+            "columns": ["function (file)", "%"],
+            "rows": [[p["name"], f"{p['percent']:.1f}"] for p in profile["self"][:15]],
+        },
+    ]
+
+
+def _notes(
+    setup: Mapping[str, Any], servers: Mapping[str, Any], imports: Mapping[str, Any]
+) -> list[str]:
+    floor, manager = servers["floor"], servers["manager"]
+    stacks = ", ".join(f"{label} {_stack(s)}" for label, s in servers.items())
+    notes = [
+        f"{setup['workloads']} workloads, body {setup['body']}, {setup['auth']}; "
+        f"{setup['connections']} keep-alive connections; {setup['duration_seconds']:g} s per "
+        f"measured phase after {setup['warmup_seconds']:g} s of warm-up.",
+        f"servers: {setup['server_options']}; seen loaded in the processes: {stacks}.",
+    ]
+    if setup["server_cpus"]:
+        notes.append(
+            f"CPU pinning: each server on core {setup['server_cpus']}, load generator on core "
+            f"{setup['client_cpus']} (sched_setaffinity; the server's is set before exec, so all "
+            "its threads inherit it)."
+        )
+    else:
+        notes.append("CPU pinning: off; the servers and the load generator share every core.")
+    fs = floor["saturation"]
+    if fs["client_cpu_percent"] >= 90:
+        verdict = "the load generator is the bottleneck: read the floor's numbers as a lower bound"
+    elif fs["server_cpu_percent"] >= 90:
+        verdict = "the server, not the load generator, is the bottleneck"
+    else:
+        verdict = "neither was saturated: other work on the machine, or too few connections"
+    notes.append(
+        f"load generator capacity ({setup['client']}): {fs['client_cpu_percent']:.0f}% of its "
+        f"core while the floor served {fs['requests_per_second']:,.0f} req/s at "
+        f"{fs['server_cpu_percent']:.0f}% of its own: {verdict}."
+    )
+    notes.append(
+        "fixed rate: open loop, latency counted from each request's scheduled send time; the "
+        f"dispatcher's own lag p99/max: floor {_lag(floor)} ms, manager {_lag(manager)} ms."
+    )
+    uvicorn_rss = next(
+        s["rss_bytes"] for s in imports["rss_steps"] if s["label"] == "import uvicorn"
+    )
+    manager_rss = manager["idle"]["rss_bytes"]
+    notes.append(
+        f"idle RSS: manager {_mib(manager_rss)} MiB, {_over(manager_rss, uvicorn_rss)} MiB over a "
+        f"bare `python -c 'import uvicorn'` ({_mib(uvicorn_rss)} MiB); the floor "
+        f"{_mib(floor['idle']['rss_bytes'])} MiB."
+    )
+    notes.append(
+        "CPU outside both = the whole machine's busy CPU minus the server's and the load "
+        "generator's: loopback softirq time and any other process; high values mean noise."
+    )
+    noisy = [
+        f"{label} {phase} {servers[label][phase]['outside_cpu_percent']:.0f}%"
+        for label in ("floor", "manager")
+        for phase in ("saturation", "fixed_rate")
+        if servers[label][phase]["outside_cpu_percent"] > NOISY_OUTSIDE_CPU_PERCENT
+    ]
+    if noisy:
+        notes.append(
+            "NOISY RUN: other work used the machine during " + ", ".join(noisy) + " (CPU "
+            "outside both, % of a core); rerun on a quiet machine before trusting those rows."
+        )
+    if "profile" in manager:
+        notes.append(
+            "py-spy sees only the running coroutine's frames, so shares are by innermost frame."
+        )
+    return notes
+
+
+def _lag(server: Mapping[str, Any]) -> str:
+    lag = server["fixed_rate"]["send_lag_ms"]
+    return f"{_ms(lag['p99'])}/{_ms(lag['max'])}"
+
+
+def _stack(server: Mapping[str, Any]) -> str:
+    loaded = [name for name, present in server["process"]["loaded"].items() if present]
+    return "+".join(loaded) or "asyncio+h11"

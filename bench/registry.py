@@ -1,0 +1,1127 @@
+"""The registry benchmark: 10,000 simulated nodes heartbeating every 30 s against one PostgreSQL.
+
+Registers the nodes through AsyncpgRegistry.upsert, then measures the sustained heartbeat
+rate (closed loop), the real load paced at nodes / 30 s (open loop) and the latency of
+eligible() ("live nodes that can run X"), idle and under that load. All of it runs twice:
+on EmbeddedPostgres as it starts (fsync=off) and on a second server with fsync=on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import math
+import multiprocessing
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.queues import Queue as MpQueue
+from multiprocessing.synchronize import Event as MpEvent
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from app.adapters import registry as registry_sql
+from app.adapters.embedded import EmbeddedError, EmbeddedPostgres
+from app.adapters.registry import AsyncpgRegistry, RegistryUnavailable
+from app.domain.requirements import (
+    HardwareRequirements,
+    NodeProfile,
+    Requirements,
+    Tier,
+    match_requirements,
+)
+from app.services import migrating
+from bench import Options
+from bench.checks import say
+
+T = TypeVar("T")
+
+NAME = "registry"
+DESCRIPTION = "capability registry on PostgreSQL: heartbeat rate and eligible-node query latency"
+
+
+def _say(message: str) -> None:
+    say(NAME, message)
+
+
+REPO = Path(__file__).resolve().parent.parent
+MIGRATIONS = REPO / "migrations"
+NODES = 10_000
+QUICK_NODES = 1_000
+INTERVAL_SECONDS = 30  # every node heartbeats this often: the load to carry is NODES / 30 per s
+SEED = 20_250_611
+CONNECTIONS = (8, 32)  # closed-loop heartbeat phases
+REGISTER_CONNECTIONS = 8
+REGISTER = "register (upsert)"
+QUERY_REPEATS = 200
+QUICK_QUERY_REPEATS = 30
+QUICK_DURATION = 2.0
+TIMEOUT = 5.0  # the manager's default DATABASE_TIMEOUT_SECONDS
+SETUP_TIMEOUT = 60.0
+EXPLAIN_RUNS = 5
+MAX_ERRORS = 1000  # a closed-loop worker gives up after this many failures (server gone)
+EXPLAIN_LINES = 16
+NOISY_OTHER_CPU_PERCENT = 15.0  # above this, say the phase ran on a busy machine
+
+REGIONS = ("eu-west", "eu-central", "us-east", "us-west", "ap-south", None)
+REGION_WEIGHTS = (30, 15, 25, 15, 10, 5)
+ZONES = ("z1", "z2", "z3", None)
+ZONE_WEIGHTS = (40, 30, 20, 10)
+TIERS = (Tier.A, Tier.B, Tier.C)
+TIER_WEIGHTS = (20, 50, 30)
+CAPABILITIES = ("embeddings", "inference", "scraping", "transcoding", "training", "ocr", "storage")
+CAPABILITY_ODDS = (0.45, 0.35, 0.3, 0.15, 0.1, 0.2, 0.25)
+
+
+@dataclass(frozen=True)
+class Query:
+    label: str
+    requirements: Requirements
+
+
+QUERIES: tuple[Query, ...] = (
+    Query("none", Requirements()),
+    Query("tier A", Requirements(tier=[Tier.A])),
+    Query(
+        "tier A + eu-west + embeddings",
+        Requirements(tier=[Tier.A], region="eu-west", capabilities=["embeddings"]),
+    ),
+    Query(
+        "gpu + >= 64 GB",
+        Requirements(hardware=HardwareRequirements(gpu=True, min_memory_gb=64)),
+    ),
+    Query(
+        "zone z1 + embeddings,inference",
+        Requirements(trust_zone="z1", capabilities=["embeddings", "inference"]),
+    ),
+)
+EXPLAINED = QUERIES[-1]  # the one that can use the GIN index on capabilities
+NODES_QUERY = "nodes(liveness=online)"
+LOAD_COLUMNS = (
+    "server|phase|conns|ops|ops/s|x req|worst 1 s|p50 ms|p99 ms|max ms|errors|"
+    "client CPU%|server CPU%|other CPU%"
+)
+QUERY_COLUMNS = "server|load|requirements|rows|p50 ms|p99 ms|max ms|server ms|scans"
+
+
+def run(options: Options) -> dict[str, Any]:
+    count = QUICK_NODES if options.quick else NODES
+    duration = min(options.duration, QUICK_DURATION) if options.quick else options.duration
+    repeats = QUICK_QUERY_REPEATS if options.quick else QUERY_REPEATS
+    profiles = make_profiles(count, SEED)
+    setup: dict[str, Any] = {
+        "nodes": count,
+        "heartbeat_interval_seconds": INTERVAL_SECONDS,
+        "required_heartbeats_per_second": round(count / INTERVAL_SECONDS, 1),
+        "closed_loop_connections": list(CONNECTIONS),
+        "register_connections": REGISTER_CONNECTIONS,
+        "duration_seconds": duration,
+        "warmup_seconds": options.warmup,
+        "query_repeats": repeats,
+        "seed": SEED,
+        "statement_timeout_seconds": TIMEOUT,
+        "client": f"asyncpg on the asyncio event loop, Python {sys.version.split()[0]}",
+        "cpu_pinning": "none: client and server share every core",
+    }
+    servers: dict[str, dict[str, Any]] = {}
+    raw: dict[str, tuple[list[Phase], list[QueryResult]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-registry-") as tmp:
+        setup["data_filesystem"] = _filesystem(Path(tmp))
+        setup["fdatasync_8k"] = fdatasync_probe(Path(tmp), 0.5 if options.quick else 2.0)
+        for label, server_class in (("fsync=off", EmbeddedPostgres), ("fsync=on", FsyncOnPostgres)):
+            _say(f"{label}: starting PostgreSQL")
+            server = server_class(data_dir=Path(tmp) / label.replace("=", "-"))
+            server.start()
+            try:
+                assert server.pid is not None
+                measured, phases, queries = asyncio.run(
+                    _measure(server.url, server.pid, profiles, options, duration, repeats, label)
+                )
+            finally:
+                server.stop()
+            servers[label] = measured
+            raw[label] = (phases, queries)
+    failures = [f"{label}: {f}" for label, s in servers.items() for f in s["failures"]]
+    result: dict[str, Any] = {"setup": setup, "servers": servers, "failures": failures}
+    result["tables"] = _tables(raw, count)
+    result["notes"] = _notes(servers, setup, failures)
+    return result
+
+
+class FsyncOnPostgres(EmbeddedPostgres):
+    """EmbeddedPostgres with `-c fsync=on`: a command-line setting beats ALTER SYSTEM."""
+
+    def _launch(self, what: str, argv: list[str], **popen: Any) -> None:
+        if "fsync=off" not in argv:
+            raise EmbeddedError(f"no fsync=off in the server's command line to replace: {argv}")
+        super()._launch(what, ["fsync=on" if a == "fsync=off" else a for a in argv], **popen)
+
+
+def fdatasync_probe(directory: Path, seconds: float) -> dict[str, Any]:
+    """What a commit with fsync on waits for: write 8 kB in place, fdatasync, repeat."""
+    path = directory / "fdatasync-probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    latencies: list[int] = []
+    try:
+        end = time.perf_counter_ns() + int(seconds * 1e9)
+        while (began := time.perf_counter_ns()) < end:
+            os.pwrite(fd, bytes(8192), 0)
+            os.fdatasync(fd)
+            latencies.append(time.perf_counter_ns() - began)
+    finally:
+        os.close(fd)
+        path.unlink()
+    latencies.sort()
+    return {"per_second": round(len(latencies) / seconds), "latency_ms": _latency(latencies)}
+
+
+# --- the simulated fleet -----------------------------------------------------------------
+
+
+def make_profiles(count: int, seed: int) -> list[NodeProfile]:
+    """Nodes with varied tier, region, trust zone, hardware and capabilities; deterministic."""
+    rng = random.Random(seed)
+    profiles = []
+    for i in range(count):
+        gpu = rng.random() < 0.15
+        hardware: dict[str, Any] = {
+            "gpu": gpu,
+            "memory_gb": rng.choice((8, 16, 32, 64, 128) if gpu else (2, 4, 8, 16, 32, 64)),
+            "cpu_count": rng.choice((2, 4, 8, 16, 32)),
+            "arch": rng.choice(("x86_64", "x86_64", "x86_64", "aarch64")),
+        }
+        if rng.random() < 0.02:  # nodes whose fingerprint failed register without hardware
+            hardware = {}
+        capabilities = {
+            c for c, odds in zip(CAPABILITIES, CAPABILITY_ODDS, strict=True) if rng.random() < odds
+        }
+        if hardware.get("gpu"):
+            capabilities.add("gpu")  # as the heartbeat service derives it
+        profiles.append(
+            NodeProfile(
+                node_id=f"node-{i:05d}",
+                tier=rng.choices(TIERS, TIER_WEIGHTS)[0],
+                region=rng.choices(REGIONS, REGION_WEIGHTS)[0],
+                trust_zone=rng.choices(ZONES, ZONE_WEIGHTS)[0],
+                hardware=hardware,
+                capabilities=sorted(capabilities),
+            )
+        )
+    return profiles
+
+
+# --- measurements ------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    """Latencies and counts of one load phase."""
+
+    name: str
+    connections: int
+    target_rate: float | None = None
+    latencies_ns: list[int] = field(default_factory=list)
+    per_second: dict[int, int] = field(default_factory=dict)
+    errors: int = 0
+    first_errors: list[str] = field(default_factory=list)
+    missing: int = 0  # heartbeat() returned False: the node had no row
+    sent: int = 0
+    wall_seconds: float = 0.0
+    client_cpu_seconds: float = 0.0
+    server_cpu_seconds: float = 0.0
+    other_cpu_seconds: float = 0.0  # the machine's busy CPU time minus client and server
+    steal_seconds: float = 0.0
+    start_ns: int = field(default_factory=time.perf_counter_ns)
+
+    def record(self, began_ns: int, ok: bool = True) -> None:
+        done = time.perf_counter_ns()
+        self.latencies_ns.append(done - began_ns)
+        second = (done - self.start_ns) // 1_000_000_000
+        self.per_second[second] = self.per_second.get(second, 0) + 1
+        if not ok:
+            self.missing += 1
+
+    def error(self, exc: BaseException) -> None:
+        self.errors += 1
+        if len(self.first_errors) < 5:
+            self.first_errors.append(f"{type(exc).__name__}: {exc}")
+
+    @property
+    def completed(self) -> int:
+        return len(self.latencies_ns)
+
+    @property
+    def rate(self) -> float:
+        return self.completed / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def worst_second(self) -> int | None:
+        """The fewest completions in any whole second of the phase (partial ones left out)."""
+        full = int(self.wall_seconds)
+        return min(self.per_second.get(s, 0) for s in range(full)) if full >= 1 else None
+
+    def summary(self, required_rate: float) -> dict[str, Any]:
+        lat = sorted(self.latencies_ns)
+        out: dict[str, Any] = {
+            "phase": self.name,
+            "connections": self.connections,
+            "completed": self.completed,
+            "wall_seconds": round(self.wall_seconds, 3),
+            "per_second": round(self.rate, 1),
+            "times_required": round(self.rate / required_rate, 2),
+            "worst_second": self.worst_second(),
+            "latency_ms": _latency(lat),
+            "errors": self.errors,
+            "first_errors": self.first_errors,
+            "missing_rows": self.missing,
+            "client_cpu_percent": _percent(self.client_cpu_seconds, self.wall_seconds),
+            "server_cpu_percent": _percent(self.server_cpu_seconds, self.wall_seconds),
+            "other_cpu_percent": _percent(self.other_cpu_seconds, self.wall_seconds),
+            "steal_percent": _percent(self.steal_seconds, self.wall_seconds),
+        }
+        if self.target_rate is not None:
+            out["target_rate"] = round(self.target_rate, 1)
+            out["sent"] = self.sent
+            out["latency_from"] = "scheduled send time"
+        return out
+
+
+class GcWatch:
+    """Python's garbage-collector pauses in this process while it is entered."""
+
+    def __init__(self) -> None:
+        self.pauses_ns: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        self._began = 0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter_ns()
+        else:
+            self.pauses_ns[info["generation"]].append(time.perf_counter_ns() - self._began)
+
+    def __enter__(self) -> GcWatch:
+        gc.collect()
+        gc.freeze()  # what exists now (the simulated fleet, the expectations) is never rescanned
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+        gc.unfreeze()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            f"gen{g}": {
+                "collections": len(p),
+                "total_ms": round(sum(p) / 1e6, 1),
+                "max_ms": round(max(p) / 1e6, 1) if p else None,
+            }
+            for g, p in self.pauses_ns.items()
+        }
+
+
+class CpuMeter:
+    """CPU seconds of this process, of the PostgreSQL server's processes and of everything
+    else on the machine over a phase."""
+
+    def __init__(self, server_pid: int) -> None:
+        self._pid = server_pid
+        self._client = 0.0
+        self._server: dict[int, float] = {}
+        self._machine: Any = None
+
+    @staticmethod
+    def _busy(times: Any) -> float:
+        return float(times.user + times.nice + times.system + times.irq + times.softirq)
+
+    def _server_times(self) -> dict[int, float]:
+        times: dict[int, float] = {}
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self._pid)
+            for proc in (root, *root.children(recursive=True)):
+                with contextlib.suppress(psutil.Error):
+                    cpu = proc.cpu_times()
+                    times[proc.pid] = cpu.user + cpu.system
+        return times
+
+    def start(self) -> None:
+        self._client = time.process_time()
+        self._server = self._server_times()
+        self._machine = psutil.cpu_times()
+
+    def stop(self, phase: Phase) -> None:
+        machine = psutil.cpu_times()
+        phase.client_cpu_seconds = time.process_time() - self._client
+        now = self._server_times()
+        phase.server_cpu_seconds = sum(t - self._server.get(pid, 0.0) for pid, t in now.items())
+        busy = self._busy(machine) - self._busy(self._machine)
+        phase.other_cpu_seconds = max(
+            0.0, busy - phase.client_cpu_seconds - phase.server_cpu_seconds
+        )
+        phase.steal_seconds = float(
+            getattr(machine, "steal", 0.0) - getattr(self._machine, "steal", 0.0)
+        )
+
+
+async def _register(
+    registry: AsyncpgRegistry, profiles: Sequence[NodeProfile], meter: CpuMeter
+) -> Phase:
+    phase = Phase(REGISTER, REGISTER_CONNECTIONS)
+    todo = iter(profiles)
+
+    async def worker() -> None:
+        for profile in todo:  # the workers share one iterator: each profile is sent once
+            began = time.perf_counter_ns()
+            try:
+                await registry.upsert(profile, status="online", interval_seconds=INTERVAL_SECONDS)
+            except RegistryUnavailable as exc:
+                phase.error(exc)
+                continue
+            phase.record(began)
+
+    meter.start()
+    phase.start_ns = time.perf_counter_ns()
+    await asyncio.gather(*(worker() for _ in range(REGISTER_CONNECTIONS)))
+    phase.wall_seconds = (time.perf_counter_ns() - phase.start_ns) / 1e9
+    meter.stop(phase)
+    return phase
+
+
+async def _closed_loop(
+    registry: AsyncpgRegistry,
+    node_ids: Sequence[str],
+    *,
+    connections: int,
+    duration: float,
+    meter: CpuMeter,
+    seed: int,
+) -> Phase:
+    """`connections` clients, each sending the next heartbeat as soon as one returns."""
+    phase = Phase("heartbeat, closed loop", connections)
+    deadline = 0  # set just before the workers start
+
+    async def worker(number: int) -> None:
+        rng = random.Random(seed * 1_000 + number)
+        while (began := time.perf_counter_ns()) < deadline and phase.errors < MAX_ERRORS:
+            try:
+                ok = await registry.heartbeat(rng.choice(node_ids), status="online")
+            except RegistryUnavailable as exc:
+                phase.error(exc)
+                continue
+            phase.record(began, ok)
+
+    meter.start()
+    phase.start_ns = time.perf_counter_ns()
+    deadline = phase.start_ns + int(duration * 1e9)
+    await asyncio.gather(*(worker(n) for n in range(connections)))
+    phase.wall_seconds = (time.perf_counter_ns() - phase.start_ns) / 1e9
+    meter.stop(phase)
+    phase.sent = phase.completed + phase.errors
+    return phase
+
+
+async def _paced(
+    registry: AsyncpgRegistry,
+    node_ids: Sequence[str],
+    *,
+    rate: float,
+    duration: float,
+    meter: CpuMeter,
+    name: str,
+    connections: int,
+    until: Callable[[], bool] | None = None,
+) -> Phase:
+    """Open loop at `rate`: heartbeat k is due at start + k / rate, for node k mod N (so each
+    node beats once per N / rate seconds), whether or not earlier ones have returned. Latency
+    counts from the due time. Runs `duration` seconds, and longer until `until()` is true."""
+    phase = Phase(name, connections, target_rate=rate)
+    in_flight: set[asyncio.Task[None]] = set()
+
+    async def beat(node_id: str, due_ns: int) -> None:
+        try:
+            ok = await registry.heartbeat(node_id, status="online")
+        except RegistryUnavailable as exc:
+            phase.error(exc)
+            return
+        phase.record(due_ns, ok)
+
+    meter.start()
+    phase.start_ns = start = time.perf_counter_ns()
+    period_ns = 1e9 / rate
+    end_ns = start + int(duration * 1e9)
+    k = 0
+    while True:
+        due = start + int(k * period_ns)
+        if due >= end_ns and (until is None or until()):
+            break
+        now = time.perf_counter_ns()
+        if due > now:
+            await asyncio.sleep((due - now) / 1e9)
+            continue
+        task = asyncio.create_task(beat(node_ids[k % len(node_ids)], due))
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+        k += 1
+    await asyncio.gather(*in_flight)
+    phase.wall_seconds = (time.perf_counter_ns() - start) / 1e9
+    meter.stop(phase)
+    phase.sent = k
+    return phase
+
+
+def _paced_child(
+    url: str,
+    node_ids: list[str],
+    rate: float,
+    duration: float,
+    name: str,
+    server_pid: int,
+    ready: MpEvent,
+    stop: MpEvent,
+    results: MpQueue[Phase | str],
+) -> None:
+    """Child process: open the pool, say ready, run _paced until `stop`, send the Phase back."""
+
+    async def main() -> Phase:
+        registry = AsyncpgRegistry(url, timeout=TIMEOUT, max_connections=max(CONNECTIONS))
+        await registry.open()
+        try:  # every connection opened and the statement prepared before the clock starts
+            warm = node_ids[: max(CONNECTIONS)]
+            await asyncio.gather(*(registry.heartbeat(n, status="online") for n in warm))
+            ready.set()
+            return await _paced(
+                registry,
+                node_ids,
+                rate=rate,
+                duration=duration,
+                meter=CpuMeter(server_pid),
+                name=name,
+                connections=max(CONNECTIONS),
+                until=stop.is_set,
+            )
+        finally:
+            await registry.close()
+
+    try:
+        results.put(asyncio.run(main()))
+    except BaseException as exc:
+        results.put(f"paced heartbeat process failed: {type(exc).__name__}: {exc}")
+    finally:
+        ready.set()
+
+
+async def _paced_elsewhere(
+    url: str,
+    node_ids: Sequence[str],
+    *,
+    rate: float,
+    duration: float,
+    name: str,
+    server_pid: int,
+    during: Callable[[], Awaitable[T]] | None = None,
+) -> tuple[Phase, T | None]:
+    """The paced load from a child process, so that the queries `during` it (awaited here,
+    once the child is ready) cannot stall its event loop: building 10,000 NodeProfiles
+    holds the GIL for tens of ms."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    results: MpQueue[Phase | str] = ctx.Queue()
+    if during is None:
+        stop.set()
+    args = (url, list(node_ids), rate, duration, name, server_pid, ready, stop, results)
+    child = ctx.Process(target=_paced_child, args=args, name="bench-registry-paced", daemon=True)
+    child.start()
+    outcome: T | None = None
+    try:
+        if not await asyncio.to_thread(ready.wait, SETUP_TIMEOUT):
+            raise RuntimeError("the paced heartbeat process did not start in time")
+        if during is not None and child.is_alive():
+            outcome = await during()
+    finally:
+        stop.set()
+        try:
+            got = await asyncio.to_thread(results.get, True, duration + SETUP_TIMEOUT)
+        finally:
+            await asyncio.to_thread(child.join, 10)
+            if child.is_alive():
+                child.kill()
+    if isinstance(got, str):
+        raise RuntimeError(got)
+    return got, outcome
+
+
+@dataclass
+class QueryResult:
+    label: str
+    load: str
+    latencies_ns: list[int]
+    rows: int
+    expected: int
+    same_nodes: bool  # the node ids returned are exactly the expected ones
+    server_ms: float | None = None
+    scans: str = "-"  # the plan's scan nodes, idle
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "query": self.label,
+            "load": self.load,
+            "repeats": len(self.latencies_ns),
+            "rows": self.rows,
+            "expected_rows": self.expected,
+            "same_nodes": self.same_nodes,
+            "latency_ms": _latency(sorted(self.latencies_ns)),
+            "server_execution_ms": self.server_ms,
+            "scans": self.scans,
+        }
+
+
+async def _queries(
+    registry: AsyncpgRegistry,
+    profiles: Sequence[NodeProfile],
+    *,
+    repeats: int,
+    load: str,
+    refresh: bool,
+) -> list[QueryResult]:
+    """Each requirement set `repeats` times through eligible(), then nodes(liveness=online).
+
+    With `refresh`, every row's last_heartbeat is moved to now() before each set, so all
+    nodes are live (idle, nothing else keeps them so); under the paced load they stay live."""
+    results = []
+    everyone = {p.node_id for p in profiles}
+    for query in QUERIES:
+        if refresh:
+            await _refresh(registry)
+        expected = {p.node_id for p in profiles if not match_requirements(query.requirements, p)}
+        latencies: list[int] = []
+        found: set[str] = set()
+        counts: set[int] = set()
+        for i in range(repeats):
+            began = time.perf_counter_ns()
+            nodes = await registry.eligible(query.requirements)
+            latencies.append(time.perf_counter_ns() - began)
+            counts.add(len(nodes))
+            if i == 0:
+                found = {n.node_id for n in nodes}
+        rows = min(counts) if len(counts) == 1 else -1
+        results.append(
+            QueryResult(query.label, load, latencies, rows, len(expected), found == expected)
+        )
+    if refresh:
+        await _refresh(registry)
+    latencies = []
+    counts = set()
+    found = set()
+    for i in range(repeats):
+        began = time.perf_counter_ns()
+        listed = await registry.nodes(liveness="online", limit=NODES)
+        latencies.append(time.perf_counter_ns() - began)
+        counts.add(len(listed))
+        if i == 0:
+            found = {str(n["node_id"]) for n in listed}
+    rows = min(counts) if len(counts) == 1 else -1
+    results.append(
+        QueryResult(NODES_QUERY, load, latencies, rows, len(everyone), found == everyone)
+    )
+    return results
+
+
+async def _refresh(registry: AsyncpgRegistry) -> None:
+    await registry.pool.execute(
+        "UPDATE worker_capabilities SET last_heartbeat = now(), status = 'online'",
+        timeout=SETUP_TIMEOUT,
+    )
+
+
+def _eligible_args(requirements: Requirements) -> list[Any]:
+    """The bind parameters AsyncpgRegistry.eligible sends, in order."""
+    hw = requirements.hardware
+    tiers = [t.value for t in requirements.tier] if requirements.tier is not None else None
+    caps = requirements.capabilities or None
+    return [
+        tiers,
+        requirements.region,
+        requirements.trust_zone,
+        caps,
+        hw.gpu,
+        hw.min_memory_gb,
+        hw.min_cpu_count,
+        None,
+    ]
+
+
+_EXECUTION = re.compile(r"Execution Time: ([0-9.]+) ms")
+
+
+async def _explain(registry: AsyncpgRegistry, sql: str, args: Sequence[Any], how: str) -> list[str]:
+    async with registry.pool.acquire() as conn:
+        rows = await conn.fetch(f"EXPLAIN ({how}) {sql}", *args, timeout=SETUP_TIMEOUT)
+    return [str(r[0]) for r in rows]
+
+
+_SCAN = re.compile(r"(Seq Scan|Bitmap Index Scan|Index Only Scan|Index Scan)(?: using (\S+))?")
+_SCAN_NAMES = {"Seq Scan": "seq", "Bitmap Index Scan": "bitmap", "Index Only Scan": "index-only",
+               "Index Scan": "index"}  # fmt: skip
+
+
+def _scans(plan: Sequence[str]) -> str:
+    """The plan's scans in short: "seq", "bitmap capabilities", "index tier"."""
+    found = []
+    for line in plan:
+        if match := _SCAN.search(line):
+            index = match[2] or (line.split(" on ", 1)[1].split()[0] if "Bitmap" in line else "")
+            found.append(
+                f"{_SCAN_NAMES[match[1]]} {index.removeprefix('idx_worker_capabilities_')}".strip()
+            )
+    return " + ".join(found) or "-"
+
+
+async def _server_ms(
+    registry: AsyncpgRegistry, sql: str, args: Sequence[Any]
+) -> tuple[float | None, str]:
+    """Median execution time inside PostgreSQL (EXPLAIN ANALYZE without per-node timing),
+    and the scans of the last plan."""
+    times = []
+    plan: list[str] = []
+    for _ in range(EXPLAIN_RUNS):
+        plan = await _explain(registry, sql, args, "ANALYZE, TIMING OFF")
+        for line in plan:
+            if match := _EXECUTION.search(line):
+                times.append(float(match[1]))
+    return (round(statistics.median(times), 3) if times else None), _scans(plan)
+
+
+async def _plan_choices(registry: AsyncpgRegistry) -> dict[str, Any]:
+    """Generic vs custom plans of the adapter's own prepared statements, on its connection."""
+    async with registry.pool.acquire() as conn:
+        rows = await conn.fetch(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement NOT LIKE 'EXPLAIN%'"
+        )
+    out: dict[str, Any] = {}
+    for row in rows:
+        statement = str(row["statement"])
+        key = (
+            "eligible"
+            if "eligible_workers(" in statement
+            else "nodes"
+            if "worker_liveness_now" in statement
+            else None
+        )
+        if key is not None:
+            out[key] = {"generic_plans": row["generic_plans"], "custom_plans": row["custom_plans"]}
+    return out
+
+
+async def _table_stats(registry: AsyncpgRegistry) -> dict[str, Any]:
+    async with registry.pool.acquire() as conn:
+        await conn.execute("SELECT pg_stat_force_next_flush()")
+        row = await conn.fetchrow(
+            "SELECT n_live_tup, n_dead_tup, n_tup_upd, n_tup_hot_upd, autovacuum_count, "
+            "autoanalyze_count, pg_table_size(relid) AS table_bytes, "
+            "pg_indexes_size(relid) AS index_bytes "
+            "FROM pg_stat_user_tables WHERE relname = 'worker_capabilities'"
+        )
+        indexes = await conn.fetch(
+            "SELECT indexrelname, pg_relation_size(indexrelid) AS bytes "
+            "FROM pg_stat_user_indexes WHERE relname = 'worker_capabilities' ORDER BY 1"
+        )
+    stats = dict(row) if row is not None else {}
+    stats["index_bytes_each"] = {str(r["indexrelname"]): int(r["bytes"]) for r in indexes}
+    return stats
+
+
+async def _settings(registry: AsyncpgRegistry) -> dict[str, str]:
+    async with registry.pool.acquire() as conn:
+        rows = await conn.fetch(
+            "SELECT name, setting, source FROM pg_settings WHERE name = ANY($1::text[])",
+            [
+                "fsync",
+                "synchronous_commit",
+                "wal_sync_method",
+                "full_page_writes",
+                "shared_buffers",
+                "max_connections",
+                "plan_cache_mode",
+                "autovacuum",
+            ],
+        )
+        version = await conn.fetchval("SHOW server_version")
+    out = {str(r["name"]): f"{r['setting']} ({r['source']})" for r in rows}
+    out["server_version"] = str(version)
+    return out
+
+
+async def _measure(
+    url: str,
+    server_pid: int,
+    profiles: Sequence[NodeProfile],
+    options: Options,
+    duration: float,
+    repeats: int,
+    label: str,
+) -> tuple[dict[str, Any], list[Phase], list[QueryResult]]:
+    """Everything on one server; the JSON summary plus the raw phases for the tables."""
+    failures: list[str] = []
+    required = len(profiles) / INTERVAL_SECONDS
+    node_ids = [p.node_id for p in profiles]
+    meter = CpuMeter(server_pid)
+    beats = AsyncpgRegistry(url, timeout=TIMEOUT, max_connections=max(CONNECTIONS))
+    # One connection for queries and bookkeeping: its prepared statements can be inspected.
+    reader = AsyncpgRegistry(url, timeout=SETUP_TIMEOUT, max_connections=1)
+    await beats.open()
+    await reader.open()
+    try:
+        settings = await _settings(reader)
+        want_fsync = label.split("=", 1)[1]
+        if not settings["fsync"].startswith(want_fsync + " "):
+            failures.append(f"server runs with fsync {settings['fsync']}, wanted {want_fsync}")
+        applied = await migrating.migrate(reader, MIGRATIONS)
+        files = len(list(MIGRATIONS.glob("*.sql")))
+        if len(applied) != files:
+            failures.append(f"{len(applied)} migrations applied to a fresh database, {files} files")
+
+        _say(f"{label}: registering {len(profiles)} nodes")
+        register = await _register(beats, profiles, meter)
+        registered = await reader.pool.fetchval("SELECT count(*) FROM worker_capabilities")
+        if registered != len(profiles) or register.errors:
+            failures.append(
+                f"registration: {registered} rows for {len(profiles)} nodes, "
+                f"{register.errors} errors {register.first_errors}"
+            )
+        await reader.pool.execute("ANALYZE worker_capabilities")
+        after_register = await _table_stats(reader)
+
+        _say(f"{label}: warm-up {options.warmup:g} s, then heartbeats")
+        await _closed_loop(
+            beats,
+            node_ids,
+            connections=max(CONNECTIONS),
+            duration=options.warmup,
+            meter=meter,
+            seed=SEED,
+        )
+        heartbeats: list[Phase] = []
+        for n, connections in enumerate(CONNECTIONS, start=1):
+            heartbeats.append(
+                await _closed_loop(
+                    beats,
+                    node_ids,
+                    connections=connections,
+                    duration=duration,
+                    meter=meter,
+                    seed=SEED + n,
+                )
+            )
+        paced_name = f"heartbeat, paced {required:.0f}/s"
+        paced, _ = await _paced_elsewhere(
+            url, node_ids, rate=required, duration=duration, name=paced_name, server_pid=server_pid
+        )
+        heartbeats.append(paced)
+
+        _say(f"{label}: queries, idle")
+        with GcWatch() as idle_gc:
+            idle = await _queries(reader, profiles, repeats=repeats, load="idle", refresh=True)
+        await _refresh(reader)
+        explain_args = _eligible_args(EXPLAINED.requirements)
+        plan = await _explain(reader, registry_sql._ELIGIBLE, explain_args, "ANALYZE, BUFFERS")
+        for result in idle:
+            if result.label == NODES_QUERY:
+                sql, args = registry_sql._NODES, [None, "online", None, NODES]
+            else:
+                query = next(q for q in QUERIES if q.label == result.label)
+                sql, args = registry_sql._ELIGIBLE, _eligible_args(query.requirements)
+            result.server_ms, result.scans = await _server_ms(reader, sql, args)
+        plans = await _plan_choices(reader)
+
+        _say(f"{label}: queries under the paced heartbeat load")
+        await _refresh(reader)  # from here the paced round-robin keeps every node live
+
+        def queries() -> Awaitable[list[QueryResult]]:
+            load = f"{required:.0f} beats/s"
+            return _queries(reader, profiles, repeats=repeats, load=load, refresh=False)
+
+        with GcWatch() as loaded_gc:
+            paced, loaded = await _paced_elsewhere(
+                url,
+                node_ids,
+                rate=required,
+                duration=duration,
+                name=f"{paced_name} + queries",
+                server_pid=server_pid,
+                during=queries,
+            )
+        heartbeats.append(paced)
+        assert loaded is not None
+        final = await _table_stats(reader)
+    finally:
+        await reader.close()
+        await beats.close()
+
+    for phase in [register, *heartbeats]:
+        if phase.errors or phase.missing:
+            failures.append(
+                f"{phase.name} ({phase.connections} conns): {phase.errors} errors, "
+                f"{phase.missing} heartbeats found no row {phase.first_errors}"
+            )
+        if phase.target_rate is not None and phase.rate < 0.98 * phase.target_rate:
+            failures.append(
+                f"{phase.name}: achieved {phase.rate:.1f}/s of {phase.target_rate:.1f}/s paced"
+            )
+    for result in [*idle, *loaded]:
+        if result.rows != result.expected or not result.same_nodes or result.rows <= 0:
+            failures.append(
+                f"{result.label} ({result.load}): {result.rows} rows, expected "
+                f"{result.expected}{'' if result.same_nodes else ', different nodes'}"
+            )
+    return (
+        {
+            "settings": settings,
+            "register": register.summary(required),
+            "heartbeats": [p.summary(required) for p in heartbeats],
+            "queries": [r.summary() for r in [*idle, *loaded]],
+            "explain": {"query": EXPLAINED.label, "plan": plan},
+            "plan_choices": plans,
+            "query_gc_pauses": {"idle": idle_gc.summary(), "loaded": loaded_gc.summary()},
+            "table_after_register": after_register,
+            "table_at_end": final,
+            "failures": failures,
+        },
+        [register, *heartbeats],
+        [*idle, *loaded],
+    )
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def _latency(sorted_ns: Sequence[int]) -> dict[str, float | None]:
+    return {
+        "p50": _pct(sorted_ns, 50),
+        "p99": _pct(sorted_ns, 99),
+        "max": round(sorted_ns[-1] / 1e6, 3) if sorted_ns else None,
+    }
+
+
+def _pct(sorted_ns: Sequence[int], q: float) -> float | None:
+    if not sorted_ns:
+        return None
+    index = min(len(sorted_ns) - 1, max(0, math.ceil(q / 100 * len(sorted_ns)) - 1))
+    return round(sorted_ns[index] / 1e6, 3)
+
+
+def _percent(part: float, whole: float) -> float:
+    return round(100.0 * part / whole, 1) if whole > 0 else 0.0
+
+
+def _cell(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _filesystem(path: Path) -> str:
+    resolved = str(path.resolve())
+    best: Any = None
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint.rstrip("/") + "/"
+        if (resolved + "/").startswith(mount) and (
+            best is None or len(part.mountpoint) > len(best.mountpoint)
+        ):
+            best = part
+    return "unknown" if best is None else f"{best.fstype} ({best.device} on {best.mountpoint})"
+
+
+def _tables(
+    raw: dict[str, tuple[list[Phase], list[QueryResult]]], count: int
+) -> list[dict[str, Any]]:
+    required = count / INTERVAL_SECONDS
+    load_rows = []
+    query_rows = []
+    for label, (phases, results) in raw.items():
+        for phase in phases:
+            lat = sorted(phase.latencies_ns)
+            load_rows.append(
+                [
+                    label,
+                    phase.name,
+                    phase.connections,
+                    phase.completed,
+                    _cell(phase.rate, 0),
+                    "-" if phase.name == REGISTER else _cell(phase.rate / required, 1),
+                    "-" if (w := phase.worst_second()) is None else w,
+                    _cell(_pct(lat, 50)),
+                    _cell(_pct(lat, 99)),
+                    _cell(lat[-1] / 1e6 if lat else None),
+                    phase.errors + phase.missing,
+                    _cell(_percent(phase.client_cpu_seconds, phase.wall_seconds), 0),
+                    _cell(_percent(phase.server_cpu_seconds, phase.wall_seconds), 0),
+                    _cell(_percent(phase.other_cpu_seconds, phase.wall_seconds), 0),
+                ]
+            )
+        for result in results:
+            lat = sorted(result.latencies_ns)
+            rows = str(result.rows)
+            if result.rows != result.expected or not result.same_nodes:
+                rows += f" (expected {result.expected})"
+            query_rows.append(
+                [
+                    label,
+                    result.load,
+                    result.label,
+                    rows,
+                    _cell(_pct(lat, 50)),
+                    _cell(_pct(lat, 99)),
+                    _cell(lat[-1] / 1e6 if lat else None),
+                    _cell(result.server_ms),
+                    result.scans if result.load == "idle" else "",
+                ]
+            )
+    return [
+        {
+            "title": f"Registration and heartbeats: {count:,} nodes, one beat each per "
+            f"{INTERVAL_SECONDS} s = {required:.0f}/s required",
+            "columns": LOAD_COLUMNS.split("|"),
+            "rows": load_rows,
+        },
+        {
+            "title": f"'Live nodes that can run X' at {count:,} nodes: AsyncpgRegistry.eligible()",
+            "columns": QUERY_COLUMNS.split("|"),
+            "rows": query_rows,
+        },
+    ]
+
+
+def _notes(
+    servers: dict[str, dict[str, Any]], setup: dict[str, Any], failures: list[str]
+) -> list[str]:
+    required = setup["required_heartbeats_per_second"]
+    notes: list[str] = []
+    if failures:
+        notes.extend(f"FAILED: {f}" for f in failures)
+    else:
+        notes.append(
+            "verified: every upsert landed, no heartbeat errored or missed its row, the paced "
+            "phases kept their rate, and every query returned exactly the nodes the Python "
+            "matcher (match_requirements) picks"
+        )
+    noisy = [
+        f"{label} {p['phase']} ({p['connections']} conns): other {p['other_cpu_percent']:.0f} %, "
+        f"steal {p['steal_percent']:.0f} %"
+        for label, server in servers.items()
+        for p in [server["register"], *server["heartbeats"]]
+        if "+ queries" not in p["phase"]
+        and (p["other_cpu_percent"] > NOISY_OTHER_CPU_PERCENT or p["steal_percent"] > 5)
+    ]
+    if noisy:
+        notes.append("NOISY: something else used the CPU during " + "; ".join(noisy))
+    for label, server in servers.items():
+        closed = [p for p in server["heartbeats"] if "target_rate" not in p]
+        best = max(closed, key=lambda p: p["per_second"])
+        paced = [p for p in server["heartbeats"] if "target_rate" in p]
+        paced_text = "; ".join(
+            f"{p['phase']}: p50 {_cell(p['latency_ms']['p50'])} / p99 "
+            f"{_cell(p['latency_ms']['p99'])} / max {_cell(p['latency_ms']['max'])} ms"
+            for p in paced
+        )
+        notes.append(
+            f"{label}: sustained {best['per_second']:.0f} heartbeats/s with "
+            f"{best['connections']} connections = {best['times_required']:.1f}x the "
+            f"{required:.0f}/s that {setup['nodes']:,} nodes at one beat per "
+            f"{INTERVAL_SECONDS} s need; {paced_text} (latency from the scheduled time)"
+        )
+    sync = setup["fdatasync_8k"]
+    off = servers.get("fsync=off", {}).get("settings", {})
+    on = servers.get("fsync=on", {}).get("settings", {})
+    notes.append(
+        "fsync: EmbeddedPostgres starts the server with `-c fsync=off` (pg_settings: fsync = "
+        f"{off.get('fsync', '?')}), so commits never wait for the disk; ALTER SYSTEM cannot "
+        "undo a command-line setting, so the fsync=on rows come from a second server on the "
+        "same binaries with `-c fsync=on` (fsync = "
+        f"{on.get('fsync', '?')}, synchronous_commit = {on.get('synchronous_commit', '?')}, "
+        f"wal_sync_method = {on.get('wal_sync_method', '?')}); data directories on "
+        f"{setup['data_filesystem']}, where an 8 kB write + fdatasync takes p50 "
+        f"{_cell(sync['latency_ms']['p50'], 3)} / p99 {_cell(sync['latency_ms']['p99'], 3)} ms "
+        f"({sync['per_second']:,}/s, one thread). A production PostgreSQL runs with fsync on: "
+        "plan with those rows, and expect them to drop on a disk whose flush is slower "
+        "(a commit waits for one flush; concurrent commits share it)"
+    )
+    notes.append(
+        "the machine's facts (CPU model, cores, memory, load) are in the JSON, added by "
+        "bench/__main__.py; the client (this Python process: asyncpg on the asyncio loop) and "
+        f"PostgreSQL share the {len(os.sched_getaffinity(0))} cores, unpinned, so client CPU% "
+        "and server CPU% (100 = one core) show where the time went; when the client is near "
+        "100 % the rate is a floor for what PostgreSQL alone would take; other CPU% is the "
+        "rest of the machine's busy time (for the '+ queries' rows, mostly the query process)"
+    )
+    notes.append(
+        f"the closed-loop phases beat random nodes from {'/'.join(map(str, CONNECTIONS))} "
+        "connections of one pool, as fast as they return; the paced phases beat node k mod N "
+        "at exactly nodes/30 per second, open loop, from a child process with its own pool "
+        "(its CPU is the client CPU% of those rows), so the queries' Python work in this "
+        "process cannot stall them; 'errors' counts exceptions plus beats "
+        "that found no row; the real fleet is N agents each with its own pool "
+        "(AsyncpgRegistry default max 4; a pooled connection idles out only after 300 s, and "
+        f"a beat comes every 30 s), so at least {setup['nodes']:,} open connections, against "
+        f"max_connections = {off.get('max_connections', '?')} here: at that size a pooler "
+        "(PgBouncer) or a relay is needed; connection set-up is not measured"
+    )
+    for label, server in servers.items():
+        start, end = server["table_after_register"], server["table_at_end"]
+        updates = (end.get("n_tup_upd") or 0) - (start.get("n_tup_upd") or 0)
+        hot = (end.get("n_tup_hot_upd") or 0) - (start.get("n_tup_hot_upd") or 0)
+        mib = 1024 * 1024
+        notes.append(
+            f"{label}: {updates:,} row updates after registration (heartbeats, and the bulk "
+            f"refreshes before idle queries), {hot:,} of them HOT "
+            f"({_percent(hot, updates) if updates else 0:.0f} %): last_heartbeat and status "
+            "are indexed, so a beat writes a new row version plus an entry in every index, "
+            f"GIN included; table {start.get('table_bytes', 0) / mib:.1f} -> "
+            f"{end.get('table_bytes', 0) / mib:.1f} MiB, indexes "
+            f"{start.get('index_bytes', 0) / mib:.1f} -> {end.get('index_bytes', 0) / mib:.1f} "
+            f"MiB, {end.get('n_dead_tup', 0):,} dead rows at the end, autovacuum ran "
+            f"{end.get('autovacuum_count', 0)} times"
+        )
+    for label, server in servers.items():
+        idle = [q for q in server["queries"] if q["load"] == "idle"]
+        gin = [q["query"] for q in idle if "capabilities" in q["scans"]]
+        choices = server["plan_choices"].get("eligible", {})
+        none = next(q for q in idle if q["query"] == QUERIES[0].label)
+        client_p50, server_ms = none["latency_ms"]["p50"], none["server_execution_ms"]
+        pauses = server["query_gc_pauses"]["idle"]["gen2"]
+        notes.append(
+            f"{label}: the GIN index on capabilities is in the plan of "
+            f"{', '.join(repr(g) for g in gin) if gin else 'no query'} (see 'scans'); the "
+            f"adapter's prepared eligible statement ran {choices.get('custom_plans', '?')} custom "
+            f"and {choices.get('generic_plans', '?')} generic plans (a generic plan cannot use "
+            "the index for `p_capabilities IS NULL OR capabilities @> p_capabilities`). For "
+            f"'{none['query']}' ({none['rows']:,} rows) eligible() takes p50 {_cell(client_p50)} "
+            f"ms, of which PostgreSQL executes {_cell(server_ms)} ms: the rest is the wire and "
+            "Python (asyncpg decoding, json.loads of two JSONB columns and a NodeProfile per "
+            f"row); Python's full GC ran {pauses['collections']} times in the idle queries, "
+            f"{pauses['total_ms']} ms in all, at most {pauses['max_ms']} ms (the simulated fleet "
+            "itself is frozen out of the GC)"
+        )
+    first = next(iter(servers.values()))
+    plan: list[str] = first["explain"]["plan"]
+    inlined = not any("Function Scan" in line for line in plan)
+    notes.append(
+        f"EXPLAIN (ANALYZE, BUFFERS) of the adapter's eligible query for '{EXPLAINED.label}', "
+        f"idle, {next(iter(servers))}: eligible_workers() and worker_liveness() "
+        f"{'are inlined into the query' if inlined else 'are NOT inlined (Function Scan)'}; "
+        "top lines:\n    " + "\n    ".join(line[:160] for line in plan[:EXPLAIN_LINES])
+    )
+    notes.append(
+        "query latency is AsyncpgRegistry.eligible() end to end (nodes() for the last row); "
+        "'server ms' is the execution time inside PostgreSQL (EXPLAIN ANALYZE, TIMING OFF, "
+        f"median of {EXPLAIN_RUNS}, idle); each requirement set ran "
+        f"{setup['query_repeats']} times in a row from one connection, idle after moving every "
+        "last_heartbeat to now(), and again while the paced heartbeat load kept every node live"
+    )
+    return notes

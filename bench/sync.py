@@ -1,0 +1,544 @@
+"""The sync benchmark: the Syncer, built as the app builds it, against two local servers.
+
+N desired workloads (1,000; 100 with --quick), each with a manifest, on the local backend
+(signatures checked) and the Kubernetes API emulator: converge from empty, a second sync,
+steady-state syncs (target: exactly 2 requests) and a bump of 10% of the versions, at the
+default SYNC_CONCURRENCY and at 16. The servers run in threads of this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
+from app.services.runtime import build_runtime, open_backend, open_syncer
+from app.services.syncing import Syncer, SyncOutcome
+from app.settings import Settings
+from bench import Options
+from bench.checks import CheckFailed, check, say
+from tests.support.backend import LocalBackend
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.sync_world import KEY, NAMESPACE, NODE, key_seed, manifest
+
+NAME = "sync"
+DESCRIPTION = (
+    "1,000 desired workloads against the Kubernetes API emulator: converge from empty, "
+    "steady state (target: 2 requests), a 10% version bump"
+)
+
+
+def _check(condition: bool, message: str) -> None:
+    check(condition, message)
+
+
+def _say(message: str) -> None:
+    say(NAME, message)
+
+
+WORKLOADS = 1000
+QUICK_WORKLOADS = 100
+STEADY_REPEATS = 5
+QUICK_STEADY_REPEATS = 3
+DEFAULT_CONCURRENCY: int = Settings.model_fields["sync_concurrency"].default
+WIDE_CONCURRENCY = 16
+BUMP_EVERY = 10  # every tenth workload gets a new version
+VERSION, BUMPED = "1.0.0", "1.1.0"
+PING_TOKEN_SECRET = "bench-ping-token-secret"  # only ever sent to 127.0.0.1
+STEADY_TARGET = 2  # one GET of the desired state answered 304, one LIST of the Deployments
+LIST_PATH = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments"
+RSS_INTERVAL = 0.01  # seconds between RSS samples
+MIB = 1024 * 1024
+CPU_BOUND = 0.8  # process CPU seconds per wall second above which a phase is CPU-bound
+# Settings passed explicitly below; any other field set in the environment changes the run.
+EXPLICIT = frozenset(
+    {"node_id", "node_system_endpoint", "node_private_key", "kubeconfig", "managed_namespace",
+     "embedded_services", "sync_concurrency", "data_dir", "ping_token_secret"}
+)  # fmt: skip
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+
+class RssSampler:
+    """This process's RSS every 10 ms in a thread: the peak overall and per phase."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.baseline = self._rss()
+        self._peak = self._phase_peak = self.baseline
+        self._thread = threading.Thread(target=self._loop, name="bench-sync-rss", daemon=True)
+
+    def _rss(self) -> int:
+        rss: int = self._process.memory_info().rss
+        return rss
+
+    def _loop(self) -> None:
+        while not self._stop.wait(RSS_INTERVAL):
+            self.sample()
+
+    def sample(self) -> int:
+        rss = self._rss()
+        with self._lock:
+            self._peak = max(self._peak, rss)
+            self._phase_peak = max(self._phase_peak, rss)
+        return rss
+
+    def phase_peak(self) -> int:
+        """The peak since the previous call (a sample taken now included)."""
+        current = self.sample()
+        with self._lock:
+            peak, self._phase_peak = self._phase_peak, current
+        return peak
+
+    @property
+    def peak(self) -> int:
+        self.sample()
+        with self._lock:
+            return self._peak
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@dataclass(frozen=True)
+class Call:
+    method: str  # LIST for a GET on the Deployments collection
+    path: str
+    status: int
+
+    @property
+    def kind(self) -> str:
+        return self.method if self.status == 200 else f"{self.method}({self.status})"
+
+
+@dataclass
+class Phase:
+    wall: float
+    cpu: float  # user + system seconds of this whole process, servers included
+    outcome: SyncOutcome
+    backend: list[Call]
+    kube: list[Call]
+    rss_peak: int
+
+    @property
+    def steady_target_met(self) -> bool:
+        """Exactly one 304 GET of the desired state and one LIST, nothing else."""
+        return [(c.method, c.status) for c in self.backend] == [("GET", 304)] and [
+            (c.method, c.path) for c in self.kube
+        ] == [("LIST", LIST_PATH)]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "wall_seconds": round(self.wall, 4),
+            "cpu_seconds": round(self.cpu, 3),
+            "sync_duration_seconds": round(self.outcome.duration_seconds, 4),
+            "ok": self.outcome.ok,
+            "aborted": self.outcome.aborted,
+            "counts": self.outcome.counts(),
+            "outcomes": dict(Counter(r.outcome for r in self.outcome.results)),
+            "backend_requests": len(self.backend),
+            "backend_by_kind": _by_kind(self.backend),
+            "kube_requests": len(self.kube),
+            "kube_by_kind": _by_kind(self.kube),
+            "rss_peak_bytes": self.rss_peak,
+        }
+
+
+def _by_kind(calls: Sequence[Call]) -> dict[str, int]:
+    return dict(Counter(c.kind for c in calls).most_common())
+
+
+def _cpu_seconds() -> float:
+    times = psutil.Process().cpu_times()
+    return float(times.user + times.system)
+
+
+@dataclass
+class World:
+    backend: LocalBackend
+    backend_url: str
+    emulator: KubeEmulator
+    workdir: Path
+    rss: RssSampler
+    names: tuple[str, ...]
+
+    def forget_requests(self) -> None:
+        self.backend.clear_records()
+        self.emulator.clear_requests()
+
+    def backend_calls(self) -> list[Call]:
+        return [Call(r.method, r.path, r.status) for r in self.backend.requests]
+
+    def kube_calls(self) -> list[Call]:
+        return [
+            Call(
+                "LIST" if r.method == "GET" and r.path == LIST_PATH else r.method, r.path, r.status
+            )
+            for r in self.emulator.requests
+        ]
+
+    def managed_versions(self) -> dict[str, str]:
+        listed = self.emulator.list_deployments(NAMESPACE, label_selector=MANAGED_SELECTOR)
+        return {
+            d["metadata"]["name"]: (d["metadata"].get("annotations") or {}).get(
+                VERSION_ANNOTATION, ""
+            )
+            for d in listed
+        }
+
+    def desire(self, versions: Mapping[str, str]) -> None:
+        for name, version in versions.items():
+            self.backend.set_manifest(name, version, manifest(name, version))
+        self.backend.set_desired([{"name": n, "version": v} for n, v in versions.items()])
+
+    async def timed_sync(self, syncer: Syncer) -> Phase:
+        self.forget_requests()
+        self.rss.phase_peak()
+        cpu, started = _cpu_seconds(), time.perf_counter()
+        outcome = await syncer.sync()
+        wall, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
+        phase = Phase(
+            wall=wall,
+            cpu=cpu,
+            outcome=outcome,
+            backend=self.backend_calls(),
+            kube=self.kube_calls(),
+            rss_peak=self.rss.phase_peak(),
+        )
+        _check(outcome.aborted is None, f"sync aborted: {outcome.aborted}")
+        failed = [f"{r.name}: {r.error}" for r in outcome.results if r.outcome == "failed"]
+        _check(not failed, f"{len(failed)} workload(s) failed, e.g. {failed[:2]}")
+        rejected = [f"{r.method} {r.path}: {r.rejected_reason}" for r in self.backend.rejected]
+        _check(not rejected, f"the backend rejected {len(rejected)} request(s): {rejected[:2]}")
+        errors = [
+            f"{c.method} {c.path} -> {c.status}"
+            for c in phase.kube
+            if c.status >= 400 and (c.method, c.status) != ("GET", 404)
+        ]
+        _check(not errors, f"{len(errors)} Kubernetes API error(s), e.g. {errors[:2]}")
+        return phase
+
+
+# --- phases ------------------------------------------------------------------------------
+
+
+async def _measure(world: World, concurrency: int, repeats: int) -> dict[str, Any]:
+    """Every phase at one concurrency, on a fresh backend, emulator and runtime."""
+    world.backend.reset()
+    world.emulator.reset()
+    n = len(world.names)
+    world.desire(dict.fromkeys(world.names, VERSION))
+    settings = Settings(
+        _env_file=None,
+        node_id=NODE,
+        node_system_endpoint=world.backend_url,
+        node_private_key=key_seed(),
+        kubeconfig=world.emulator.write_kubeconfig(world.workdir / "kubeconfig", NAMESPACE),
+        managed_namespace=NAMESPACE,
+        embedded_services=False,
+        sync_concurrency=concurrency,
+        data_dir=world.workdir / "data",
+        ping_token_secret=PING_TOKEN_SECRET,
+    )
+    phases: dict[str, Any] = {}
+    result: dict[str, Any] = {"concurrency": concurrency, "phases": phases, "failure": None}
+    current = "start"
+    try:
+        runtime = build_runtime(settings)
+        async with AsyncExitStack() as stack:
+            open_backend(runtime, stack)
+            syncer = await open_syncer(runtime, stack)
+            _check(syncer is not None, f"no syncer: {runtime.components['sync'].reason}")
+            assert syncer is not None
+
+            current = "converge"
+            _say(f"concurrency {concurrency}: converging {n} workloads from empty")
+            phase = await world.timed_sync(syncer)
+            phases[current] = phase.as_dict()
+            _check(
+                phase.outcome.counts() == {"create": n}
+                and all(r.outcome == "applied" for r in phase.outcome.results),
+                f"expected {n} creates applied, got {phase.outcome.counts()}",
+            )
+            deployed = world.managed_versions()
+            _check(
+                deployed == dict.fromkeys(world.names, VERSION),
+                f"the emulator holds {len(deployed)} managed Deployments, expected {n} "
+                f"at {VERSION}",
+            )
+            reported = world.backend.versions
+            _check(len(reported) == n, f"{len(reported)} versions reported, expected {n}")
+
+            current = "second"
+            phase = await world.timed_sync(syncer)
+            phases[current] = phase.as_dict() | {"steady_target_met": phase.steady_target_met}
+            _unchanged(phase, n)
+
+            current = "steady"
+            _say(f"concurrency {concurrency}: {repeats} steady-state syncs")
+            steady = []
+            for _ in range(repeats):
+                phase = await world.timed_sync(syncer)
+                _unchanged(phase, n)
+                steady.append(phase.as_dict() | {"steady_target_met": phase.steady_target_met})
+            walls = [s["wall_seconds"] for s in steady]
+            phases[current] = {
+                "syncs": steady,
+                "median_wall_seconds": statistics.median(walls),
+                "min_wall_seconds": min(walls),
+                "max_wall_seconds": max(walls),
+                "target_met": sum(s["steady_target_met"] for s in steady),
+                "repeats": repeats,
+            }
+
+            current = "bump"
+            bumped = world.names[::BUMP_EVERY]
+            _say(f"concurrency {concurrency}: bumping {len(bumped)} versions")
+            desired = dict.fromkeys(world.names, VERSION) | dict.fromkeys(bumped, BUMPED)
+            world.desire({name: desired[name] for name in world.names})
+            phase = await world.timed_sync(syncer)
+            phases[current] = phase.as_dict() | {"bumped": len(bumped)}
+            _check(
+                phase.outcome.counts() == {"update": len(bumped), "noop": n - len(bumped)},
+                f"expected {len(bumped)} updates, got {phase.outcome.counts()}",
+            )
+            deployed = world.managed_versions()
+            _check(deployed == desired, "the emulator's versions differ from the desired ones")
+            reported = world.backend.versions
+            _check(
+                sorted((name, body["version"]) for name, body in reported)
+                == [(name, BUMPED) for name in bumped],
+                f"{len(reported)} versions reported, expected the {len(bumped)} bumped",
+            )
+    except CheckFailed as exc:
+        result["failure"] = {"phase": current, "reason": str(exc)}
+        _say(f"concurrency {concurrency}: FAILED in {current}: {exc}")
+    return result
+
+
+def _unchanged(phase: Phase, n: int) -> None:
+    outcomes = Counter(r.outcome for r in phase.outcome.results)
+    _check(outcomes == {"unchanged": n}, f"expected {n} unchanged, got {dict(outcomes)}")
+
+
+async def _measure_all(world: World, repeats: int) -> dict[str, Any]:
+    runs: dict[str, Any] = {}
+    for concurrency in dict.fromkeys((DEFAULT_CONCURRENCY, WIDE_CONCURRENCY)):
+        runs[str(concurrency)] = await _measure(world, concurrency, repeats)
+    return runs
+
+
+def run(options: Options) -> dict[str, Any]:
+    n = QUICK_WORKLOADS if options.quick else WORKLOADS
+    repeats = QUICK_STEADY_REPEATS if options.quick else STEADY_REPEATS
+    names = tuple(f"bench-{i:04d}" for i in range(n))
+    overridden = sorted(
+        k for k in os.environ if k.lower() in Settings.model_fields and k.lower() not in EXPLICIT
+    )
+    rss = RssSampler()
+    rss.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
+            workdir = Path(tmp)
+            (workdir / "data").mkdir()
+            emulator = KubeEmulator(rollout_delay=0.05, progress_deadline=0.3)
+            backend = LocalBackend(NODE, KEY.public_key())
+            emulator.start()
+            try:
+                with backend.serve() as server:
+                    world = World(backend, server.url, emulator, workdir, rss, names)
+                    started = rss.sample()
+                    runs = asyncio.run(_measure_all(world, repeats))
+            finally:
+                emulator.stop()
+    finally:
+        rss.stop()
+    setup = {
+        "workloads": n,
+        "steady_repeats": repeats,
+        "bump_every": BUMP_EVERY,
+        "concurrencies": [int(c) for c in runs],
+        "default_concurrency": DEFAULT_CONCURRENCY,
+        "settings_from_environment": overridden,
+    }
+    memory = {"baseline_rss_bytes": rss.baseline, "servers_started_rss_bytes": started}
+    memory["peak_rss_bytes"] = rss.peak
+    result: dict[str, Any] = {"setup": setup, "runs": runs, "memory": memory}
+    result["targets"] = _targets(runs)
+    result["ok"] = all(r["failure"] is None for r in runs.values())
+    result["tables"] = [_table(r, n, repeats) for r in runs.values()]
+    result["notes"] = _notes(setup, runs, memory, result["targets"])
+    return result
+
+
+# --- report ------------------------------------------------------------------------------
+
+
+def _targets(runs: Mapping[str, Any]) -> dict[str, Any]:
+    observed = {
+        c: [s["backend_requests"] + s["kube_requests"] for s in r["phases"]["steady"]["syncs"]]
+        for c, r in runs.items()
+        if "steady" in r["phases"]
+    }
+    missed = any(
+        r["phases"]["steady"]["target_met"] < r["phases"]["steady"]["repeats"]
+        for r in runs.values()
+        if "steady" in r["phases"]
+    )
+    # None: no miss seen, but a run failed before its steady-state syncs
+    met = False if missed else (True if len(observed) == len(runs) else None)
+    return {
+        "steady_state_requests": {
+            "target": f"exactly {STEADY_TARGET}: GET desired -> 304, one LIST",
+            "observed_per_concurrency": observed,
+            "met": met,
+        }
+    }
+
+
+def _requests(phase: Mapping[str, Any], total: str, by_kind: str) -> str:
+    kinds = ", ".join(f"{kind} {count}" for kind, count in phase[by_kind].items())
+    return f"{phase[total]}: {kinds}" if kinds else "0"
+
+
+def _row(
+    label: str, phase: Mapping[str, Any], outcome: str, wall: float | None = None
+) -> list[str]:
+    return [
+        label,
+        f"{phase['wall_seconds'] if wall is None else wall:.3f}",
+        _requests(phase, "backend_requests", "backend_by_kind"),
+        _requests(phase, "kube_requests", "kube_by_kind"),
+        outcome,
+    ]
+
+
+def _verbs(counts: Mapping[str, int], words: Mapping[str, str]) -> str:
+    return ", ".join(f"{count} {words.get(kind, kind)}" for kind, count in counts.items())
+
+
+def _table(run: Mapping[str, Any], n: int, repeats: int) -> dict[str, Any]:
+    phases, failure = run["phases"], run["failure"]
+    rows: list[list[str]] = []
+    labels: dict[str, str] = {
+        "converge": "converge from empty",
+        "second": "second sync",
+        "steady": f"steady state (median of {repeats})",
+        "bump": f"bump {len(range(0, n, BUMP_EVERY))} of {n} versions",
+    }
+    outcomes: dict[str, Callable[[Mapping[str, Any]], str]] = {
+        "converge": lambda p: "ok, " + _verbs(p["counts"], {"create": "created"}),
+        "second": lambda p: "ok, " + _verbs(p["outcomes"], {}),
+        "bump": lambda p: "ok, " + _verbs(p["counts"], {"update": "updated", "noop": "unchanged"}),
+    }
+    for key, label in labels.items():
+        if failure is not None and failure["phase"] == key:
+            rows.append([label, "-", "-", "-", f"FAILED: {failure['reason']}"])
+            break
+        phase = phases[key]
+        if key == "steady":
+            # the request columns show the sync that made the most requests
+            worst = max(phase["syncs"], key=lambda s: s["backend_requests"] + s["kube_requests"])
+            verdict = (
+                f"{phase['target_met']}/{phase['repeats']} at exactly {STEADY_TARGET} requests"
+            )
+            wall = phase["median_wall_seconds"]
+            rows.append(_row(label, worst, f"ok, {n} unchanged, {verdict}", wall=wall))
+        else:
+            rows.append(_row(label, phase, outcomes[key](phase)))
+    if failure is not None and failure["phase"] not in labels:
+        rows.append(["setting up the syncer", "-", "-", "-", f"FAILED: {failure['reason']}"])
+    default = " (the default)" if run["concurrency"] == DEFAULT_CONCURRENCY else ""
+    return {
+        "title": f"sync: {n} desired workloads, SYNC_CONCURRENCY={run['concurrency']}{default}",
+        "columns": ["phase", "wall s", "backend requests", "kube requests (by method)", "outcome"],
+        "rows": rows,
+    }
+
+
+def _mib(value: float) -> str:
+    return f"{value / MIB:.0f}"
+
+
+def _notes(
+    setup: Mapping[str, Any],
+    runs: Mapping[str, Any],
+    memory: Mapping[str, Any],
+    targets: Mapping[str, Any],
+) -> list[str]:
+    n = setup["workloads"]
+    notes = [
+        f"{n} workloads, one plain Deployment manifest each (tests/support/sync_world.py); the "
+        "Syncer is built as the app builds it (build_runtime + open_backend + open_syncer), with "
+        "PING_TOKEN_SECRET set so every manifest gets its ping token injected. Before the numbers "
+        "are reported, the emulator's managed Deployments and the versions reported to the "
+        "backend are checked against the desired state.",
+        "the local backend (Ed25519 signatures verified) and the Kubernetes API emulator run in "
+        "threads of this process: wall and CPU times include their work, under the same GIL.",
+        f"requests: `GET(404) {n}` = {n} answers with status 404 (each create first reads the "
+        "name to see that it is free); LIST = GET of the Deployments collection; no status = 200. "
+        "The steady-state row shows the requests of the sync that made the most.",
+    ]
+    steady = targets["steady_state_requests"]
+    observed = "; ".join(
+        f"SYNC_CONCURRENCY={c}: {counts}"
+        for c, counts in steady["observed_per_concurrency"].items()
+    )
+    verdict = {True: "MET", False: "NOT MET", None: "not measured in every run"}[steady["met"]]
+    notes.append(
+        f"steady-state target ({steady['target']}, in every sync): {verdict}; requests per "
+        f"sync: {observed or 'none measured'}."
+    )
+    for concurrency, run in runs.items():
+        converge = run["phases"].get("converge")
+        if converge is None or (run["failure"] and run["failure"]["phase"] == "converge"):
+            continue
+        wall = converge["wall_seconds"]
+        notes.append(
+            f"SYNC_CONCURRENCY={concurrency}: converging took {wall:.2f} s "
+            f"({n / wall:,.0f} workloads/s, "
+            f"{(converge['backend_requests'] + converge['kube_requests']) / n:.2f} requests per "
+            f"workload) and {converge['cpu_seconds']:.2f} s of this process's CPU"
+            + (
+                ": CPU-bound, the syncer and both servers share one interpreter."
+                if converge["cpu_seconds"] >= CPU_BOUND * wall
+                else "."
+            )
+        )
+    notes.append(
+        f"RSS of this process (servers included, sampled every {RSS_INTERVAL * 1000:.0f} ms): "
+        f"{_mib(memory['baseline_rss_bytes'])} MiB before, "
+        f"{_mib(memory['servers_started_rss_bytes'])} MiB with both servers up, peak "
+        f"{_mib(memory['peak_rss_bytes'])} MiB."
+    )
+    failed = {c: r["failure"] for c, r in runs.items() if r["failure"] is not None}
+    for concurrency, failure in failed.items():
+        notes.append(
+            f"FAILED at SYNC_CONCURRENCY={concurrency} in phase {failure['phase']}: "
+            f"{failure['reason']}; that run's later phases were not measured."
+        )
+    if setup["settings_from_environment"]:
+        notes.append(
+            "settings also read from this environment (they change what is measured): "
+            + ", ".join(setup["settings_from_environment"])
+        )
+    return notes
