@@ -124,6 +124,7 @@ class Settings(BaseSettings):
         default=None, validation_alias=AliasChoices("DATABASE_URL", "CAPABILITY_REGISTRY")
     )
     database_timeout_seconds: float = _ranged(5.0, 0.1, 120.0)
+    database_pool_size: int = Field(default=4, ge=1, le=100)
     migrate_on_start: bool | None = None
     migrations_dir: Path | None = None
     nats_url: str | None = None

@@ -285,11 +285,11 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
 
 def open_backend(rt: Runtime, stack: AsyncExitStack) -> BackendClient | None:
     """The signed backend client, when an endpoint and a key are configured."""
-    from app.adapters.backend import BackendClient
-
     settings = rt.settings
     if settings.node_system_endpoint is None or rt.signer is None:
         return None
+    from app.adapters.backend import BackendClient
+
     rt.backend = BackendClient(
         base_url=settings.node_system_endpoint,
         signer=rt.signer,
@@ -307,6 +307,10 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
     Shutdown marks the node `draining` first and `offline` last, so whatever stops in
     between (jobs, the last report) happens while the fleet already routes around it.
     """
+    settings = rt.settings
+    component = rt.components["registry"]
+    if not component.enabled or rt.database_url is None:
+        return None
     from app.adapters import system
     from app.adapters.kube import KubeError
     from app.adapters.registry import AsyncpgRegistry
@@ -314,11 +318,11 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
     from app.services import migrating
     from app.services.heartbeating import Heartbeat
 
-    settings = rt.settings
-    component = rt.components["registry"]
-    if not component.enabled or rt.database_url is None:
-        return None
-    registry = AsyncpgRegistry(rt.database_url, timeout=settings.database_timeout_seconds)
+    registry = AsyncpgRegistry(
+        rt.database_url,
+        timeout=settings.database_timeout_seconds,
+        max_connections=settings.database_pool_size,
+    )
     await registry.open()
     stack.push_async_callback(registry.close)
     rt.registry = registry
@@ -370,6 +374,10 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
 async def open_worker(rt: Runtime, stack: AsyncExitStack) -> Worker | None:
     """The job worker as a supervised task; it connects to NATS inside the task, so a
     NATS outage at start delays the worker, never the manager."""
+    settings = rt.settings
+    component = rt.components["worker"]
+    if not component.enabled or rt.nats_url is None:
+        return None
     from app.adapters.bus import JetStreamBus
     from app.adapters.registry import AsyncpgLedger
     from app.adapters.workload_http import WorkloadHttp
@@ -377,10 +385,6 @@ async def open_worker(rt: Runtime, stack: AsyncExitStack) -> Worker | None:
     from app.services.streams import consumer_specs, init_streams
     from app.services.working import Worker, WorkerConfig
 
-    settings = rt.settings
-    component = rt.components["worker"]
-    if not component.enabled or rt.nats_url is None:
-        return None
     if rt.registry is None or rt.heartbeat is None:
         component.switch_off("the registry is not running: no idempotency ledger")
         return None
@@ -488,15 +492,15 @@ def _consumer_stats(rt: Runtime) -> Callable[[], Awaitable[None]]:
 
 
 async def open_self_updater(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater | None:
+    settings = rt.settings
+    component = rt.components["self_update"]
+    if not component.enabled or settings.self_update_url is None:
+        return None
     from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
     from app.adapters.versions import VersionFile
     from app.domain.updates import UpdatePolicy
     from app.services.updating import SelfUpdater
 
-    settings = rt.settings
-    component = rt.components["self_update"]
-    if not component.enabled or settings.self_update_url is None:
-        return None
     assert settings.pod_namespace is not None
     try:
         configuration, _source = await load_configuration(settings.kubeconfig)
@@ -530,6 +534,10 @@ async def open_self_updater(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater |
 
 async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
     """The deployment syncer, or None with the reason recorded on the sync component."""
+    settings = rt.settings
+    component = rt.components["sync"]
+    if not component.enabled:
+        return None
     from app.adapters.desired_files import DesiredFiles
     from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
     from app.domain.manifests import Injection, ManifestPolicy
@@ -537,10 +545,6 @@ async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
     from app.domain.tokens import ping_token
     from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
 
-    settings = rt.settings
-    component = rt.components["sync"]
-    if not component.enabled:
-        return None
     source: DesiredSource
     if rt.backend is not None and settings.node_system_endpoint is not None:
         source = BackendSource(rt.backend, settings.node_system_endpoint)
@@ -656,9 +660,9 @@ async def _postgres_version(url: str) -> dict[str, object]:
 
 
 async def _probe_nats(rt: Runtime) -> None:
-    from app.adapters import bus
-
     if rt.nats_url is not None:
+        from app.adapters import bus
+
         url = rt.nats_url
         await _probe(
             rt.components["nats"], url, bus.server_info(url, connect_timeout=PROBE_TIMEOUT)

@@ -486,3 +486,19 @@ def test_rendered_worker_rbac() -> None:
     docs = list(render("worker"))
     assert_least_privilege(docs)
     assert_worker_has_no_rights(docs)
+
+
+def test_every_environment_variable_in_the_manifests_is_a_setting() -> None:
+    from app.settings import Settings
+
+    known = {name.upper() for name in Settings.model_fields} | {"TIER", "CAPABILITY_REGISTRY"}
+    # set for the pod's own use or for humans reading `kubectl describe`, not settings
+    informational = {"POD_NAME", "NODE_NAME"}
+    names: set[str] = set()
+    for path in sorted(K8S.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {})
+            for container in spec.get("containers", []) + spec.get("initContainers", []):
+                names |= {e["name"] for e in container.get("env", [])}
+    assert names, "no container environment found under k8s/"
+    assert names - known - informational == set()
