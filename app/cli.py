@@ -67,7 +67,8 @@ def _sync(args: argparse.Namespace) -> int:
 
     from app import logs
     from app.adapters.signing import InvalidKeyError
-    from app.services.runtime import build_runtime, open_backend, open_syncer
+    from app.services.runtime import build_runtime, open_backend
+    from app.services.wiring import open_syncer
 
     try:
         settings = load_settings()
@@ -248,7 +249,8 @@ def _self_update(args: argparse.Namespace) -> int:
     from app.adapters.signing import InvalidKeyError
     from app.adapters.versions import VersionSourceError
     from app.domain.updates import VersionFileError
-    from app.services.runtime import build_runtime, open_self_updater
+    from app.services.runtime import build_runtime
+    from app.services.wiring import open_self_updater
 
     try:
         rt = build_runtime(load_settings(_check_production=False))

@@ -24,8 +24,9 @@ from typing import Any
 import psutil
 
 from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
-from app.services.runtime import build_runtime, open_backend, open_syncer
+from app.services.runtime import build_runtime, open_backend
 from app.services.syncing import Syncer, SyncOutcome
+from app.services.wiring import open_syncer
 from app.settings import Settings
 from bench import Options
 from bench.checks import CheckFailed, check, say

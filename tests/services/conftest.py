@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from app.services.runtime import Runtime, build_runtime, open_backend, open_syncer
+from app.services.runtime import Runtime, build_runtime, open_backend
 from app.services.syncing import Syncer
+from app.services.wiring import open_syncer
 from tests.conftest import SettingsFactory
 from tests.support.backend import LocalBackend
 from tests.support.kube_emulator import KubeEmulator

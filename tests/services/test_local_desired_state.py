@@ -6,7 +6,8 @@ import shutil
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from app.services.runtime import build_runtime, open_backend, open_syncer
+from app.services.runtime import build_runtime, open_backend
+from app.services.wiring import open_syncer
 from tests.conftest import SettingsFactory
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.sync_world import NAMESPACE

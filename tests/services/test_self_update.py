@@ -15,9 +15,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.services.runtime import Runtime, build_runtime, open_self_updater, open_syncer
+from app.services.runtime import Runtime, build_runtime
 from app.services.syncing import SyncBusy
 from app.services.updating import FAILED_VERSIONS, PREVIOUS_IMAGE, SelfUpdateBusy, SelfUpdater
+from app.services.wiring import open_self_updater, open_syncer
 from tests.conftest import SettingsFactory
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.servers import ThreadedServer, serve
