@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from app import __version__
 from app.api import admin, fleet, pings, probes, status
@@ -16,6 +17,22 @@ from app.services.runtime import Runtime, build_runtime, start_runtime
 from app.settings import Settings, load_settings
 
 DEFAULT_BODY_LIMIT = 1024 * 1024
+
+
+class ManagerApp(FastAPI):
+    """FastAPI with the ping fast path in front of everything, the framework's own
+    error-handling middleware included: a valid ping never enters the framework."""
+
+    fast_path: PingFastPath | None = None
+
+    async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.fast_path is not None and scope["type"] == "http":
+            await self.fast_path(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
 
 @asynccontextmanager
@@ -44,7 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             traces_sample_rate=settings.sentry_traces_sample_rate,
         )
     runtime = build_runtime(settings)
-    app = FastAPI(
+    app = ManagerApp(
         title="Node workload manager",
         version=__version__,
         lifespan=_lifespan,
@@ -64,7 +81,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(RequestIdMiddleware)
     if settings.ping_fast_path:
-        app.add_middleware(PingFastPath, runtime=runtime, limit=settings.ping_max_body_bytes)
+        app.fast_path = PingFastPath(
+            app.framework, runtime=runtime, limit=settings.ping_max_body_bytes
+        )
     return app
 
 

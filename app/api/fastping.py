@@ -17,8 +17,9 @@ import os
 from typing import Any
 
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.middleware import ASGIApp, Message, Receive, Scope, Send, safe_request_id
+from app.api.middleware import safe_request_id
 from app.domain.health import Ping, is_workload_name
 from app.domain.tokens import ping_token
 from app.services.runtime import Runtime

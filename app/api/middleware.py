@@ -9,16 +9,10 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
-from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.logs import request_id
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Any]
-Send = Callable[[Message], Any]
-ASGIApp = Callable[[Scope, Receive, Send], Any]
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
