@@ -50,6 +50,33 @@ def _wait_for_port(host: str, port: int, *, proc: subprocess.Popen[bytes], timeo
     raise EmbeddedError(f"nothing listened on {host}:{port} within {timeout:.0f} s")
 
 
+def _reap_leftover(pid_file: Path, *, program: str, sig: int) -> None:
+    """Stop a server a previous run left behind (a manager killed with SIGKILL cannot stop
+    its children), so a new one can take the same data directory."""
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, IndexError):
+        return
+    if program.encode() not in cmdline:
+        return  # the pid was reused by something else
+    log.warning("stopping a %s left running by a previous run (pid %d)", program, pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _running(pid):
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """True while the process exists and is not a zombie waiting for its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
 def _stop(proc: subprocess.Popen[bytes] | None, sig: int, timeout: float) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -143,6 +170,7 @@ class EmbeddedPostgres(_ChildServer):
 
     def start(self) -> EmbeddedPostgres:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        _reap_leftover(self.data_dir / "postmaster.pid", program="postgres", sig=signal.SIGINT)
         user = self._run_as()
         if not (self.data_dir / "PG_VERSION").exists():
             log.info("initialising embedded PostgreSQL in %s", self.data_dir)
@@ -201,10 +229,12 @@ class EmbeddedNats(_ChildServer):
 
     def start(self) -> EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        pid_file = self.data_dir / "nats-server.pid"
+        _reap_leftover(pid_file, program="nats-server", sig=signal.SIGTERM)
         self._launch(
             "nats-server",
             [self.binary(), "--jetstream", "--store_dir", str(self.data_dir),
-             "--addr", self.host, "--port", str(self._claim_port())],
+             "--addr", self.host, "--port", str(self._claim_port()), "--pid", str(pid_file)],
         )  # fmt: skip
         return self
 

@@ -83,3 +83,30 @@ async def test_production_never_starts_embedded_servers(make_settings: SettingsF
     assert components["postgres"]["enabled"] is False
     assert components["nats"]["enabled"] is False
     assert not (settings.data_dir / "postgres").exists()
+
+
+def test_servers_left_behind_by_a_killed_run_are_replaced(tmp_path: Path) -> None:
+    import os
+    import signal as signals
+
+    pg = EmbeddedPostgres(tmp_path / "pg").start()
+    nats = EmbeddedNats(tmp_path / "nats").start()
+    old = (pg.pid, nats.pid)
+    # the manager dies without stopping them: a new process knows nothing of the handles
+    handles = [pg._proc, nats._proc]
+    pg._proc = None
+    nats._proc = None
+    fresh_pg = EmbeddedPostgres(tmp_path / "pg").start()
+    fresh_nats = EmbeddedNats(tmp_path / "nats").start()
+    try:
+        assert fresh_pg.running and fresh_nats.running
+        for pid in old:
+            assert pid is not None and not _alive(pid)
+    finally:
+        fresh_pg.stop()
+        fresh_nats.stop()
+        for handle in handles:
+            assert handle is not None
+            if handle.poll() is None:
+                os.kill(handle.pid, signals.SIGKILL)
+            handle.wait(timeout=10)
