@@ -90,6 +90,11 @@ def prepare_manifest(
         raise ManifestRejected("spec.template.spec.containers must list at least one container")
     assert isinstance(spec, dict) and isinstance(pod, dict)
 
+    _must_be_object("metadata.labels", metadata.get("labels", {}))
+    _must_be_object("metadata.annotations", metadata.get("annotations", {}))
+    template_meta = spec["template"].get("metadata", {})
+    _must_be_object("spec.template.metadata", template_meta)
+    _must_be_object("spec.template.metadata.labels", template_meta.get("labels", {}))
     for key in _SERVER_OWNED_METADATA:
         metadata.pop(key, None)
     manifest.pop("status", None)
@@ -115,6 +120,11 @@ def prepare_manifest(
     annotations[APPLIED_ANNOTATION] = json.dumps(spec, sort_keys=True, separators=(",", ":"))
     annotations[HASH_ANNOTATION] = spec_hash(spec)
     return manifest
+
+
+def _must_be_object(where: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ManifestRejected(f"{where} must be an object")
 
 
 def _dig(value: Any, *keys: str) -> Any:

@@ -211,6 +211,11 @@ class Worker:
             # ledger makes the redelivery harmless.
             outcome = "bus-error"
             log.warning("job answer not sent (%s): %s", job_type, exc)
+        except Exception:
+            # A bug here must not kill the task silently; the unanswered message comes back
+            # after ack_wait, and the ledger keeps that harmless.
+            outcome = "error"
+            log.exception("job %s could not be handled", job_type)
         self._metrics.jobs.labels(job_type, outcome).inc()
         self._metrics.job_duration.labels(job_type).observe(time.monotonic() - started)
         if outcome not in ("bus-error", "ledger-error"):
