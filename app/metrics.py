@@ -160,6 +160,12 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.alerts = Counter(
+            f"{PREFIX}_alerts_total",
+            "Alerts by outcome (raised, suppressed, delivered, undelivered, dropped).",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.up_since = Gauge(
             f"{PREFIX}_start_time_seconds",
             "Unix time the manager started.",

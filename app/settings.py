@@ -166,6 +166,7 @@ class Settings(BaseSettings):
     matrix_homeserver: str | None = None
     matrix_room_id: str | None = None
     matrix_access_token: SecretStr | None = None
+    alert_window_seconds: float = _ranged(900.0, 1.0, 86_400.0)
 
     @field_validator("*", mode="before")
     @classmethod

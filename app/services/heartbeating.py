@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import stamina
 
@@ -23,6 +23,9 @@ from app.domain.components import Component
 from app.domain.migrations import MigrationError
 from app.domain.requirements import NodeProfile, Tier
 from app.metrics import Metrics
+
+if TYPE_CHECKING:
+    from app.services.alerting import Alerter
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ class Heartbeat:
         component: Component,
         metrics: Metrics,
         prepare: Callable[[], Awaitable[object]] | None = None,
+        alerts: Alerter | None = None,
         retry_attempts: int = 3,
         retry_max_wait: float = 5.0,
     ) -> None:
@@ -60,6 +64,7 @@ class Heartbeat:
         self._attempts = retry_attempts
         self._max_wait = retry_max_wait
         self._prepare = prepare
+        self._alerts = alerts
         self._profile: NodeProfile | None = None
         self._profile_at = 0.0
         self._written: NodeProfile | None = None
@@ -100,6 +105,12 @@ class Heartbeat:
             self._metrics.heartbeats.labels("failed").inc()
             self._component.failed(datetime.now(UTC), f"{type(exc).__name__}: {exc}")
             self._written = None  # re-register in full once the database is back
+            failures = self._component.consecutive_failures
+            if self._alerts is not None and failures >= 3:
+                self._alerts.alert(
+                    "registry:heartbeat",
+                    f"registry heartbeats failing ({failures} in a row): {exc}",
+                )
             log.warning(
                 "registry heartbeat failed (%d in a row): %s",
                 self._component.consecutive_failures,

@@ -23,6 +23,7 @@ from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.signing import NodeSigner, load_private_key, node_id_for
 from app.domain.components import Component, ComponentState
 from app.metrics import Metrics
+from app.services.alerting import Alerter
 from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
 from app.services.wiring import (
@@ -62,6 +63,7 @@ class Runtime:
     scheduler: Scheduler
     reporter: Reporter
     components: dict[str, Component]
+    alerts: Alerter
     started_at: float = field(default_factory=time.monotonic)
     started_wall: datetime = field(default_factory=lambda: datetime.now(UTC))
     backend: BackendClient | None = None
@@ -117,7 +119,25 @@ def _components(settings: Settings, signer: NodeSigner | None) -> dict[str, Comp
         "registry": _registry_component(settings, database, embedded),
         "worker": _worker_component(settings, database, embedded),
         "self_update": _self_update_component(settings),
+        "alerts": _alerts_component(settings),
     }
+
+
+def _alerts_component(settings: Settings) -> Component:
+    missing = [
+        name
+        for name, value in (
+            ("MATRIX_HOMESERVER", settings.matrix_homeserver),
+            ("MATRIX_ROOM_ID", settings.matrix_room_id),
+            ("MATRIX_ACCESS_TOKEN", settings.matrix_access_token),
+        )
+        if value is None
+    ]
+    if missing:
+        return Component("alerts", False, f"{', '.join(missing)} not set: alerts go to the log")
+    return Component(
+        "alerts", True, f"Matrix room {settings.matrix_room_id} on {settings.matrix_homeserver}"
+    )
 
 
 def _registry_component(settings: Settings, database: str | None, embedded: bool) -> Component:
@@ -198,12 +218,14 @@ def build_runtime(settings: Settings) -> Runtime:
         capacity=settings.max_tracked_workloads,
     )
     components = _components(settings, signer)
+    alerts = Alerter(node_id=node_id, metrics=metrics, window_seconds=settings.alert_window_seconds)
     reporter = Reporter(
         node_id=node_id,
         book=book,
         backend=None,
         component=components["report"],
         metrics=metrics,
+        alerts=alerts,
         disk_path=settings.data_dir if settings.data_dir.exists() else settings.data_dir.parent,
         started_at=time.monotonic(),
     )
@@ -216,6 +238,7 @@ def build_runtime(settings: Settings) -> Runtime:
         scheduler=Scheduler(metrics=metrics, jitter_fraction=settings.scheduler_jitter_fraction),
         reporter=reporter,
         components=components,
+        alerts=alerts,
     )
     metrics.watch_state(
         workloads=book.counts,
@@ -227,6 +250,7 @@ def build_runtime(settings: Settings) -> Runtime:
 async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
     settings = rt.settings
     await _start_data_services(rt, stack)
+    await _start_alerts(rt, stack)
     open_backend(rt, stack)
 
     if rt.components["report"].enabled:
@@ -302,6 +326,32 @@ def open_backend(rt: Runtime, stack: AsyncExitStack) -> BackendClient | None:
     )
     stack.push_async_callback(rt.backend.aclose)
     return rt.backend
+
+
+async def _start_alerts(rt: Runtime, stack: AsyncExitStack) -> None:
+    settings = rt.settings
+    if not rt.components["alerts"].enabled:
+        return
+    from app.adapters.matrix import MatrixRoom
+
+    assert settings.matrix_homeserver and settings.matrix_room_id and settings.matrix_access_token
+    room = MatrixRoom(
+        homeserver=settings.matrix_homeserver,
+        room_id=settings.matrix_room_id,
+        token=settings.matrix_access_token.get_secret_value(),
+        timeout=settings.backend_timeout_seconds,
+    )
+    stack.push_async_callback(room.aclose)
+    rt.alerts.room = room
+    sender = asyncio.create_task(rt.alerts.deliver(), name="alert-sender")
+
+    async def stop() -> None:
+        await rt.alerts.flush(within=min(3.0, settings.shutdown_grace_seconds))
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+
+    stack.push_async_callback(stop)
+    rt.components["alerts"].succeeded(datetime.now(UTC))
 
 
 async def _final_report(rt: Runtime) -> None:

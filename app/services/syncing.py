@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from app.adapters.backend import NOT_MODIFIED, BackendClient, BackendError
 from app.adapters.desired_files import DesiredFiles, DesiredFilesError
@@ -35,7 +35,12 @@ from app.domain.planning import Action, ActionKind, LiveDeployment, SyncPolicy, 
 from app.metrics import Metrics
 from app.services.workloads import Deployed, WorkloadBook
 
+if TYPE_CHECKING:
+    from app.services.alerting import Alerter
+
 log = logging.getLogger(__name__)
+
+REPEATED_FAILURES = 3
 
 SOURCE_ERRORS = (BackendError, DesiredStateError, DesiredFilesError)
 
@@ -156,7 +161,9 @@ class Syncer:
         metrics: Metrics,
         component: Component,
         cluster_lock: asyncio.Lock,
+        alerts: Alerter | None = None,
     ) -> None:
+        self._alerts = alerts
         self.source = source
         self.kube = kube
         self._book = book
@@ -348,6 +355,15 @@ class Syncer:
     def _record(self, outcome: SyncOutcome) -> None:
         if outcome.dry_run:
             return
+        self._record_outcome(outcome)
+        failures = self._component.consecutive_failures
+        if self._alerts is not None and failures >= REPEATED_FAILURES:
+            self._alerts.alert(
+                "sync:failing", f"deployment sync failed {failures} times in a row: "
+                f"{self._component.last_error}"
+            )  # fmt: skip
+
+    def _record_outcome(self, outcome: SyncOutcome) -> None:
         self.last = outcome
         now = datetime.now(UTC)
         self._metrics.sync_duration.observe(outcome.duration_seconds)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app import __version__
 from app.adapters.kube import KubeDeployments, KubeError
@@ -33,6 +33,9 @@ from app.domain.updates import (
     split_image,
 )
 from app.metrics import Metrics
+
+if TYPE_CHECKING:
+    from app.services.alerting import Alerter
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,9 @@ class SelfUpdater:
         component: Component,
         metrics: Metrics,
         cluster_lock: asyncio.Lock,
+        alerts: Alerter | None = None,
     ) -> None:
+        self._alerts = alerts
         self._source = source
         self._kube = kube
         self._deployment = deployment
@@ -130,6 +135,9 @@ class SelfUpdater:
                 },
             )  # fmt: skip
             self._metrics.self_updates.labels("applied").inc()
+            if self._alerts is not None:
+                self._alerts.alert(f"self-update:applied:{decision.version}",
+                                   f"self-update applied: {decision.reason}")  # fmt: skip
             generation = int((patched.get("metadata") or {}).get("generation") or 0)
             outcome, why = await self._watch(generation)
             if outcome == "available":
@@ -173,6 +181,11 @@ class SelfUpdater:
         self._metrics.self_updates.labels("rolled-back").inc()
         self._component.failed(datetime.now(UTC), f"update to {version} rolled back: {why}")
         log.error("self-update to %s rolled back to %s: %s", version, previous, why)
+        if self._alerts is not None:
+            self._alerts.alert(
+                f"self-update:rolled-back:{version}",
+                f"self-update to {version} rolled back to {previous}: {why}",
+            )
 
     async def _own(self) -> dict[str, Any]:
         own = await self._kube.get(self._deployment)

@@ -94,6 +94,7 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
         metrics=rt.metrics,
         retry_max_wait=min(5.0, settings.heartbeat_interval_seconds / 4),
         prepare=prepare,
+        alerts=rt.alerts,
     )
     rt.heartbeat = heartbeat
     budget = min(5.0, settings.shutdown_grace_seconds)
@@ -148,6 +149,7 @@ async def open_worker(rt: Runtime, stack: AsyncExitStack) -> Worker | None:
         ),
         metrics=rt.metrics,
         component=component,
+        alerts=rt.alerts,
     )
     rt.worker, rt.bus = worker, bus
     rt.metrics.jobs_in_flight.set_function(lambda: worker.in_flight)
@@ -259,6 +261,7 @@ async def open_self_updater(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater |
         component=component,
         metrics=rt.metrics,
         cluster_lock=rt.cluster_lock,
+        alerts=rt.alerts,
     )
     return rt.updater
 
@@ -326,6 +329,7 @@ async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
         metrics=rt.metrics,
         component=component,
         cluster_lock=rt.cluster_lock,
+        alerts=rt.alerts,
     )
     component.reason = (
         f"{source.description} -> namespace {settings.managed_namespace} via {cluster_source}"

@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import stamina
 
@@ -45,6 +45,9 @@ from app.domain.jobs import (
 from app.domain.requirements import NodeProfile
 from app.metrics import Metrics
 from app.services.handlers import Handler, HandlerContext
+
+if TYPE_CHECKING:
+    from app.services.alerting import Alerter
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,9 @@ class Worker:
         config: WorkerConfig,
         metrics: Metrics,
         component: Component,
+        alerts: Alerter | None = None,
     ) -> None:
+        self._alerts = alerts
         self._bus = bus
         self._ledger = ledger
         self._registry = registry
@@ -237,6 +242,7 @@ class Worker:
             await self._event(EventKind.REJECTED, job, reason=decision.reason, security=True)
             await delivery.term()
             log.error("security: job %s refused: %s", job.job_id, decision.reason)
+            self._alert(f"job:security:{job.type}", f"job {job.job_id} refused: {decision.reason}")
             return "refused"
         if decision.admission is Admission.NOT_HERE:
             return await self._not_here(delivery, job, decision.reason)
@@ -265,6 +271,8 @@ class Worker:
             )
             log.warning("job %s (%s): no live node can run it: %s", job.job_id, job.type, reason)
             self._metrics.jobs_unroutable.inc()
+            self._alert(f"job:unroutable:{job.type}",
+                        f"no live node can run {job.type} jobs ({reason})")  # fmt: skip
         await delivery.nak(self._config.not_here_delay)
         return "not-here"
 
@@ -356,10 +364,15 @@ class Worker:
         )
         await self._event(EventKind.DEAD, job, reason=reason, delivered=delivery.delivered)
         await delivery.term()
+        self._alert(f"job:dead:{job.type}", f"{job.type} job {job.job_id} dead-lettered: {reason}")
         log.warning(
             "job %s dead-lettered after %d deliveries: %s", job.job_id, delivery.delivered, reason
         )
         return "dead"
+
+    def _alert(self, key: str, text: str) -> None:
+        if self._alerts is not None:
+            self._alerts.alert(key, text)
 
     async def _keep_alive(self, delivery: Delivery, key: str) -> None:
         """Tell JetStream and the ledger the job is still ours, every ack_wait/3."""

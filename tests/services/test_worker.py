@@ -131,6 +131,8 @@ async def test_unmet_requirements_are_retried_then_reported_unroutable_and_dead(
     kinds = events.kinds(job.idempotency_key)
     assert kinds.count("job.unroutable") == 2  # deliveries 1 and 2 were naked with a delay
     assert "no node ran it after 3 deliveries" in events.of("job.dead")[0]["reason"]
+    texts = [str(a["text"]) for a in runtime_of(manager).alerts.recent]
+    assert any("no live node can run noop jobs" in t for t in texts), texts
     assert await ledger(database) == {}
 
 
@@ -159,6 +161,7 @@ async def test_permanent_failures_and_the_last_delivery_are_dead_lettered(
     assert events.kinds(job.idempotency_key) == ["job.failed"] * failed_first + ["job.dead"]
     row = (await ledger(database))[job.idempotency_key]
     assert row["status"] == "dead" and "noop asked to fail" in row["error"]
+    assert any("dead-lettered" in str(a["text"]) for a in runtime_of(manager).alerts.recent)
 
 
 async def test_the_same_key_runs_once(manager: FastAPI, database: str, nats_url: str) -> None:

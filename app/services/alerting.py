@@ -1,0 +1,93 @@
+"""Alerts: deduplicated, rate-limited, never blocking a loop on the homeserver.
+
+`alert(key, text)` logs at WARNING and queues the message for the Matrix room (when one
+is configured); a background task sends it. One alert per key per window: a workload
+flapping every minute, or a sync failing every tick, is one message per window, not a
+flood. The queue is bounded; when the homeserver is down and it fills, the oldest
+alerts are dropped (and counted), never the loop that raised them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from app.metrics import Metrics
+
+if TYPE_CHECKING:
+    from app.adapters.matrix import MatrixRoom
+
+log = logging.getLogger(__name__)
+
+QUEUE_SIZE = 100
+
+
+class Alerter:
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        metrics: Metrics,
+        window_seconds: float,
+        room: MatrixRoom | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._node_id = node_id
+        self._metrics = metrics
+        self._window = window_seconds
+        self.room = room
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self.recent: list[dict[str, object]] = []
+
+    def alert(self, key: str, text: str) -> bool:
+        """Raise an alert; False when the same key already alerted in this window."""
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self._window:
+            self._metrics.alerts.labels("suppressed").inc()
+            return False
+        self._last[key] = now
+        message = f"[{self._node_id}] {text}"
+        log.warning("alert: %s", message)
+        self.recent = [*self.recent[-19:], {"at": now, "key": key, "text": message}]
+        self._metrics.alerts.labels("raised").inc()
+        if self.room is not None:
+            # the window's start makes the id deterministic: a retry of this alert is
+            # the same transaction for the homeserver
+            txn = hashlib.sha256(f"{self._node_id}|{key}|{int(now // self._window)}".encode())
+            if self._queue.full():
+                self._queue.get_nowait()
+                self._queue.task_done()
+                self._metrics.alerts.labels("dropped").inc()
+            self._queue.put_nowait((message, txn.hexdigest()[:32]))
+        return True
+
+    async def deliver(self) -> None:
+        """The background sender (a supervised task); returns only when cancelled."""
+        from app.adapters.matrix import MatrixError
+
+        assert self.room is not None
+        while True:
+            message, txn_id = await self._queue.get()
+            try:
+                await self.room.send(message, txn_id=txn_id)
+            except MatrixError as exc:
+                self._metrics.alerts.labels("undelivered").inc()
+                log.warning("alert not delivered to Matrix: %s", exc)
+            else:
+                self._metrics.alerts.labels("delivered").inc()
+            finally:
+                self._queue.task_done()
+
+    async def flush(self, *, within: float) -> None:
+        """Give queued alerts a moment to go out on shutdown."""
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout=within)
+        except TimeoutError:
+            log.warning("%d alert(s) not sent before shutdown", self._queue.qsize())

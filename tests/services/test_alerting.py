@@ -1,0 +1,164 @@
+"""Alerts: deduplicated per window, delivered to a Matrix-compatible receiver over HTTP."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from app.adapters.matrix import MatrixError, MatrixRoom
+from app.main import create_app
+from app.metrics import Metrics
+from app.services.alerting import Alerter
+from tests.conftest import SettingsFactory, running, runtime_of
+from tests.support.polling import eventually
+from tests.support.servers import ThreadedServer, serve
+
+ROOM = "!ops:matrix.example"
+TOKEN = "syt_alerts_token"
+
+
+class MatrixReceiver:
+    """Checks the Client-Server API request shape and keeps one message per transaction."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.messages: dict[str, str] = {}
+        self.puts = 0
+        self.fail_next = 0
+        self.app = Starlette(
+            routes=[
+                Route(
+                    "/_matrix/client/v3/rooms/{room}/send/m.room.message/{txn}",
+                    self.send,
+                    methods=["PUT"],
+                )
+            ]
+        )
+
+    async def send(self, request: Request) -> JSONResponse:
+        with self.lock:
+            self.puts += 1
+            if self.fail_next:
+                self.fail_next -= 1
+                return JSONResponse({"errcode": "M_UNKNOWN"}, status_code=502)
+        if request.headers.get("authorization") != f"Bearer {TOKEN}":
+            return JSONResponse({"errcode": "M_UNKNOWN_TOKEN"}, status_code=401)
+        if request.path_params["room"] != ROOM:
+            return JSONResponse({"errcode": "M_FORBIDDEN"}, status_code=403)
+        body: dict[str, Any] = await request.json()
+        if body.get("msgtype") != "m.text" or not isinstance(body.get("body"), str):
+            return JSONResponse({"errcode": "M_BAD_JSON"}, status_code=400)
+        with self.lock:
+            self.messages.setdefault(request.path_params["txn"], body["body"])
+        return JSONResponse({"event_id": f"$evt{len(self.messages)}"})
+
+
+@pytest.fixture(scope="module")
+def matrix() -> Iterator[tuple[MatrixReceiver, ThreadedServer]]:
+    receiver = MatrixReceiver()
+    with serve(receiver.app) as server:
+        yield receiver, server
+
+
+@pytest.fixture
+def receiver(matrix: tuple[MatrixReceiver, ThreadedServer]) -> MatrixReceiver:
+    with matrix[0].lock:
+        matrix[0].messages.clear()
+        matrix[0].puts = 0
+        matrix[0].fail_next = 0
+    return matrix[0]
+
+
+def test_one_alert_per_key_per_window() -> None:
+    now = [1000.0]
+    alerter = Alerter(node_id="n1", metrics=Metrics(), window_seconds=60, clock=lambda: now[0])
+    assert alerter.alert("sync:failing", "first") is True
+    assert alerter.alert("sync:failing", "again") is False
+    assert alerter.alert("workload:api:stale", "other key") is True
+    now[0] += 61
+    assert alerter.alert("sync:failing", "next window") is True
+    assert [a["text"] for a in alerter.recent] == [
+        "[n1] first",
+        "[n1] other key",
+        "[n1] next window",
+    ]
+
+
+async def test_a_retried_send_is_one_message(
+    matrix: tuple[MatrixReceiver, ThreadedServer], receiver: MatrixReceiver
+) -> None:
+    room = MatrixRoom(homeserver=matrix[1].url, room_id=ROOM, token=TOKEN, timeout=2)
+    try:
+        receiver.fail_next = 1
+        await room.send("hello", txn_id="txn-1")
+        await room.send("hello", txn_id="txn-1")  # a retry by the caller: same transaction
+    finally:
+        await room.aclose()
+    assert receiver.puts == 3
+    assert receiver.messages == {"txn-1": "hello"}
+
+
+async def test_a_bad_token_is_an_error_not_a_retry_loop(
+    matrix: tuple[MatrixReceiver, ThreadedServer], receiver: MatrixReceiver
+) -> None:
+    room = MatrixRoom(homeserver=matrix[1].url, room_id=ROOM, token="wrong", timeout=2)
+    try:
+        with pytest.raises(MatrixError, match="HTTP 401"):
+            await room.send("x", txn_id="t")
+    finally:
+        await room.aclose()
+    assert receiver.puts == 1
+
+
+async def test_a_workload_turning_unhealthy_and_recovering_reaches_the_room(
+    make_settings: SettingsFactory,
+    matrix: tuple[MatrixReceiver, ThreadedServer],
+    receiver: MatrixReceiver,
+) -> None:
+    app = create_app(
+        make_settings(
+            node_id="node-alerts",
+            matrix_homeserver=matrix[1].url,
+            matrix_room_id=ROOM,
+            matrix_access_token=TOKEN,
+        )
+    )
+    async with running(app) as client:
+        rt = runtime_of(app)
+        assert rt.components["alerts"].enabled
+        await client.post("/v1/workloads/api/health", json={"status": "healthy"})
+        await rt.reporter.report_once()
+        await client.post("/v1/workloads/api/health", json={"status": "unhealthy"})
+        await rt.reporter.report_once()
+        await rt.reporter.report_once()  # still unhealthy: no second alert
+        await client.post("/v1/workloads/api/health", json={"status": "healthy"})
+        await rt.reporter.report_once()
+
+        async def two_messages() -> bool:
+            return len(receiver.messages) == 2
+
+        await eventually(two_messages, within=5)
+        metrics = (await client.get("/metrics")).text
+    assert sorted(receiver.messages.values()) == [
+        "[node-alerts] workload api is unhealthy",
+        "[node-alerts] workload api recovered (healthy)",
+    ]
+    assert 'workload_manager_alerts_total{outcome="delivered"} 2.0' in metrics
+
+
+async def test_without_matrix_alerts_only_go_to_the_log(
+    make_settings: SettingsFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = create_app(make_settings())
+    rt = runtime_of(app)
+    assert not rt.components["alerts"].enabled
+    assert "MATRIX_HOMESERVER" in rt.components["alerts"].reason
+    rt.alerts.alert("k", "something happened")
+    assert "alert: [" in caplog.text and "something happened" in caplog.text
