@@ -7,7 +7,9 @@ one validation. Errors use FastAPI's 422 shape, with the field at fault in `loc`
 
 from __future__ import annotations
 
+import json
 import logging
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +28,18 @@ _PING_SCHEMA = {
         "content": {"application/json": {"schema": Ping.model_json_schema()}},
     }
 }
+
+
+def _printable(value: Any) -> Any:
+    """The offending input as the 422 can always encode it: invalid JSON comes back as raw
+    bytes (maybe not UTF-8), and `Infinity` as a float JSON cannot carry."""
+    if isinstance(value, bytes | bytearray):
+        return bytes(value[:200]).decode("utf-8", "replace")
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)[:200]
+    return value
 
 
 def _name_error(name: str) -> RequestValidationError:
@@ -72,7 +86,10 @@ async def post_ping(name: str, request: Request) -> Response:
     except ValidationError as exc:
         metrics.ping_rejections.labels("invalid").inc()
         raise RequestValidationError(
-            [{**err, "loc": ("body", *err["loc"])} for err in exc.errors(include_url=False)]
+            [
+                {**err, "loc": ("body", *err["loc"]), "input": _printable(err.get("input"))}
+                for err in exc.errors(include_url=False)
+            ]
         ) from None
     try:
         rt.book.record(name, ping)

@@ -66,7 +66,9 @@ async def test_invalid_ping_is_422_naming_the_field(
     assert response.json()["detail"][0]["loc"] == loc
 
 
-@pytest.mark.parametrize("raw", [b"not json", b"", b'{"status": "healthy"'])
+@pytest.mark.parametrize(
+    "raw", [b"not json", b"", b'{"status": "healthy"', b"\xff\xfe", b"Infinity", b'{"status": NaN}']
+)
 async def test_malformed_json_is_422(client: httpx.AsyncClient, raw: bytes) -> None:
     response = await client.post(
         "/v1/workloads/api/health", content=raw, headers={"content-type": "application/json"}
