@@ -126,8 +126,9 @@ class PullSubscription:
     async def unsubscribe(self) -> None:
         try:
             await self._sub.unsubscribe()
-        except (nats.errors.Error, TimeoutError):
-            pass
+        except (nats.errors.Error, TimeoutError) as exc:
+            # the connection it belonged to is usually gone already; nothing to undo
+            log.debug("unsubscribe: %s", exc)
 
 
 class JetStreamBus:

@@ -166,54 +166,35 @@ class KubeDeployments:
             return None
         return obj
 
-    async def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        name = manifest["metadata"]["name"]
-        obj: dict[str, Any] = await self._call(
-            f"create deployment {name}",
-            lambda: self._apps.create_namespaced_deployment(
-                self.namespace,
-                manifest,
-                field_manager=FIELD_MANAGER,
-                _preload_content=False,
-                _request_timeout=self._timeout,
-            ),
-        )
-        return obj
-
     async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply as the manager's field manager, taking over conflicting fields.
 
         A `metadata.resourceVersion` in the manifest makes the apply conditional: the
-        server answers 409 if the object changed since it was read.
+        server answers 409 if the object changed since it was read. Applying a missing
+        object creates it.
         """
         name = manifest["metadata"]["name"]
-        obj: dict[str, Any] = await self._call(
-            f"apply deployment {name}",
-            lambda: self._apps.patch_namespaced_deployment(
-                name,
-                self.namespace,
-                manifest,
-                field_manager=FIELD_MANAGER,
-                force=True,
-                _content_type=APPLY_PATCH,
-                _preload_content=False,
-                _request_timeout=self._timeout,
-            ),
-        )
-        return obj
+        return await self._patch(f"apply deployment {name}", name, manifest, APPLY_PATCH, True)
 
     async def patch(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """A strategic-merge patch: containers merge by name, so one image can change alone."""
+        return await self._patch(f"patch deployment {name}", name, patch, STRATEGIC_MERGE_PATCH)
+
+    async def _patch(
+        self, what: str, name: str, body: dict[str, Any], content_type: str, force: bool = False
+    ) -> dict[str, Any]:
+        options: dict[str, Any] = {"force": True} if force else {}
         obj: dict[str, Any] = await self._call(
-            f"patch deployment {name}",
+            what,
             lambda: self._apps.patch_namespaced_deployment(
                 name,
                 self.namespace,
-                patch,
+                body,
                 field_manager=FIELD_MANAGER,
-                _content_type=STRATEGIC_MERGE_PATCH,
+                _content_type=content_type,
                 _preload_content=False,
                 _request_timeout=self._timeout,
+                **options,
             ),
         )
         return obj

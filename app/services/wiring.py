@@ -21,6 +21,7 @@ from app.domain.components import Component
 from app.domain.requirements import Tier
 
 if TYPE_CHECKING:
+    from app.adapters.kube import KubeDeployments
     from app.services.heartbeating import Heartbeat
     from app.services.runtime import Runtime
     from app.services.syncing import Syncer
@@ -77,8 +78,8 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
         if rt.syncer is not None:  # the cluster client exists once sync has started
             try:
                 hardware["k3s_version"] = await rt.syncer.kube.server_version()
-            except KubeError:
-                pass
+            except KubeError as exc:
+                log.info("K3S version not in the fingerprint this time: %s", exc)
         return hardware
 
     heartbeat = Heartbeat(
@@ -229,21 +230,15 @@ async def open_self_updater(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater |
     component = rt.components["self_update"]
     if not component.enabled or settings.self_update_url is None:
         return None
-    from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
     from app.adapters.versions import VersionFile
     from app.domain.updates import UpdatePolicy
     from app.services.updating import SelfUpdater
 
     assert settings.pod_namespace is not None
-    try:
-        configuration, _source = await load_configuration(settings.kubeconfig)
-    except ClusterUnavailable as exc:
-        component.switch_off(str(exc))
+    opened = await _cluster_client(rt, stack, component, namespace=settings.pod_namespace)
+    if opened is None:
         return None
-    kube = KubeDeployments(
-        configuration, namespace=settings.pod_namespace, timeout=settings.kube_timeout_seconds
-    )
-    stack.push_async_callback(kube.aclose)
+    kube, _source = opened
     source = VersionFile(settings.self_update_url, timeout=settings.self_update_timeout_seconds)
     stack.push_async_callback(source.aclose)
     rt.updater = SelfUpdater(
@@ -273,7 +268,6 @@ async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
     if not component.enabled:
         return None
     from app.adapters.desired_files import DesiredFiles
-    from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
     from app.domain.manifests import Injection, ManifestPolicy
     from app.domain.planning import SyncPolicy
     from app.domain.tokens import ping_token
@@ -287,17 +281,10 @@ async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
     else:
         component.switch_off("no desired-state source")
         return None
-    try:
-        configuration, cluster_source = await load_configuration(settings.kubeconfig)
-    except ClusterUnavailable as exc:
-        component.switch_off(str(exc))
+    opened = await _cluster_client(rt, stack, component, namespace=settings.managed_namespace)
+    if opened is None:
         return None
-    kube = KubeDeployments(
-        configuration,
-        namespace=settings.managed_namespace,
-        timeout=settings.kube_timeout_seconds,
-    )
-    stack.push_async_callback(kube.aclose)
+    kube, cluster_source = opened
     protected = (
         frozenset({settings.self_deployment_name})
         if settings.pod_namespace in (None, settings.managed_namespace)
@@ -335,3 +322,22 @@ async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
         f"{source.description} -> namespace {settings.managed_namespace} via {cluster_source}"
     )
     return rt.syncer
+
+
+async def _cluster_client(
+    rt: Runtime, stack: AsyncExitStack, component: Component, *, namespace: str
+) -> tuple[KubeDeployments, str] | None:
+    """A Deployments client for one namespace, closed with the lifespan; None (and the
+    component switched off with the reason) when there is no cluster to talk to."""
+    from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
+
+    try:
+        configuration, source = await load_configuration(rt.settings.kubeconfig)
+    except ClusterUnavailable as exc:
+        component.switch_off(str(exc))
+        return None
+    kube = KubeDeployments(
+        configuration, namespace=namespace, timeout=rt.settings.kube_timeout_seconds
+    )
+    stack.push_async_callback(kube.aclose)
+    return kube, source
