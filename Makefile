@@ -4,12 +4,13 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run dev test test-fast lint fmt bench clean help
+.PHONY: install run dev test test-fast test-faults lint fmt bench soak clean help
 
 help:
 	@echo "make run    - start the manager on embedded defaults (Postgres + NATS from wheels)"
 	@echo "make dev    - the same, restarting on code changes"
 	@echo "make test   - the whole test suite (starts every server it needs)"
+	@echo "make test-faults - only the fault suite (tests/faults)"
 	@echo "make lint   - ruff, mypy --strict, import contracts, hadolint"
 	@echo "make bench  - benchmarks; prints a table and writes bench/results/latest.json"
 
@@ -32,6 +33,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not e2e"
+
+test-faults: $(STAMP)
+	$(BIN)/python -m pytest tests/faults
 
 lint: $(STAMP)
 	$(BIN)/ruff check app tests bench

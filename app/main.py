@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from app import __version__
-from app.api import admin, fleet, pings, probes, status
+from app.api import admin, fleet, page, pings, probes, status
 from app.api.fastping import PingFastPath
 from app.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from app.services.runtime import Runtime, build_runtime, start_runtime
@@ -74,10 +74,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(probes.router)
     app.include_router(admin.router)
     app.include_router(fleet.router)
+    app.include_router(page.router)
+    ping_path = re.compile(r"/v1/workloads/[^/]+/health")
+
+    def count_refused(path: str) -> None:
+        if ping_path.fullmatch(path):
+            runtime.metrics.ping_rejections.labels("too-large").inc()
+
     app.add_middleware(
         BodyLimitMiddleware,
         default_limit=DEFAULT_BODY_LIMIT,
-        limits=[(re.compile(r"/v1/workloads/[^/]+/health"), settings.ping_max_body_bytes)],
+        limits=[(ping_path, settings.ping_max_body_bytes)],
+        on_refused=count_refused,
     )
     app.add_middleware(RequestIdMiddleware)
     if settings.ping_fast_path:

@@ -7,6 +7,7 @@ at scrape time from the runtime, so they can never drift from `/v1/status`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 
 from prometheus_client import (
@@ -50,6 +51,15 @@ class _StateCollector(Collector):
         for name, healthy in sorted(self._components().items()):
             up.add_metric([name], 1.0 if healthy else 0.0)
         yield up
+        tasks = GaugeMetricFamily(
+            f"{PREFIX}_asyncio_tasks",
+            "Asyncio tasks alive in the manager's event loop; a steady climb is a leak.",
+        )
+        try:
+            tasks.add_metric([], len(asyncio.all_tasks()))
+        except RuntimeError:  # collected outside the event loop: no sample
+            pass
+        yield tasks
 
 
 class Metrics:

@@ -78,6 +78,7 @@ class Settings(BaseSettings):
     ping_token_secret: SecretStr | None = None
     ping_max_body_bytes: int = Field(default=16 * 1024, ge=256, le=1024 * 1024)
     ping_fast_path: bool = True
+    status_page_refresh_seconds: int = Field(default=10, ge=1, le=3_600)
     ping_stale_seconds: float = _ranged(30.0, 1.0, 86_400.0)
     ping_forget_seconds: float = _ranged(3_600.0, 10.0, 7 * 86_400.0)
     max_tracked_workloads: int = Field(default=500, ge=1, le=100_000)

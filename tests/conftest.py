@@ -16,6 +16,11 @@ from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.main import create_app
 from app.services.runtime import Runtime
 from app.settings import Settings
+from tests.support.backend import LocalBackend
+from tests.support.databases import fresh_database
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.servers import ThreadedServer
+from tests.support.sync_world import KEY, NODE
 
 SettingsFactory = Callable[..., Settings]
 
@@ -111,3 +116,25 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNa
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def cluster() -> Iterator[KubeEmulator]:
+    """A Kubernetes API emulator whose rollouts finish quickly."""
+    with KubeEmulator.serve(rollout_delay=0.1, progress_deadline=0.5) as emu:
+        yield emu
+
+
+@pytest.fixture
+def backend() -> Iterator[tuple[LocalBackend, ThreadedServer]]:
+    """The contract-enforcing node-system backend for node `NODE`, signed with `KEY`."""
+    local = LocalBackend(NODE, KEY.public_key())
+    with local.serve() as server:
+        yield local, server
+
+
+@pytest.fixture
+async def database(postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
+    """An empty database of its own on the session's PostgreSQL, dropped afterwards."""
+    async with fresh_database(postgres_server.url) as url:
+        yield url

@@ -7,8 +7,10 @@ manager can hand each workload its own token without storing any of them.
 from __future__ import annotations
 
 import hmac
+from typing import Annotated
 
-from fastapi import HTTPException, Request, status
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPBasic, HTTPBasicCredentials, HTTPBearer
 
 from app.domain.tokens import ping_token
 from app.services.runtime import Runtime
@@ -24,11 +26,11 @@ def bearer(request: Request) -> str | None:
     return token.strip()
 
 
-def _unauthorized(detail: str) -> HTTPException:
+def _unauthorized(detail: str, challenge: str = "Bearer") -> HTTPException:
     return HTTPException(
         status_code=status.HTTP_401_UNAUTHORIZED,
         detail=detail,
-        headers={"WWW-Authenticate": "Bearer"},
+        headers={"WWW-Authenticate": challenge},
     )
 
 
@@ -37,7 +39,24 @@ def runtime(request: Request) -> Runtime:
     return rt
 
 
-def require_api_token(request: Request) -> None:
+# declared for the OpenAPI document (its security schemes); the checks below read the
+# header themselves, so a missing token is a 401 with the right challenge, never a 403
+_BEARER = HTTPBearer(auto_error=False, description="The operator token (API_TOKEN)")
+_BASIC = HTTPBasic(
+    realm="workload manager",
+    auto_error=False,
+    description="Any user name, the operator token as password",
+)
+UNAUTHORIZED: dict[int | str, dict[str, str]] = {
+    401: {"description": "Missing or invalid operator token (only when API_TOKEN is set)"}
+}
+
+
+BearerScheme = Annotated[object, Depends(_BEARER)]
+BasicCredentials = Annotated[HTTPBasicCredentials | None, Depends(_BASIC)]
+
+
+def require_api_token(request: Request, _: BearerScheme) -> None:
     """Dependency for status and admin routes; open when API_TOKEN is not set."""
     expected = runtime(request).settings.api_token
     if expected is None:
@@ -47,6 +66,22 @@ def require_api_token(request: Request) -> None:
         raise _unauthorized("missing bearer token")
     if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
         raise _unauthorized("invalid bearer token")
+
+
+PAGE_CHALLENGE = 'Basic realm="workload manager", charset="UTF-8"'
+
+
+def require_page_token(request: Request, _: BearerScheme, basic: BasicCredentials) -> None:
+    """Dependency for the HTML status page: the operator token as a bearer token or as
+    the password of Basic credentials, so a browser can prompt for it."""
+    expected = runtime(request).settings.api_token
+    if expected is None:
+        return
+    given = bearer(request) or (basic.password if basic is not None else None)
+    if given is None:
+        raise _unauthorized("missing operator token", PAGE_CHALLENGE)
+    if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
+        raise _unauthorized("invalid operator token", PAGE_CHALLENGE)
 
 
 def check_ping_token(request: Request, name: str) -> None:

@@ -6,9 +6,11 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
-from app.api.auth import require_api_token, runtime
+from app.api.auth import UNAUTHORIZED, require_api_token, runtime
 
-router = APIRouter(tags=["fleet"], dependencies=[Depends(require_api_token)])
+router = APIRouter(
+    tags=["fleet"], dependencies=[Depends(require_api_token)], responses=UNAUTHORIZED
+)
 
 Liveness = Literal["online", "draining", "suspect", "offline"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -63,11 +64,17 @@ class BodyLimitMiddleware:
     """
 
     def __init__(
-        self, app: ASGIApp, *, default_limit: int, limits: list[tuple[re.Pattern[str], int]]
+        self,
+        app: ASGIApp,
+        *,
+        default_limit: int,
+        limits: list[tuple[re.Pattern[str], int]],
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self.app = app
         self.default_limit = default_limit
         self.limits = limits
+        self.on_refused = on_refused  # called with the path of every 413, for metrics
 
     def _limit_for(self, path: str) -> int:
         for pattern, limit in self.limits:
@@ -87,6 +94,7 @@ class BodyLimitMiddleware:
                 except ValueError:
                     declared = limit + 1
                 if declared > limit:
+                    self._refused(scope["path"])
                     await _send_413(send, limit)
                     return
                 break
@@ -112,8 +120,13 @@ class BodyLimitMiddleware:
         try:
             await self.app(scope, counting_receive, tracking_send)
         except _TooLarge:
+            self._refused(scope["path"])
             if not started:
                 await _send_413(send, limit)
+
+    def _refused(self, path: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(path)
 
 
 async def _send_413(send: Send, limit: int) -> None:

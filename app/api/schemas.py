@@ -51,6 +51,13 @@ class SyncInfo(BaseModel):
     interval_seconds: float
     next_at: datetime | None
     last: dict[str, Any] | None
+    last_change: dict[str, Any] | None
+
+
+class AlertInfo(BaseModel):
+    at: datetime
+    key: str
+    text: str
 
 
 class Status(BaseModel):
@@ -59,6 +66,7 @@ class Status(BaseModel):
     workloads: list[WorkloadInfo]
     report: ReportInfo
     sync: SyncInfo
+    alerts: list[AlertInfo]
 
 
 class WorkloadList(BaseModel):

@@ -7,8 +7,9 @@ from dataclasses import asdict
 from fastapi import APIRouter, Depends, HTTPException, Request
 
 from app import __version__
-from app.api.auth import require_api_token, runtime
+from app.api.auth import UNAUTHORIZED, require_api_token, runtime
 from app.api.schemas import (
+    AlertInfo,
     ComponentInfo,
     NodeInfo,
     ReportInfo,
@@ -19,17 +20,20 @@ from app.api.schemas import (
 )
 from app.domain.health import is_workload_name
 from app.domain.reports import WorkloadView
+from app.services.runtime import Runtime
 
-router = APIRouter(tags=["status"], dependencies=[Depends(require_api_token)])
+router = APIRouter(
+    tags=["status"], dependencies=[Depends(require_api_token)], responses=UNAUTHORIZED
+)
 
 
 def _workload(view: WorkloadView) -> WorkloadInfo:
     return WorkloadInfo(**asdict(view))
 
 
-@router.get("/v1/status", response_model=Status, summary="Node, components and workloads")
-async def get_status(request: Request) -> Status:
-    rt = runtime(request)
+def build_status(rt: Runtime) -> Status:
+    """One snapshot of everything the node knows; the JSON route and the HTML page both
+    render it, so they cannot disagree."""
     last = rt.reporter.last_report
     return Status(
         node=NodeInfo(
@@ -54,8 +58,19 @@ async def get_status(request: Request) -> Status:
             interval_seconds=rt.settings.sync_interval_seconds,
             next_at=rt.scheduler.next_run("sync"),
             last=rt.syncer.last.as_dict() if rt.syncer and rt.syncer.last else None,
+            last_change=(
+                rt.syncer.last_change.as_dict() if rt.syncer and rt.syncer.last_change else None
+            ),
         ),
+        alerts=[AlertInfo(at=a.at, key=a.key, text=a.text) for a in reversed(rt.alerts.recent)],
     )
+
+
+@router.get(
+    "/v1/status", response_model=Status, summary="Node, components, workloads, recent alerts"
+)
+async def get_status(request: Request) -> Status:
+    return build_status(runtime(request))
 
 
 @router.get("/v1/workloads", response_model=WorkloadList, summary="Every known workload")

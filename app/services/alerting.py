@@ -13,7 +13,10 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from app.metrics import Metrics
@@ -24,6 +27,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 QUEUE_SIZE = 100
+RECENT = 20
+
+
+@dataclass(frozen=True, slots=True)
+class RaisedAlert:
+    at: datetime
+    key: str
+    text: str
 
 
 class Alerter:
@@ -43,7 +54,7 @@ class Alerter:
         self._clock = clock
         self._last: dict[str, float] = {}
         self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue(maxsize=QUEUE_SIZE)
-        self.recent: list[dict[str, object]] = []
+        self._recent: deque[RaisedAlert] = deque(maxlen=RECENT)
 
     def alert(self, key: str, text: str) -> bool:
         """Raise an alert; False when the same key already alerted in this window."""
@@ -55,7 +66,7 @@ class Alerter:
         self._last[key] = now
         message = f"[{self._node_id}] {text}"
         log.warning("alert: %s", message)
-        self.recent = [*self.recent[-19:], {"at": now, "key": key, "text": message}]
+        self._recent.append(RaisedAlert(datetime.fromtimestamp(now, UTC), key, message))
         self._metrics.alerts.labels("raised").inc()
         if self.room is not None:
             # the window's start makes the id deterministic: a retry of this alert is
@@ -67,6 +78,11 @@ class Alerter:
                 self._metrics.alerts.labels("dropped").inc()
             self._queue.put_nowait((message, txn.hexdigest()[:32]))
         return True
+
+    @property
+    def recent(self) -> list[RaisedAlert]:
+        """The last alerts raised (suppressed repeats not included), oldest first."""
+        return list(self._recent)
 
     async def deliver(self) -> None:
         """The background sender (a supervised task); returns only when cancelled."""

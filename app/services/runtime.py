@@ -299,7 +299,11 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
 
     rt.scheduler.start()
     rt.components["scheduler"].succeeded(datetime.now(UTC))
-    stack.callback(rt.scheduler.shutdown)
+    # a run in progress may finish within half the grace period; the rest is for the
+    # worker's drain, the registry's goodbye and the final report
+    stack.push_async_callback(
+        rt.scheduler.stop, within=min(10.0, settings.shutdown_grace_seconds / 2)
+    )
     rt.started = True
     log.info(
         "workload manager %s started as node %s (%s); components on: %s",

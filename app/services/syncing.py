@@ -175,8 +175,13 @@ class Syncer:
         self._component = component
         self._lock = cluster_lock
         self._manifests: dict[tuple[str, str], Any] = {}
+        # versions owed to the backend, and the last one it confirmed, per workload
         self._unreported: dict[str, str] = {}
+        self._reported: dict[str, str] = {}
         self.last: SyncOutcome | None = None
+        # the last sync that wrote to the cluster or failed: after it, syncs are usually
+        # no-ops, and an operator asking "what changed?" needs this one
+        self.last_change: SyncOutcome | None = None
 
     async def refresh_view(self) -> None:
         """Read the managed Deployments' rollout state into the book (a list, no writes)."""
@@ -249,7 +254,9 @@ class Syncer:
             if action.kind is ActionKind.HOLD:
                 result.outcome = "held"
             elif action.kind is ActionKind.NOOP:
-                await self._report_pending(action.name)
+                if not dry_run:
+                    self._owe_unconfirmed(action)
+                    await self._report_pending(action.name)
             elif action.kind is ActionKind.DELETE:
                 result.outcome = "planned" if dry_run else await self._delete(action, desired)
             else:
@@ -335,6 +342,14 @@ class Syncer:
             await self.kube.delete(action.name, resource_version=live.resource_version)
         return "applied"
 
+    def _owe_unconfirmed(self, action: Action) -> None:
+        """A Deployment already at its desired version that the backend has not confirmed
+        from this process: an apply whose answer timed out may still have landed, and
+        after a restart nothing is known. Tell it (the PUT is idempotent)."""
+        version = action.version
+        if version is not None and self._reported.get(action.name) != version:
+            self._unreported[action.name] = version
+
     async def _report_pending(self, name: str) -> None:
         """Tell the backend an applied version; kept and retried by later syncs on failure."""
         version = self._unreported.get(name)
@@ -346,11 +361,15 @@ class Syncer:
             log.warning("version %s of %s not reported yet: %s", version, name, exc)
             return
         self._unreported.pop(name, None)
+        self._reported[name] = version
 
     def _forget_manifests(self, desired: DesiredState) -> None:
         keep = {(w.name, w.version) for w in desired.workloads}
         for key in [k for k in self._manifests if k not in keep]:
             del self._manifests[key]
+        names = {w.name for w in desired.workloads}
+        for name in [n for n in self._reported if n not in names]:
+            del self._reported[name]
 
     def _record(self, outcome: SyncOutcome) -> None:
         if outcome.dry_run:
@@ -365,6 +384,8 @@ class Syncer:
 
     def _record_outcome(self, outcome: SyncOutcome) -> None:
         self.last = outcome
+        if not outcome.ok or any(r.outcome == "applied" for r in outcome.results):
+            self.last_change = outcome
         now = datetime.now(UTC)
         self._metrics.sync_duration.observe(outcome.duration_seconds)
         counts = outcome.counts()

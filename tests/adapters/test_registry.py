@@ -11,12 +11,11 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from app.adapters.embedded import EmbeddedPostgres
 from app.adapters.registry import AsyncpgRegistry
 from app.domain.migrations import MigrationError
 from app.domain.requirements import Mismatch, NodeProfile, Requirements
 from app.services import migrating
-from tests.support.databases import MIGRATIONS, fresh_database
+from tests.support.databases import MIGRATIONS
 from tests.support.requirement_cases import CASES, NODES
 
 SEED_COLUMNS = [
@@ -41,12 +40,6 @@ SEED_INDEXES = {
         ("idx_worker_capabilities_heartbeat", "", "last_heartbeat"),
     ]
 }
-
-
-@pytest.fixture
-async def database(postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
-    async with fresh_database(postgres_server.url) as url:
-        yield url
 
 
 @pytest.fixture

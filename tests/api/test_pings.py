@@ -83,9 +83,11 @@ async def test_body_over_16_kib_is_413(client: httpx.AsyncClient, app: FastAPI) 
     assert response.status_code == 413
     assert "16384" in response.json()["detail"]
     assert runtime_of(app).book.view("api") is None
+    rejections = runtime_of(app).metrics.ping_rejections
+    assert rejections.labels("too-large")._value.get() == 1
 
 
-async def test_chunked_body_over_the_limit_is_413(client: httpx.AsyncClient) -> None:
+async def test_chunked_body_over_the_limit_is_413(client: httpx.AsyncClient, app: FastAPI) -> None:
     async def chunks() -> AsyncIterator[bytes]:
         yield b'{"status": "healthy", "details": {"blob": "'
         for _ in range(20):
@@ -94,6 +96,7 @@ async def test_chunked_body_over_the_limit_is_413(client: httpx.AsyncClient) -> 
 
     response = await client.post("/v1/workloads/api/health", content=chunks())
     assert response.status_code == 413
+    assert runtime_of(app).metrics.ping_rejections.labels("too-large")._value.get() == 1
 
 
 async def test_body_just_under_the_limit_is_accepted(client: httpx.AsyncClient) -> None:

@@ -119,6 +119,7 @@ async def test_secrets_never_reach_status_or_logs(
         headers = {"authorization": f"Bearer {SECRETS['api_token']}"}
         await asyncio.sleep(0.5)
         body = (await c.get("/v1/status", headers=headers)).text
+        body += (await c.get("/", headers=headers)).text
     assert "db-password-000" not in body
     assert "reg:***@127.0.0.1:1/reg" in body
     logged = "\n".join(r.getMessage() + repr(r.__dict__) for r in caplog.records)

@@ -67,3 +67,17 @@ def test_rule_resource_shape() -> None:
     assert doc["apiVersion"] == "monitoring.coreos.com/v1"
     assert doc["kind"] == "PrometheusRule"
     assert doc["metadata"]["namespace"] == "workload-manager"
+
+
+def test_the_service_monitor_scrapes_the_manager_service() -> None:
+    monitor = yaml.safe_load((MONITORING / "servicemonitor.yaml").read_text())
+    service = yaml.safe_load((MONITORING.parent / "service.yaml").read_text())
+    assert monitor["kind"] == "ServiceMonitor"
+    assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in [p["name"] for p in service["spec"]["ports"]]
+    assert endpoint["path"] == "/metrics"
+    kustomization = yaml.safe_load((MONITORING / "kustomization.yaml").read_text())
+    assert "servicemonitor.yaml" in kustomization["resources"]

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,28 +16,9 @@ from tests.support.backend import LocalBackend
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.process import manager
 from tests.support.servers import ThreadedServer
-from tests.support.sync_world import KEY, NAMESPACE, NODE, WRITES, manifest, sync_env
+from tests.support.sync_world import NAMESPACE, WRITES, desire, manifest, sync_env
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def cluster() -> Iterator[KubeEmulator]:
-    with KubeEmulator.serve(rollout_delay=0.1, progress_deadline=0.5) as emu:
-        yield emu
-
-
-@pytest.fixture
-def backend() -> Iterator[tuple[LocalBackend, ThreadedServer]]:
-    local = LocalBackend(NODE, KEY.public_key())
-    with local.serve() as server:
-        yield local, server
-
-
-def desire(backend: LocalBackend, *pairs: tuple[str, str]) -> None:
-    for name, version in pairs:
-        backend.set_manifest(name, version, manifest(name, version))
-    backend.set_desired([{"name": n, "version": v} for n, v in pairs])
 
 
 def images(cluster: KubeEmulator) -> dict[str, str]:

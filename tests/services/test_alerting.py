@@ -84,7 +84,7 @@ def test_one_alert_per_key_per_window() -> None:
     assert alerter.alert("workload:api:stale", "other key") is True
     now[0] += 61
     assert alerter.alert("sync:failing", "next window") is True
-    assert [a["text"] for a in alerter.recent] == [
+    assert [a.text for a in alerter.recent] == [
         "[n1] first",
         "[n1] other key",
         "[n1] next window",

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import asyncpg
 import httpx
-import pytest
 
 from app.adapters.embedded import EmbeddedPostgres, free_port
 from app.main import create_app
 from tests.conftest import SettingsFactory, running
-from tests.support.databases import fresh_database
 
 NODE = "node-hb"
 
@@ -39,12 +37,6 @@ async def fetch_row(url: str) -> asyncpg.Record | None:
         return None
     finally:
         await conn.close()
-
-
-@pytest.fixture
-async def database(postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
-    async with fresh_database(postgres_server.url) as url:
-        yield url
 
 
 def registry_settings(

@@ -185,7 +185,7 @@ async def test_an_image_that_never_gets_ready_is_rolled_back_and_skipped_after(
     assert own is not None
     assert own["metadata"]["annotations"][FAILED_VERSIONS] == "0.3.0"
     assert "rolled back" in (runtime.components["self_update"].last_error or "")
-    assert any("rolled back" in str(a["text"]) for a in runtime.alerts.recent)
+    assert any("rolled back" in a.text for a in runtime.alerts.recent)
     cluster.clear_requests()
     await updater(runtime).run_scheduled()
     assert [r for r in cluster.requests if r.method != "GET"] == []

@@ -220,6 +220,25 @@ async def test_a_lost_version_report_is_sent_by_the_next_sync(world: World) -> N
     assert [(n, b["version"]) for n, b in world.backend.versions] == [("api", "1.0.0")]
 
 
+async def test_an_update_that_timed_out_but_landed_is_still_reported(world: World) -> None:
+    world.desire(("api", "1.0.0"))
+    await world.syncer.sync()
+    world.desire(("api", "1.1.0"))
+    # the server applies the patch after the client (1 s timeout) has given up on it
+    world.emulator.delay_next("PATCH", "/deployments/api", seconds=1.5, times=3)
+    first = await world.syncer.sync()
+    assert [(r.name, r.outcome) for r in first.results] == [("api", "failed")]
+    await asyncio.sleep(0.6)
+    assert image_of(world.deployments()["api"]) == "registry.example/api:1.1.0"
+    assert ("api", "1.1.0") not in [(n, b["version"]) for n, b in world.backend.versions]
+    second = await world.syncer.sync()
+    assert [(r.name, r.action) for r in second.results] == [("api", "noop")]
+    assert ("api", "1.1.0") in [(n, b["version"]) for n, b in world.backend.versions]
+    world.forget_requests()
+    await world.syncer.sync()
+    assert [r.route for r in world.backend.requests] == ["workloads"], "confirmed once"
+
+
 async def test_dry_run_plans_and_changes_nothing(world: World) -> None:
     world.desire(("api", "1.0.0"))
     world.forget_requests()

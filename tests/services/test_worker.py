@@ -11,20 +11,15 @@ from typing import Any
 import asyncpg
 import pytest
 from fastapi import FastAPI
+from prometheus_client import generate_latest
 
-from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
+from app.adapters.embedded import EmbeddedNats
 from app.main import create_app
 from tests.conftest import SettingsFactory, running, runtime_of
-from tests.support.databases import fresh_database
 from tests.support.jobs_world import EventLog, ledger, publish, publisher, watching_events
+from tests.support.polling import eventually
 
 NODE = "node-worker-a"
-
-
-@pytest.fixture
-async def database(postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
-    async with fresh_database(postgres_server.url) as url:
-        yield url
 
 
 @pytest.fixture
@@ -107,6 +102,21 @@ async def test_an_invalid_job_is_terminated_with_an_event(
     assert list(await ledger(database)) == [job.idempotency_key]
 
 
+async def test_a_type_without_a_handler_is_counted_without_a_series_of_its_own(
+    manager: FastAPI, nats_url: str
+) -> None:
+    registry = runtime_of(manager).metrics.registry
+
+    async def counted() -> bool:
+        exposition = generate_latest(registry).decode()
+        return 'workload_manager_jobs_total{outcome="not-here",type="unknown"} 1.0' in exposition
+
+    async with publisher(nats_url) as bus:
+        await publish(bus, "made-up.type-7")
+        await eventually(counted, within=10)
+    assert "made-up.type-7" not in generate_latest(registry).decode()
+
+
 async def test_an_expired_job_is_terminated(manager: FastAPI, nats_url: str) -> None:
     async with watching_events(nats_url) as events, publisher(nats_url) as bus:
         job = await publish(bus, deadline=datetime.now(UTC) - timedelta(seconds=1))
@@ -131,7 +141,7 @@ async def test_unmet_requirements_are_retried_then_reported_unroutable_and_dead(
     kinds = events.kinds(job.idempotency_key)
     assert kinds.count("job.unroutable") == 2  # deliveries 1 and 2 were naked with a delay
     assert "no node ran it after 3 deliveries" in events.of("job.dead")[0]["reason"]
-    texts = [str(a["text"]) for a in runtime_of(manager).alerts.recent]
+    texts = [a.text for a in runtime_of(manager).alerts.recent]
     assert any("no live node can run noop jobs" in t for t in texts), texts
     assert await ledger(database) == {}
 
@@ -161,7 +171,7 @@ async def test_permanent_failures_and_the_last_delivery_are_dead_lettered(
     assert events.kinds(job.idempotency_key) == ["job.failed"] * failed_first + ["job.dead"]
     row = (await ledger(database))[job.idempotency_key]
     assert row["status"] == "dead" and "noop asked to fail" in row["error"]
-    assert any("dead-lettered" in str(a["text"]) for a in runtime_of(manager).alerts.recent)
+    assert any("dead-lettered" in a.text for a in runtime_of(manager).alerts.recent)
 
 
 async def test_the_same_key_runs_once(manager: FastAPI, database: str, nats_url: str) -> None:

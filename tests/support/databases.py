@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import asyncpg
@@ -30,3 +31,22 @@ async def fresh_database(server_url: str) -> AsyncIterator[str]:
             await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
             await admin.close()
+
+
+@contextmanager
+def fresh_database_sync(server_url: str) -> Iterator[str]:
+    """`fresh_database` for synchronous (e.g. module-scoped) fixtures outside any loop."""
+
+    async def run(sql: str) -> None:
+        admin = await asyncpg.connect(server_url, timeout=10)
+        try:
+            await admin.execute(sql)
+        finally:
+            await admin.close()
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    asyncio.run(run(f'CREATE DATABASE "{name}"'))
+    try:
+        yield f"{server_url.rpartition('/')[0]}/{name}"
+    finally:
+        asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

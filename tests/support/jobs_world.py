@@ -83,3 +83,38 @@ async def ledger(url: str) -> dict[str, asyncpg.Record]:
     finally:
         await conn.close()
     return {r["idempotency_key"]: r for r in rows}
+
+
+async def completed_count(url: str) -> int:
+    """Completed jobs in the ledger; 0 while the manager has not migrated the database."""
+    conn = await asyncpg.connect(url)
+    try:
+        count: int = await conn.fetchval(
+            "SELECT count(*) FROM job_ledger WHERE status = 'completed'"
+        )
+        return count
+    except asyncpg.UndefinedTableError:
+        return 0
+    finally:
+        await conn.close()
+
+
+async def at_least_completed(url: str, count: int) -> bool:
+    return await completed_count(url) >= count
+
+
+async def in_ledger(url: str, key: str) -> bool:
+    return key in await ledger(url)
+
+
+def manager_env(database: str, nats_url: str, node: str, tier: str) -> dict[str, str]:
+    """A manager process that runs jobs of `tier` and heartbeats every second."""
+    return {
+        "DATABASE_URL": database,
+        "NATS_URL": nats_url,
+        "NODE_ID": node,
+        "NODE_TIER": tier,
+        "HEARTBEAT_INTERVAL_SECONDS": "1",
+        "REPORT_ENABLED": "false",
+        "SHUTDOWN_GRACE_SECONDS": "15",
+    }

@@ -60,6 +60,15 @@ class ManagerProcess:
             time.sleep(0.1)
         raise TimeoutError(f"manager not ready within {timeout} s:\n{self.log()}")
 
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 

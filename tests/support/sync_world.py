@@ -13,6 +13,8 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from tests.support.backend import LocalBackend
+
 NODE = "node-sync"
 NAMESPACE = "workloads"
 KEY = Ed25519PrivateKey.generate()
@@ -64,3 +66,10 @@ def sync_env(backend_url: str, kubeconfig: Path) -> dict[str, str]:
         "KUBE_TIMEOUT_SECONDS": "2",
         "PING_TOKEN_SECRET": "sync-ping-secret",
     }
+
+
+def desire(backend: LocalBackend, *pairs: tuple[str, str]) -> None:
+    """Make the backend want these (name, version) pairs, manifests included."""
+    for name, version in pairs:
+        backend.set_manifest(name, version, manifest(name, version))
+    backend.set_desired([{"name": n, "version": v} for n, v in pairs])

@@ -1,0 +1,169 @@
+"""The HTML status page: who may see it, what it shows, and that nothing on it can run."""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+
+from app.api.page import SYNC_ROWS, render
+from app.api.schemas import NodeInfo, ReportInfo, Status, SyncInfo
+from app.main import create_app
+from app.services.runtime import Runtime
+from tests.conftest import SettingsFactory
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (None, 401),
+        ("Bearer wrong", 401),
+        (basic("anyone", "wrong"), 401),
+        (basic("anyone", ""), 401),
+        ("Basic not-base64!", 401),
+        ("Bearer page-token-1", 200),
+        (basic("anyone", "page-token-1"), 200),
+    ],
+)
+async def test_the_page_takes_the_operator_token_as_bearer_or_basic_password(
+    make_settings: SettingsFactory, header: str | None, expected: int
+) -> None:
+    app = create_app(make_settings(api_token="page-token-1"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://m") as c:
+        response = await c.get("/", headers={"authorization": header} if header else {})
+    assert response.status_code == expected
+    if expected == 401:
+        # a browser answers this challenge with a password prompt
+        assert response.headers["www-authenticate"].startswith('Basic realm="workload manager"')
+
+
+async def test_the_page_escapes_what_workloads_send_and_forbids_scripts(
+    client: httpx.AsyncClient,
+) -> None:
+    hostile = '<img src=x onerror="alert(1)"><script>alert(2)</script>'
+    await client.post("/v1/workloads/api/health", json={"status": "degraded", "message": hostile})
+    response = await client.get("/")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
+    assert "script-src" not in response.headers["content-security-policy"]
+    assert response.headers["content-security-policy"].startswith("default-src 'none'")
+    assert hostile not in response.text
+    assert "&lt;script&gt;alert(2)&lt;/script&gt;" in response.text
+    assert '<span class="badge s-degraded">degraded</span>' in response.text
+
+
+async def test_recent_alerts_are_in_the_status_newest_first(
+    client: httpx.AsyncClient, app: Any
+) -> None:
+    rt: Runtime = app.state.runtime
+    rt.alerts.alert("workload:api:stale", "workload api is stale")
+    rt.alerts.alert("sync:failing", "deployment sync failed 3 times in a row")
+    alerts = (await client.get("/v1/status")).json()["alerts"]
+    assert [a["key"] for a in alerts] == ["sync:failing", "workload:api:stale"]
+    assert alerts[1]["text"].endswith("workload api is stale")
+    assert alerts[0]["at"].endswith("Z")
+    assert "deployment sync failed 3 times in a row" in (await client.get("/")).text
+
+
+def status_with(last: dict[str, Any] | None, change: dict[str, Any] | None = None) -> Status:
+    return Status(
+        node=NodeInfo(
+            id="n1",
+            version="1.0.0",
+            env="production",
+            started_at=NOW,
+            uptime_seconds=200_000,
+            managed_namespace="workloads",
+        ),
+        components={},
+        workloads=[],
+        report=ReportInfo(
+            interval_seconds=60, next_at=None, last_reported_at=None, last_workload_count=None
+        ),
+        sync=SyncInfo(interval_seconds=600, next_at=None, last=last, last_change=change),
+        alerts=[],
+    )
+
+
+def run(at: datetime, results: list[dict[str, Any]], **over: Any) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r["action"]] = counts.get(r["action"], 0) + 1
+    return {
+        "started_at": at,
+        "duration_seconds": 0.25,
+        "dry_run": False,
+        "ok": True,
+        "aborted": None,
+        "counts": counts,
+        "results": results,
+    } | over
+
+
+def result(name: str, action: str, outcome: str = "applied") -> dict[str, Any]:
+    return {
+        "name": name,
+        "action": action,
+        "outcome": outcome,
+        "version": "2",
+        "from_version": "1",
+        "reason": "outdated",
+        "error": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("last", "change", "shown", "hidden"),
+    [
+        (None, None, ["no sync yet", "every 600 s"], ["Last sync"]),
+        (
+            run(NOW, [result("api", "noop", "unchanged")]),
+            None,
+            ["Last sync at 2026-11-29 12:00:00 UTC", "noop 1", "every managed workload was up"],
+            ["Last change"],
+        ),
+        (
+            run(NOW, [result("api", "noop", "unchanged")]),
+            run(NOW - timedelta(minutes=10), [result("api", "update")]),
+            ["Last change at 2026-11-29 11:50:00 UTC", 'data-result="api"', "1 → 2"],
+            ["every managed workload was up"],
+        ),
+        (
+            run(NOW, [], aborted="backend unreachable: timed out", ok=False),
+            None,
+            ['class="badge s-aborted"', "backend unreachable: timed out"],
+            ['class="badge s-ok"'],
+        ),
+        (
+            run(NOW, [result(f"w{i:03}", "create") for i in range(SYNC_ROWS + 7)]),
+            None,
+            ["and 7 more (see /v1/status)", f"w{SYNC_ROWS - 1:03}"],
+            [f"w{SYNC_ROWS:03}"],
+        ),
+        (
+            run(NOW, [result("api", "update", "planned")], dry_run=True),
+            None,
+            ["Last sync (dry run) at"],
+            [],
+        ),
+    ],
+)
+def test_the_sync_section_shows_the_last_run_and_the_last_change(
+    last: dict[str, Any] | None, change: dict[str, Any] | None, shown: list[str], hidden: list[str]
+) -> None:
+    page = render(status_with(last, change), refresh_seconds=7, now=NOW)
+    assert '<meta http-equiv="refresh" content="7">' in page
+    assert "up 2.3 d" in page
+    for text in shown:
+        assert text in page
+    for text in hidden:
+        assert text not in page

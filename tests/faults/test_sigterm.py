@@ -1,0 +1,67 @@
+"""SIGTERM, as the kubelet sends it, in the middle of a sync and in the middle of a job."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+from app.adapters.embedded import EmbeddedNats
+from tests.faults.conftest import Rig, start_manager
+from tests.support.jobs_world import (
+    in_ledger,
+    ledger,
+    manager_env,
+    publish,
+    publisher,
+    watching_events,
+)
+from tests.support.polling import eventually
+from tests.support.process import ManagerProcess
+from tests.support.sync_world import desire
+
+
+def test_sigterm_in_the_middle_of_a_sync_leaves_a_whole_cluster_and_the_next_start_finishes(
+    rig: Rig,
+) -> None:
+    # the update of api hangs in the API server for 4 s: the sync is mid-write
+    rig.cluster.delay_next("PATCH", "/deployments/api", seconds=4)
+    rig.local.clear_records()
+    desire(rig.local, ("api", "1.1.0"), ("worker", "1.0.0"))
+    rig.local.wait_for(
+        lambda: any("version=1.1.0" in r.target for r in rig.local.requests), timeout=15
+    )
+    time.sleep(0.3)
+    started = time.monotonic()
+    code = rig.process.stop()
+    assert code in (0, -signal.SIGTERM), rig.process.log()
+    assert time.monotonic() - started < 10 + 2, "exits within SHUTDOWN_GRACE_SECONDS"
+    assert "Traceback" not in rig.process.log(), rig.process.log()
+    rig.untouched()
+    assert rig.image("api") in ("registry.example/api:1.0.0", "registry.example/api:1.1.0")
+
+    # the next start finishes the job: api at 1.1.0 and the backend told so
+    rig.process = start_manager(rig.workdir / "second", rig.backend_url, rig.cluster)
+    rig.converged("1.1.0")
+
+
+async def test_sigterm_during_a_slow_job_loses_nothing(
+    database: str, nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    proc = ManagerProcess(
+        env=manager_env(database, nats_server.url, "node-term", "C"), workdir=tmp_path
+    ).start()
+    async with watching_events(nats_server.url) as events, publisher(nats_server.url) as bus:
+        await asyncio.sleep(1.5)
+        job = await publish(bus, tier="C", idempotency_key="slow-1", payload={"delay_seconds": 2})
+        await eventually(lambda: in_ledger(database, "slow-1"), within=20)
+        code = await asyncio.to_thread(proc.stop)
+        assert code in (0, -signal.SIGTERM), proc.log()
+        await events.wait_for(lambda: "node.offline" in events.kinds(), within=5)
+    row = (await ledger(database))["slow-1"]
+    assert (row["status"], row["attempts"]) == ("completed", 1), proc.log()
+    assert "job.completed" in events.kinds("slow-1")
+    kinds = events.kinds()
+    assert kinds.index("node.draining") < kinds.index("job.completed") < kinds.index("node.offline")
+    assert str(job.job_id) == events.of("job.completed")[0]["job_id"]
