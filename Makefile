@@ -13,6 +13,7 @@ help:
 	@echo "make test-faults - only the fault suite (tests/faults)"
 	@echo "make lint   - ruff, mypy --strict, import contracts, hadolint"
 	@echo "make bench  - benchmarks; prints a table and writes bench/results/latest.json"
+	@echo "make soak   - 10 minutes under steady load; writes bench/results/soak.json (not in CI)"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +51,10 @@ fmt: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# SOAK_SECONDS (600), SOAK_WARMUP_SECONDS (60), SOAK_WORKLOADS (100), SOAK_JOB_RATE (10/s)
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak
 
 clean:
 	rm -rf .data .mypy_cache .ruff_cache build dist *.egg-info

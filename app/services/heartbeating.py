@@ -69,6 +69,7 @@ class Heartbeat:
         self._profile_at = 0.0
         self._written: NodeProfile | None = None
         self.status = "online"
+        self._marked: str | None = None  # the last status `mark` wrote
         # set once the node is registered (and, in development, the schema is migrated)
         self.registered = asyncio.Event()
 
@@ -140,11 +141,16 @@ class Heartbeat:
         self._written = profile
 
     async def mark(self, status: str, *, within: float) -> None:
-        """Set the node's status now (draining, offline), within `within` s; never raises."""
+        """Set the node's status now (draining, offline), within `within` s; never raises.
+        Marking the status already written is a no-op (the worker's drain and the
+        registry's own shutdown step both mark `draining`)."""
+        if self._marked == status:
+            return
         self.status = status
         try:
             await asyncio.wait_for(self._write(status), timeout=within)
         except (*RegistryUnavailable, MigrationError) as exc:
             log.warning("could not mark node %s %s in the registry: %s", self._node_id, status, exc)
             return
+        self._marked = status
         log.info("node %s is %s in the registry", self._node_id, status)
