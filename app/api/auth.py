@@ -56,32 +56,32 @@ BearerScheme = Annotated[object, Depends(_BEARER)]
 BasicCredentials = Annotated[HTTPBasicCredentials | None, Depends(_BASIC)]
 
 
-def require_api_token(request: Request, _: BearerScheme) -> None:
-    """Dependency for status and admin routes; open when API_TOKEN is not set."""
+def _check_operator(
+    request: Request, basic: HTTPBasicCredentials | None, challenge: str, what: str
+) -> None:
     expected = runtime(request).settings.api_token
     if expected is None:
         return
-    given = bearer(request)
+    given = bearer(request) or (basic.password if basic is not None else None)
     if given is None:
-        raise _unauthorized("missing bearer token")
+        raise _unauthorized(f"missing {what}", challenge)
     if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
-        raise _unauthorized("invalid bearer token")
+        raise _unauthorized(f"invalid {what}", challenge)
+
+
+def require_api_token(request: Request, _: BearerScheme, basic: BasicCredentials) -> None:
+    """Dependency for status and admin routes; open when API_TOKEN is not set. The token
+    comes as a bearer token, or as the Basic password a browser cached for the page."""
+    _check_operator(request, basic, "Bearer", "bearer token")
 
 
 PAGE_CHALLENGE = 'Basic realm="workload manager", charset="UTF-8"'
 
 
 def require_page_token(request: Request, _: BearerScheme, basic: BasicCredentials) -> None:
-    """Dependency for the HTML status page: the operator token as a bearer token or as
-    the password of Basic credentials, so a browser can prompt for it."""
-    expected = runtime(request).settings.api_token
-    if expected is None:
-        return
-    given = bearer(request) or (basic.password if basic is not None else None)
-    if given is None:
-        raise _unauthorized("missing operator token", PAGE_CHALLENGE)
-    if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
-        raise _unauthorized("invalid operator token", PAGE_CHALLENGE)
+    """Dependency for the HTML status page: the same token, but a 401 challenges for
+    Basic credentials, so a browser prompts for it (any user name, the token as password)."""
+    _check_operator(request, basic, PAGE_CHALLENGE, "operator token")
 
 
 def check_ping_token(request: Request, name: str) -> None:

@@ -46,6 +46,17 @@ async def test_the_page_takes_the_operator_token_as_bearer_or_basic_password(
         assert response.headers["www-authenticate"].startswith('Basic realm="workload manager"')
 
 
+async def test_the_json_behind_the_page_link_takes_the_browsers_basic_password(
+    make_settings: SettingsFactory,
+) -> None:
+    app = create_app(make_settings(api_token="page-token-1"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://m") as c:
+        ok = await c.get("/v1/status", headers={"authorization": basic("me", "page-token-1")})
+        wrong = await c.get("/v1/status", headers={"authorization": basic("me", "nope")})
+    assert ok.status_code == 200
+    assert (wrong.status_code, wrong.headers["www-authenticate"]) == (401, "Bearer")
+
+
 async def test_the_page_escapes_what_workloads_send_and_forbids_scripts(
     client: httpx.AsyncClient,
 ) -> None:

@@ -9,8 +9,10 @@ the document says.
 
 from __future__ import annotations
 
+import shutil
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +31,7 @@ from tests.support.process import ManagerProcess
 
 pytestmark = pytest.mark.e2e
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TOKEN = "fuzz-operator-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -39,8 +42,7 @@ def manager_url(
 ) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("fuzz")
     desired = workdir / "desired"
-    desired.mkdir()
-    (desired / "workloads.yaml").write_text("workloads: []\n")
+    shutil.copytree(EXAMPLES / "desired-state", desired)  # POST /v1/sync has work to do
     with KubeEmulator.serve() as cluster, fresh_database_sync(postgres_server.url) as database:
         env = {
             "NODE_ID": "fuzz-node",
@@ -57,6 +59,9 @@ def manager_url(
             yield process.url
         finally:
             assert process.stop() in (0, -signal.SIGTERM), process.log()
+        # the generated POST /v1/sync calls did real work, not just answer
+        deployed = {d["metadata"]["name"] for d in cluster.list_deployments("workloads")}
+        assert deployed == {"echo", "hello"}
 
 
 @pytest.fixture(scope="module")
