@@ -105,16 +105,20 @@ class Scheduler:
     async def stop(self, *, within: float) -> None:
         """Start no new run; give runs in progress `within` seconds, then cancel them."""
         self._stopping = True
-        if self._scheduler.running:
-            self._scheduler.shutdown(wait=False)
-        running = dict(self._running)
-        if not running:
+        if not self._scheduler.running:
             return
-        log.info("waiting up to %.1f s for %s to finish", within, ", ".join(sorted(running)))
-        _, pending = await asyncio.wait(running.values(), timeout=max(within, 0.0))
-        late = sorted(name for name, task in running.items() if task in pending)
-        if late:
-            log.warning("cancelled %s: still running %.1f s after shutdown began", late, within)
-            for name in late:
-                running[name].cancel()
-            await asyncio.gather(*(running[n] for n in late), return_exceptions=True)
+        # paused, not shut down yet: APScheduler's shutdown cancels running jobs at once
+        self._scheduler.pause()
+        running = dict(self._running)
+        if running:
+            log.info("waiting up to %.1f s for %s to finish", within, ", ".join(sorted(running)))
+            _, pending = await asyncio.wait(running.values(), timeout=max(within, 0.0))
+            late = sorted(name for name, task in running.items() if task in pending)
+            if late:
+                log.warning(
+                    "cancelling %s: still running %.1f s after shutdown began", late, within
+                )
+                for name in late:
+                    running[name].cancel()
+                await asyncio.gather(*(running[n] for n in late), return_exceptions=True)
+        self._scheduler.shutdown(wait=False)

@@ -5,7 +5,7 @@ manage beside the ones it does.
 Every case follows one shape: converge, inject a fault and change what is desired, check
 that nothing was lost or touched while the fault lasts, lift the fault *without touching
 the manager*, and check that it converges on its own. The process must survive all of
-it: the rig fails a case whose manager died or logged a traceback.
+it: the rig fails a case whose manager died or logged an error or a traceback.
 """
 
 from __future__ import annotations
@@ -104,10 +104,12 @@ ENV = {
 }
 
 
-def start_manager(rig_dir: Path, backend_url: str, cluster: KubeEmulator) -> ManagerProcess:
+def start_manager(
+    rig_dir: Path, backend_url: str, cluster: KubeEmulator, **extra: str
+) -> ManagerProcess:
     rig_dir.mkdir(exist_ok=True)
     env = sync_env(backend_url, cluster.write_kubeconfig(rig_dir / "kc", NAMESPACE)) | ENV
-    return ManagerProcess(env=env, workdir=rig_dir).start()
+    return ManagerProcess(env=env | extra, workdir=rig_dir).start()
 
 
 @pytest.fixture
@@ -128,4 +130,5 @@ def rig(
         assert rig.process.running, f"the manager died:\n{rig.process.log()}"
     finally:
         rig.process.stop()
-    assert "Traceback" not in rig.process.log(), rig.process.log()
+    log = rig.process.log()
+    assert "Traceback" not in log and " ERROR " not in log, log

@@ -46,6 +46,35 @@ def test_sigterm_in_the_middle_of_a_sync_leaves_a_whole_cluster_and_the_next_sta
     rig.converged("1.1.0")
 
 
+def test_a_sync_that_outlasts_its_shutdown_budget_is_cancelled_cleanly(rig: Rig) -> None:
+    rig.process.stop()
+    # the Kubernetes API hangs for 30 s and the client would wait 30 s: only the
+    # shutdown budget (half of SHUTDOWN_GRACE_SECONDS=4) ends the sync
+    rig.process = start_manager(
+        rig.workdir / "patient", rig.backend_url, rig.cluster, KUBE_TIMEOUT_SECONDS="30",
+        SHUTDOWN_GRACE_SECONDS="4",
+    )  # fmt: skip
+    rig.cluster.delay_next("PATCH", "/deployments/api", seconds=30, times=100)
+    rig.local.clear_records()
+    desire(rig.local, ("api", "1.1.0"), ("worker", "1.0.0"))
+    rig.local.wait_for(
+        lambda: any("version=1.1.0" in r.target for r in rig.local.requests), timeout=15
+    )
+    time.sleep(0.5)
+    started = time.monotonic()
+    code = rig.process.stop()
+    assert code in (0, -signal.SIGTERM), rig.process.log()
+    assert time.monotonic() - started < 4 + 2, "exits within SHUTDOWN_GRACE_SECONDS"
+    log = rig.process.log()
+    assert "cancelling ['sync']: still running 2.0 s after shutdown began" in log, log
+    assert "Traceback" not in log and " ERROR " not in log, log
+    rig.untouched()
+
+    rig.cluster.clear_faults()
+    rig.process = start_manager(rig.workdir / "second", rig.backend_url, rig.cluster)
+    rig.converged("1.1.0")
+
+
 async def test_sigterm_during_a_slow_job_loses_nothing(
     database: str, nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
