@@ -120,6 +120,21 @@ class _Phase:
         self.send_lag: list[int] = []
         self.dispatch_done = False
 
+    def result(
+        self, mode: str, connections: int, wall_ns: int, cpu_seconds: float, **open_loop: Any
+    ) -> PhaseResult:
+        return PhaseResult(
+            mode=mode,
+            connections=connections,
+            wall_seconds=wall_ns / 1e9,
+            completed=len(self.latencies),
+            statuses=self.statuses,
+            transport_errors=self.transport_errors,
+            latencies_ns=self.latencies,
+            client_cpu_seconds=cpu_seconds,
+            **open_loop,
+        )
+
     def send(self, conn: _Conn, scheduled_ns: int) -> None:
         self.in_flight += 1
         conn.send(scheduled_ns)
@@ -253,16 +268,7 @@ class LoadGenerator:
                 t1, cpu1 = time.perf_counter_ns(), time.process_time()
         finally:
             _close(conns)
-        return PhaseResult(
-            mode="closed-loop",
-            connections=len(conns),
-            wall_seconds=(t1 - t0) / 1e9,
-            completed=len(phase.latencies),
-            statuses=phase.statuses,
-            transport_errors=phase.transport_errors,
-            latencies_ns=phase.latencies,
-            client_cpu_seconds=cpu1 - cpu0,
-        )
+        return phase.result("closed-loop", len(conns), t1 - t0, cpu1 - cpu0)
 
     async def open_loop(self, *, connections: int, rate: float, duration: float) -> PhaseResult:
         """Send `rate` requests/s on a fixed schedule for `duration` seconds."""
@@ -298,15 +304,11 @@ class LoadGenerator:
                 t1, cpu1 = time.perf_counter_ns(), time.process_time()
         finally:
             _close(conns)
-        return PhaseResult(
-            mode="open-loop",
-            connections=len(conns),
-            wall_seconds=(t1 - t0) / 1e9,
-            completed=len(phase.latencies),
-            statuses=phase.statuses,
-            transport_errors=phase.transport_errors,
-            latencies_ns=phase.latencies,
-            client_cpu_seconds=cpu1 - cpu0,
+        return phase.result(
+            "open-loop",
+            len(conns),
+            t1 - t0,
+            cpu1 - cpu0,
             target_rate=rate,
             send_lag_ns=phase.send_lag,
             unsent=len(phase.backlog) + (total - sent),

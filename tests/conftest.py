@@ -25,11 +25,16 @@ from tests.support.sync_world import KEY, NODE
 SettingsFactory = Callable[..., Settings]
 
 
+def isolate_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remove every variable the settings read from the environment."""
+    for name in [*list(Settings.model_fields), "CAPABILITY_REGISTRY"]:
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Settings must come from the test, never from the developer's shell or `.env`."""
-    for name in [*list(Settings.model_fields), "CAPABILITY_REGISTRY"]:
-        monkeypatch.delenv(name.upper(), raising=False)
+    isolate_settings(monkeypatch)
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
@@ -12,6 +13,8 @@ from typing import Any
 import psutil
 
 from app.domain.reports import SystemSample
+
+log = logging.getLogger(__name__)
 
 
 def sample(disk_path: Path = Path("/")) -> SystemSample:
@@ -79,7 +82,9 @@ def _nvidia_gpus() -> list[dict[str, Any]]:
             [binary, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=10, check=True,
         )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as exc:
+        # installed but failing: the node registers without GPUs, and says why
+        log.warning("nvidia-smi is installed but failed; registering no GPUs: %s", exc)
         return []
     gpus = []
     for line in result.stdout.strip().splitlines():
@@ -87,6 +92,7 @@ def _nvidia_gpus() -> list[dict[str, Any]]:
         try:
             gpus.append({"name": name.strip(), "memory_gb": round(float(memory) / 1024, 1)})
         except ValueError:
+            log.warning("nvidia-smi printed an unreadable line, skipped: %r", line)
             continue
     return gpus
 

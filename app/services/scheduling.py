@@ -42,7 +42,8 @@ class Scheduler:
     def running(self) -> bool:
         return bool(self._scheduler.running)
 
-    def stopping(self) -> bool:
+    def _is_stopping(self) -> bool:
+        # a call, not the attribute: the flag changes while a run awaits its body
         return self._stopping
 
     def add_loop(
@@ -73,7 +74,7 @@ class Scheduler:
 
     def _guarded(self, name: str, body: LoopBody) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
-            if self.stopping():
+            if self._is_stopping():
                 return
             started = time.monotonic()
             task = asyncio.current_task()
@@ -82,7 +83,7 @@ class Scheduler:
             try:
                 await body()
             except asyncio.CancelledError:
-                if not self.stopping():
+                if not self._is_stopping():
                     raise
                 # cancelled by `stop`, which awaits it and has logged why: the run ends
                 # here instead of surfacing as an executor error with a traceback
