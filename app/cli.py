@@ -15,6 +15,8 @@ from app import __version__
 from app.settings import SettingsError, load_settings
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from app.services.syncing import SyncOutcome
     from app.settings import Settings
 
@@ -49,15 +51,26 @@ def _serve(args: argparse.Namespace) -> int:
             access_log=False,
         )
         return 0
-    uvicorn.run(
+    deadline = app.state.runtime.shutdown
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # the shutdown deadline starts at the signal, not once HTTP has drained
+            deadline.begin()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
         app,
         host=args.host or settings.host,
         port=settings.port,
         log_config=None,
         access_log=False,
         server_header=False,
-        timeout_graceful_shutdown=int(settings.shutdown_grace_seconds) or None,
+        # open HTTP requests get a short share of the grace period; the rest is the
+        # lifespan's (loops, jobs, the last report)
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_seconds * 0.1)),
     )
+    Server(config).run()
     return 0
 
 
@@ -67,8 +80,7 @@ def _sync(args: argparse.Namespace) -> int:
 
     from app import logs
     from app.adapters.signing import InvalidKeyError
-    from app.services.runtime import build_runtime, open_backend
-    from app.services.wiring import open_syncer
+    from app.services.runtime import build_runtime, open_sync_only
 
     try:
         settings = load_settings()
@@ -80,8 +92,7 @@ def _sync(args: argparse.Namespace) -> int:
 
     async def once() -> int:
         async with AsyncExitStack() as stack:
-            open_backend(rt, stack)
-            syncer = await open_syncer(rt, stack)
+            syncer = await open_sync_only(rt, stack)
             if syncer is None:
                 print(f"workload-manager: sync is off: {rt.components['sync'].reason}",
                       file=sys.stderr)  # fmt: skip
@@ -249,8 +260,7 @@ def _self_update(args: argparse.Namespace) -> int:
     from app.adapters.signing import InvalidKeyError
     from app.adapters.versions import VersionSourceError
     from app.domain.updates import VersionFileError
-    from app.services.runtime import build_runtime
-    from app.services.wiring import open_self_updater
+    from app.services.runtime import build_runtime, open_self_update_only
 
     try:
         rt = build_runtime(load_settings(_check_production=False))
@@ -260,7 +270,7 @@ def _self_update(args: argparse.Namespace) -> int:
 
     async def check() -> int:
         async with AsyncExitStack() as stack:
-            updater = await open_self_updater(rt, stack)
+            updater = await open_self_update_only(rt, stack)
             if updater is None:
                 reason = rt.components["self_update"].reason
                 print(f"workload-manager: self-update is off: {reason}", file=sys.stderr)

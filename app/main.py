@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
@@ -42,7 +43,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if rt.settings.sentry_dsn is not None:
             from app.adapters import sentry
 
-            stack.callback(sentry.flush)
+            stack.callback(lambda: sentry.flush(timeout=min(2.0, rt.shutdown.remaining())))
         await start_runtime(rt, stack)
         try:
             yield
@@ -50,7 +51,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             rt.stopping = True
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, clock: Callable[[], float] = time.monotonic
+) -> FastAPI:
+    """The app; `clock` (monotonic seconds) is the workload book's, for tests."""
     settings = settings or load_settings()
     if settings.sentry_dsn is not None:
         from app.adapters import sentry
@@ -60,7 +64,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             environment=settings.app_env.value,
             traces_sample_rate=settings.sentry_traces_sample_rate,
         )
-    runtime = build_runtime(settings)
+    runtime = build_runtime(settings, clock=clock)
     app = ManagerApp(
         title="Node workload manager",
         version=__version__,

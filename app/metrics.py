@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -76,6 +77,8 @@ class Metrics:
             ["workload", "status"],
             registry=self.registry,
         )
+        # the ping counter children by workload, so a forgotten workload's series go
+        self._ping_children: dict[tuple[str, str], Any] = {}
         self.ping_rejections = Counter(
             f"{PREFIX}_ping_rejections_total",
             "Rejected health pings by reason.",
@@ -149,6 +152,12 @@ class Metrics:
             "Jobs the registry says no live node can run.",
             registry=self.registry,
         )
+        self.job_events_unsent = Counter(
+            f"{PREFIX}_job_events_unsent_total",
+            "Final job events (dead, rejected, expired) the stream did not acknowledge; "
+            "the job was handed back to be decided again instead of terminated.",
+            registry=self.registry,
+        )
         self.jobs_in_flight = Gauge(
             f"{PREFIX}_jobs_in_flight", "Jobs running on this node now.", registry=self.registry
         )
@@ -166,7 +175,8 @@ class Metrics:
         )
         self.self_updates = Counter(
             f"{PREFIX}_self_updates_total",
-            "Self-update steps by outcome (applied, available, rolled-back, check-failed).",
+            "Self-update steps by outcome (applied, available, rolled-back, rollback-failed, "
+            "check-failed).",
             ["outcome"],
             registry=self.registry,
         )
@@ -182,6 +192,18 @@ class Metrics:
             registry=self.registry,
         )
         self.up_since.set_to_current_time()
+
+    def count_ping(self, workload: str, status: str) -> None:
+        child = self._ping_children.get((workload, status))
+        if child is None:
+            child = self._ping_children[(workload, status)] = self.pings.labels(workload, status)
+        child.inc()
+
+    def forget_workload(self, workload: str) -> None:
+        """Drop a forgotten workload's series (the book bounds how many there are)."""
+        for key in [k for k in self._ping_children if k[0] == workload]:
+            del self._ping_children[key]
+            self.pings.remove(*key)
 
     def watch_state(
         self,

@@ -281,10 +281,6 @@ class Settings(BaseSettings):
             return not self.is_production
         return self.migrate_on_start
 
-    @property
-    def has_signing_key(self) -> bool:
-        return self.node_private_key is not None or self.node_private_key_file is not None
-
     def check_production(self) -> None:
         """Refuse to run in production with a missing or placeholder required setting."""
         if not self.is_production:

@@ -24,9 +24,8 @@ from typing import Any
 import psutil
 
 from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
-from app.services.runtime import build_runtime, open_backend
+from app.services.runtime import build_runtime, open_sync_only
 from app.services.syncing import Syncer, SyncOutcome
-from app.services.wiring import open_syncer
 from app.settings import Settings
 from bench import Options
 from bench.checks import CheckFailed, check, say
@@ -266,8 +265,7 @@ async def _measure(world: World, concurrency: int, repeats: int) -> dict[str, An
     try:
         runtime = build_runtime(settings)
         async with AsyncExitStack() as stack:
-            open_backend(runtime, stack)
-            syncer = await open_syncer(runtime, stack)
+            syncer = await open_sync_only(runtime, stack)
             _check(syncer is not None, f"no syncer: {runtime.components['sync'].reason}")
             assert syncer is not None
 
@@ -489,7 +487,7 @@ def _notes(
     n = setup["workloads"]
     notes = [
         f"{n} workloads, one plain Deployment manifest each (tests/support/sync_world.py); the "
-        "Syncer is built as the app builds it (build_runtime + open_backend + open_syncer), with "
+        "Syncer is built as the app builds it (build_runtime + open_sync_only), with "
         "PING_TOKEN_SECRET set so every manifest gets its ping token injected. Before the numbers "
         "are reported, the emulator's managed Deployments and the versions reported to the "
         "backend are checked against the desired state.",

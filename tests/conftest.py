@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,6 +26,43 @@ from tests.support.servers import ThreadedServer
 from tests.support.sync_world import KEY, NODE
 
 SettingsFactory = Callable[..., Settings]
+
+# The base temp dir this run made for itself (see `pytest_configure`), if it made one.
+_OWN_BASETEMP = pytest.StashKey[Path]()
+_PASSED = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Give every run a base temp dir of its own unless `--basetemp` names one.
+
+    pytest's default (/tmp/pytest-of-<user>/pytest-<n>) is rotated by whichever run starts
+    next, and a second run started alongside can delete the first one's directories,
+    the session's PostgreSQL and nats-server data among them. Runs first, so pytest's
+    own temp-path factory (made in its `pytest_configure`) sees the choice.
+    """
+    if config.option.basetemp is not None or hasattr(config, "workerinput"):
+        return
+    root = os.environ.get("PYTEST_DEBUG_TEMPROOT") or None
+    path = Path(tempfile.mkdtemp(prefix="workload-manager-tests-", dir=root))
+    config.option.basetemp = str(path)
+    config.stash[_OWN_BASETEMP] = path
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove this run's own base temp dir when the run passed; keep it otherwise."""
+    path = session.config.stash.get(_OWN_BASETEMP, None)
+    if path is not None and (exitstatus in _PASSED or not any(path.iterdir())):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
+    path = config.stash.get(_OWN_BASETEMP, None)
+    if path is not None and path.exists():  # kept by `pytest_sessionfinish`
+        terminalreporter.write_line(f"temporary files (server logs among them) kept in {path}")
 
 
 def isolate_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +131,8 @@ async def _no_leaked_tasks() -> AsyncIterator[None]:
     current = asyncio.current_task()
     leaked = [t for t in asyncio.all_tasks() - before if t is not current and not t.done()]
     if leaked:
-        await asyncio.sleep(0.05)  # let just-cancelled tasks finish unwinding
+        # just-cancelled tasks may still be unwinding: wait for them to end, with a bound
+        await asyncio.wait(leaked, timeout=5)
         leaked = [t for t in leaked if not t.done()]
     assert not leaked, f"leaked asyncio tasks: {[t.get_name() for t in leaked]}"
 

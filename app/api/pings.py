@@ -126,5 +126,5 @@ async def post_ping(name: WorkloadName, request: Request) -> Response:
             status_code=status.HTTP_429_TOO_MANY_REQUESTS,
             detail=f"the node already tracks {rt.settings.max_tracked_workloads} workloads",
         ) from None
-    metrics.pings.labels(name, ping.status.value).inc()
+    metrics.count_ping(name, ping.status.value)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -60,9 +60,21 @@ class AlertInfo(BaseModel):
     text: str
 
 
+class TaskInfo(BaseModel):
+    """A long-lived task under the supervisor."""
+
+    state: str  # starting | running | restarting | finished | failed | stopped
+    restart: bool
+    started_at: datetime | None
+    failures_in_a_row: int
+    restarts: int
+    last_error: str | None
+
+
 class Status(BaseModel):
     node: NodeInfo
     components: dict[str, ComponentInfo]
+    tasks: dict[str, TaskInfo]
     workloads: list[WorkloadInfo]
     report: ReportInfo
     sync: SyncInfo

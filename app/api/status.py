@@ -15,6 +15,7 @@ from app.api.schemas import (
     ReportInfo,
     Status,
     SyncInfo,
+    TaskInfo,
     WorkloadInfo,
     WorkloadList,
 )
@@ -34,7 +35,7 @@ def _workload(view: WorkloadView) -> WorkloadInfo:
 def build_status(rt: Runtime) -> Status:
     """One snapshot of everything the node knows; the JSON route and the HTML page both
     render it, so they cannot disagree."""
-    last = rt.reporter.last_report
+    last = rt.reporter.last_report if rt.reporter is not None else None
     return Status(
         node=NodeInfo(
             id=rt.node_id,
@@ -47,6 +48,7 @@ def build_status(rt: Runtime) -> Status:
         components={
             name: ComponentInfo(**component.as_dict()) for name, component in rt.components.items()
         },
+        tasks={name: TaskInfo(**task) for name, task in rt.supervisor.status().items()},
         workloads=[_workload(v) for v in rt.book.views()],
         report=ReportInfo(
             interval_seconds=rt.settings.report_interval_seconds,

@@ -9,6 +9,7 @@ interface shared with producers across the fleet: keep them exact.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -93,31 +94,126 @@ class Rejection:
     idempotency_key: str | None = None
 
 
+# NATS's default max_payload: a bigger message does not reach a consumer anyway, and one
+# that does (a server configured larger) is refused before it is decoded.
+MAX_JOB_BYTES = 1024 * 1024
+# Arrays and objects inside one another, the job object being level 1: deep enough for any
+# payload a handler means to read, and far below what json, pydantic and the encoders the
+# job meets later (events, the ledger, HTTP bodies) recurse through.
+MAX_JOB_DEPTH = 64
+MAX_REJECTION_REASON = 500
+_MAX_ID_CHARS = 255
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_UNFIT_IN_ID = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+
+
+class _NotJson(ValueError):
+    """A token Python's json reads but JSON does not have (NaN, Infinity)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotJson(f"{name} is not a JSON number")
+
+
 def parse_job(data: bytes, subject: str) -> Job | Rejection:
-    ids: dict[str, Any] = {}
+    """The job a delivery carries, or why it is not one. Total: whatever the bytes, a Job
+    or a Rejection, never an exception (it would leave the delivery unanswered).
+
+    A Job returned can go on: its text is Unicode (it encodes to UTF-8 for the ledger,
+    events and HTTP bodies), its numbers are finite, its nesting bounded and its key free
+    of NUL, which PostgreSQL text cannot hold.
+    """
+    if len(data) > MAX_JOB_BYTES:
+        return Rejection(
+            f"payload is {len(data)} bytes, more than the {MAX_JOB_BYTES} a job may be"
+        )
     try:
-        raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return Rejection("payload is not JSON")
+        # strictly UTF-8 (RFC 8259): json.loads(bytes) would also take UTF-16 and UTF-32
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Rejection(f"payload is not JSON: not UTF-8 (byte {exc.start})")
+    try:
+        raw = json.loads(text, parse_constant=_refuse_constant)
+    except _NotJson as exc:
+        return Rejection(f"payload is not JSON: {exc}")
+    except json.JSONDecodeError as exc:
+        return Rejection(f"payload is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
+    except ValueError:  # an integer of more than sys.get_int_max_str_digits() digits
+        return Rejection("payload is not JSON: a number too long to read")
+    except RecursionError:
+        return Rejection(f"payload nests arrays and objects more than {MAX_JOB_DEPTH} deep")
+    ids: dict[str, Any] = {}
     if isinstance(raw, dict):
-        ids = {
-            "job_id": str(raw["job_id"]) if "job_id" in raw else None,
-            "idempotency_key": str(raw["idempotency_key"]) if "idempotency_key" in raw else None,
-        }
+        ids = {key: _readable_id(raw.get(key)) for key in ("job_id", "idempotency_key")}
+    unfit = _unfit(raw)
+    if unfit is not None:
+        return Rejection(unfit, **ids)
     try:
         job = Job.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "payload"
-        return Rejection(f"{where}: {first['msg']}", **ids)
+        where = _bounded(".".join(str(p) for p in first["loc"]), 120) or "payload"
+        return Rejection(_bounded(f"{where}: {first['msg']}"), **ids)
+    if "\x00" in job.idempotency_key:
+        return Rejection("idempotency_key: must not contain NUL (\\u0000)", **ids)
     parsed = parse_subject(subject)
     if parsed is None:
-        return Rejection(f"subject {subject!r} is not mm.<kind>.<tier>.<type>", **ids)
+        return Rejection(_bounded(f"subject {subject!r} is not mm.<kind>.<tier>.<type>"), **ids)
     if parsed[2] != job.type:
         return Rejection(
-            f"subject type {parsed[2]!r} differs from payload type {job.type!r}", **ids
+            _bounded(f"subject type {parsed[2]!r} differs from payload type {job.type!r}"),
+            **ids,
         )
     return job
+
+
+def _unfit(value: Any) -> str | None:
+    """Why parsed JSON cannot travel on as a job, or None. Iterative, so that no depth can
+    make it recurse; json.loads gives exactly dict, list, str, int, float, bool and None."""
+    stack: list[tuple[Any, int]] = [([value], 0)]
+    while stack:
+        container, depth = stack.pop()
+        if depth > MAX_JOB_DEPTH:
+            return f"payload nests arrays and objects more than {MAX_JOB_DEPTH} deep"
+        if type(container) is dict:
+            for key in container:
+                if not key.isascii() and _SURROGATE.search(key):
+                    return _not_unicode(key)
+            items = container.values()
+        else:
+            items = container
+        for item in items:
+            kind = type(item)
+            if kind is dict or kind is list:
+                stack.append((item, depth + 1))
+            elif kind is str:
+                if not item.isascii() and _SURROGATE.search(item):
+                    return _not_unicode(item)
+            elif kind is float and not math.isfinite(item):
+                return "payload has a number out of range (it does not fit a 64-bit float)"
+    return None
+
+
+def _not_unicode(text: str) -> str:
+    found = _SURROGATE.search(text)
+    code = f"\\u{ord(found.group()):04x}" if found else "?"
+    return f"payload has text with an unpaired surrogate ({code}), which is not Unicode"
+
+
+def _readable_id(value: Any) -> str | None:
+    """An id worth reporting with a rejection: a short string (or integer) that can go
+    into an event and a Nats-Msg-Id header; None for anything else (a 100 kB string, a
+    nested list, a control character or an unpaired surrogate)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS:
+        return None
+    return None if _UNFIT_IN_ID.search(value) else value
+
+
+def _bounded(text: str, limit: int = MAX_REJECTION_REASON) -> str:
+    """Short enough for an event and a log line, however long the input was."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class Admission(StrEnum):
@@ -132,7 +228,6 @@ class Admission(StrEnum):
 class Decision:
     admission: Admission
     reason: str = ""
-    mismatches: tuple[Mismatch, ...] = ()
 
 
 def admit(job: Job | Rejection, *, node: NodeProfile, now: datetime) -> Decision:
@@ -146,13 +241,11 @@ def admit(job: Job | Rejection, *, node: NodeProfile, now: datetime) -> Decision
             Admission.SECURITY,
             f"job requires trust zone {job.requirements.trust_zone!r}, "
             f"node is in {node.trust_zone!r}",
-            tuple(misses),
         )
     if misses:
         return Decision(
             Admission.NOT_HERE,
             "requirements not met: " + ", ".join(m.value for m in misses),
-            tuple(misses),
         )
     return Decision(Admission.RUN)
 
@@ -177,11 +270,21 @@ class PermanentJobFailure(JobFailure):
 
 
 def classify_failure(exc: BaseException) -> FailureKind:
-    """Handlers say what they mean with JobFailure; a bad payload is permanent; anything
-    else unexpected (timeouts, connection errors, bugs) is retried, within max_deliver."""
+    """Retry or dead-letter a handler's failure (docs/jobs.md says why), in this order:
+    what the handler says with a JobFailure; timeouts and connection errors (any OSError,
+    even one that is also a ValueError, like a certificate that does not verify) are
+    retried; a ValueError (validation errors among them), KeyError or TypeError fails
+    the same way on every delivery of the same payload, so it is permanent; anything else
+    is retried within max_deliver, as it may be transient. An exception group (from a
+    TaskGroup) is permanent only when everything in it is."""
     if isinstance(exc, JobFailure):
         return exc.kind
-    if isinstance(exc, ValidationError | ValueError | KeyError | TypeError):
+    if isinstance(exc, BaseExceptionGroup):
+        kinds = {classify_failure(inner) for inner in exc.exceptions}
+        return FailureKind.PERMANENT if kinds == {FailureKind.PERMANENT} else FailureKind.RETRYABLE
+    if isinstance(exc, OSError | TimeoutError):
+        return FailureKind.RETRYABLE
+    if isinstance(exc, ValueError | KeyError | TypeError):
         return FailureKind.PERMANENT
     return FailureKind.RETRYABLE
 

@@ -60,10 +60,6 @@ class Action:
     reason: str = ""
     resource_version: str | None = None
 
-    @property
-    def writes(self) -> bool:
-        return self.kind in (ActionKind.CREATE, ActionKind.UPDATE, ActionKind.DELETE)
-
 
 @dataclass(frozen=True, slots=True)
 class SyncPolicy:

@@ -10,7 +10,6 @@ import hashlib
 NODE_ID_HEADER = "X-Node-Id"
 TIMESTAMP_HEADER = "X-Node-Timestamp"
 SIGNATURE_HEADER = "X-Node-Signature"
-MAX_SKEW_SECONDS = 300
 
 
 def canonical_request(*, method: str, target: str, timestamp: str, body: bytes) -> bytes:

@@ -44,13 +44,14 @@ class Alerter:
         node_id: str,
         metrics: Metrics,
         window_seconds: float,
-        room: MatrixRoom | None = None,
+        deliver: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """`deliver`: alerts are queued for a sender (`deliver_to`), not only logged."""
         self._node_id = node_id
         self._metrics = metrics
         self._window = window_seconds
-        self.room = room
+        self._delivers = deliver
         self._clock = clock
         self._last: dict[str, float] = {}
         self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue(maxsize=QUEUE_SIZE)
@@ -68,7 +69,7 @@ class Alerter:
         log.warning("alert: %s", message)
         self._recent.append(RaisedAlert(datetime.fromtimestamp(now, UTC), key, message))
         self._metrics.alerts.labels("raised").inc()
-        if self.room is not None:
+        if self._delivers:
             # the window's start makes the id deterministic: a retry of this alert is
             # the same transaction for the homeserver
             txn = hashlib.sha256(f"{self._node_id}|{key}|{int(now // self._window)}".encode())
@@ -84,15 +85,18 @@ class Alerter:
         """The last alerts raised (suppressed repeats not included), oldest first."""
         return list(self._recent)
 
-    async def deliver(self) -> None:
-        """The background sender (a supervised task); returns only when cancelled."""
+    async def deliver_to(self, room: MatrixRoom, stopping: asyncio.Event) -> None:
+        """The background sender (a supervised task); returns once `stopping` is set and
+        the queue is empty (`flush` bounds that wait on shutdown)."""
         from app.adapters.matrix import MatrixError
 
-        assert self.room is not None
-        while True:
-            message, txn_id = await self._queue.get()
+        while not (stopping.is_set() and self._queue.empty()):
             try:
-                await self.room.send(message, txn_id=txn_id)
+                message, txn_id = await asyncio.wait_for(self._queue.get(), timeout=0.5)
+            except TimeoutError:
+                continue
+            try:
+                await room.send(message, txn_id=txn_id)
             except MatrixError as exc:
                 self._metrics.alerts.labels("undelivered").inc()
                 log.warning("alert not delivered to Matrix: %s", exc)

@@ -2,7 +2,8 @@
 
 A handler is `async def handle(job: Job, context: HandlerContext) -> JSON-able result`.
 It raises `RetryableJobFailure` or `PermanentJobFailure` to say how a failure should be
-treated; anything else unexpected is retried within the consumer's max_deliver.
+treated; otherwise `classify_failure` decides (a ValueError, KeyError or TypeError is
+permanent, anything else retried within the consumer's max_deliver; docs/jobs.md).
 
 Plugins register in the `workload_manager.handlers` entry-point group, the entry
 point's name being the job type:
@@ -58,20 +59,26 @@ async def http(job: Job, context: HandlerContext) -> dict[str, Any]:
     """POST `payload.body` to `payload.url`, a workload's in-cluster URL.
 
     5xx answers and timeouts are retried; 4xx answers, a URL outside the cluster and a
-    missing URL are permanent failures.
+    missing URL are permanent failures. The result is `{"status", "body"}`, the body
+    being the JSON document or the text of the answer; of a body longer than
+    MAX_RESPONSE_BYTES only that much is read and kept, as text, and the result says so
+    with `"truncated": true` and `"kept_bytes"`.
     """
     url = job.payload.get("url")
     if not isinstance(url, str):
         raise PermanentJobFailure("payload.url is required (a workload's in-cluster URL)")
     try:
-        status, body = await context.http.post(
+        response = await context.http.post_capped(
             url, job.payload.get("body", {}), headers={"Idempotency-Key": job.idempotency_key}
         )
     except WorkloadHttpError as exc:
         if exc.retryable:
             raise RetryableJobFailure(str(exc)) from None
         raise PermanentJobFailure(str(exc)) from None
-    return {"status": status, "body": body}
+    result: dict[str, Any] = {"status": response.status, "body": response.body}
+    if response.truncated:
+        result |= {"truncated": True, "kept_bytes": response.kept_bytes}
+    return result
 
 
 BUILT_IN: dict[str, Handler] = {"noop": noop, "http": http}

@@ -51,7 +51,7 @@ class Heartbeat:
         retry_attempts: int = 3,
         retry_max_wait: float = 5.0,
     ) -> None:
-        self._registry = registry
+        self.registry = registry
         self._node_id = node_id
         self._tier = tier
         self._region = region
@@ -131,11 +131,9 @@ class Heartbeat:
             await self._prepare()
             self._prepare = None
         profile = await self.profile()
-        if self._written == profile and await self._registry.heartbeat(
-            self._node_id, status=status
-        ):
+        if self._written == profile and await self.registry.heartbeat(self._node_id, status=status):
             return
-        await self._registry.upsert(profile, status=status, interval_seconds=self._interval)
+        await self.registry.upsert(profile, status=status, interval_seconds=self._interval)
         if self._written is None:
             log.info("registered node %s (tier %s) as %s", self._node_id, self._tier, status)
         self._written = profile

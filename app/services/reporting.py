@@ -23,11 +23,8 @@ from app.services.workloads import WorkloadBook
 
 if TYPE_CHECKING:
     from app.adapters.backend import BackendClient
-    from app.services.alerting import Alerter
 
 log = logging.getLogger(__name__)
-
-BAD_STATUSES = frozenset({"unhealthy", "stale", "failed"})
 
 
 class Reporter:
@@ -39,7 +36,6 @@ class Reporter:
         backend: BackendClient | None,
         component: Component,
         metrics: Metrics,
-        alerts: Alerter,
         disk_path: Path,
         started_at: float,
         clock: Callable[[], float] = time.monotonic,
@@ -49,8 +45,6 @@ class Reporter:
         self.backend = backend
         self._component = component
         self._metrics = metrics
-        self._alerts = alerts
-        self._statuses: dict[str, str] = {}
         self._disk_path = disk_path
         self._started_at = started_at
         self._clock = clock
@@ -66,25 +60,10 @@ class Reporter:
             workloads=self._book.views(),
         )
 
-    def _alert_transitions(self, workloads: list[dict[str, Any]]) -> None:
-        """One alert when a workload turns unhealthy, stale or failed, one when it recovers."""
-        current = {w["name"]: w["status"] for w in workloads}
-        for name, status in current.items():
-            before = self._statuses.get(name)
-            if status in BAD_STATUSES and before != status:
-                self._alerts.alert(f"workload:{name}:{status}", f"workload {name} is {status}")
-            elif before in BAD_STATUSES and status in ("healthy", "degraded"):
-                self._alerts.alert(
-                    f"workload:{name}:recovered", f"workload {name} recovered ({status})"
-                )
-        self._statuses = current
-
     async def report_once(self) -> bool:
         """Build and deliver one report; True when it was delivered (or logged locally)."""
-        self._book.forget_silent()
         report = self.build()
         self.last_report = report
-        self._alert_transitions(report["workloads"])
         now = datetime.now(UTC)
         if self.backend is None:
             log.info(

@@ -1,18 +1,22 @@
 """The running manager: what it is made of, and how it starts and stops.
 
 `build_runtime` is synchronous and cheap (settings, key, in-memory book, metrics,
-component table), so routes work the moment the app exists. `start_runtime` owns
-every resource with I/O behind it and registers its cleanup on the lifespan's
-AsyncExitStack, in an order that makes shutdown the mirror of start-up.
+component table), so routes work the moment the app exists. `start_runtime` is the
+composition root: it opens each component from `wiring` in the order their inputs
+require, keeps what they return, starts the loops and the supervised tasks, and
+registers `stop_runtime` to run first on the way out. `stop_runtime` is the whole
+orderly shutdown under one deadline (`SHUTDOWN_GRACE_SECONDS`, counted from SIGTERM);
+after it, the lifespan's AsyncExitStack closes the clients and the embedded servers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,11 +28,15 @@ from app.adapters.signing import NodeSigner, load_private_key, node_id_for
 from app.domain.components import Component, ComponentState
 from app.metrics import Metrics
 from app.services.alerting import Alerter
+from app.services.healthwatch import HealthWatch
 from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
+from app.services.supervision import Deadline, Supervisor, within
 from app.services.wiring import (
     DEVELOPMENT_TIER,
     consumer_stats,
+    open_backend,
+    open_matrix_room,
     open_registry,
     open_self_updater,
     open_syncer,
@@ -38,9 +46,8 @@ from app.services.workloads import WorkloadBook
 from app.settings import Settings, redact_url
 
 # The clients of switched-off components are never imported (kubernetes-asyncio alone is
-# some 60 MiB): each `open_*` below imports what it needs when its component is on.
+# some 60 MiB): each `open_*` imports what it needs when its component is on.
 if TYPE_CHECKING:
-    from app.adapters.backend import BackendClient
     from app.adapters.bus import JetStreamBus
     from app.adapters.registry import AsyncpgRegistry
     from app.services.heartbeating import Heartbeat
@@ -61,12 +68,15 @@ class Runtime:
     metrics: Metrics
     book: WorkloadBook
     scheduler: Scheduler
-    reporter: Reporter
+    supervisor: Supervisor
+    shutdown: Deadline
     components: dict[str, Component]
     alerts: Alerter
     started_at: float = field(default_factory=time.monotonic)
     started_wall: datetime = field(default_factory=lambda: datetime.now(UTC))
-    backend: BackendClient | None = None
+    # what start_runtime opened (None: off, or not started yet)
+    reporter: Reporter | None = None
+    health_watch: HealthWatch | None = None
     syncer: Syncer | None = None
     registry: AsyncpgRegistry | None = None
     heartbeat: Heartbeat | None = None
@@ -201,7 +211,7 @@ def _sync_component(settings: Settings, signer: NodeSigner | None) -> Component:
     )
 
 
-def build_runtime(settings: Settings) -> Runtime:
+def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> Runtime:
     secret = settings.node_private_key
     key = load_private_key(
         inline=secret.get_secret_value() if secret else None,
@@ -216,18 +226,15 @@ def build_runtime(settings: Settings) -> Runtime:
         stale_after=settings.ping_stale_seconds,
         forget_after=settings.ping_forget_seconds,
         capacity=settings.max_tracked_workloads,
+        on_forget=metrics.forget_workload,
+        clock=clock,
     )
     components = _components(settings, signer)
-    alerts = Alerter(node_id=node_id, metrics=metrics, window_seconds=settings.alert_window_seconds)
-    reporter = Reporter(
+    alerts = Alerter(
         node_id=node_id,
-        book=book,
-        backend=None,
-        component=components["report"],
         metrics=metrics,
-        alerts=alerts,
-        disk_path=settings.data_dir if settings.data_dir.exists() else settings.data_dir.parent,
-        started_at=time.monotonic(),
+        window_seconds=settings.alert_window_seconds,
+        deliver=components["alerts"].enabled,
     )
     runtime = Runtime(
         settings=settings,
@@ -236,7 +243,8 @@ def build_runtime(settings: Settings) -> Runtime:
         metrics=metrics,
         book=book,
         scheduler=Scheduler(metrics=metrics, jitter_fraction=settings.scheduler_jitter_fraction),
-        reporter=reporter,
+        supervisor=Supervisor(),
+        shutdown=Deadline(settings.shutdown_grace_seconds),
         components=components,
         alerts=alerts,
     )
@@ -248,125 +256,185 @@ def build_runtime(settings: Settings) -> Runtime:
 
 
 async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
-    settings = rt.settings
+    """Open every component, start the loops and tasks; `stop_runtime` runs first on exit."""
+    settings, components = rt.settings, rt.components
     await _start_data_services(rt, stack)
-    await _start_alerts(rt, stack)
-    open_backend(rt, stack)
 
-    if rt.components["report"].enabled:
-        rt.reporter.backend = rt.backend
-        rt.scheduler.add_loop(
-            "report",
-            rt.reporter.report_once,
-            every=settings.report_interval_seconds,
-            first_after=min(5.0, settings.report_interval_seconds),
-        )
-        stack.push_async_callback(_final_report, rt)
+    room = open_matrix_room(settings, components["alerts"], stack)
+    if room is not None:
+        rt.supervisor.start(
+            "alert-sender", functools.partial(rt.alerts.deliver_to, room), restart=True,
+            component=components["alerts"],
+        )  # fmt: skip
+        components["alerts"].succeeded(datetime.now(UTC))
 
-    heartbeat = await open_registry(rt, stack)
-    if heartbeat is not None:
-        rt.scheduler.add_loop(
-            "heartbeat", heartbeat.beat, every=settings.heartbeat_interval_seconds, first_after=0.1
-        )
-
-    worker = await open_worker(rt, stack)
-    if worker is not None and rt.bus is not None:
-        rt.scheduler.add_loop("consumer-stats", consumer_stats(rt), every=15.0, first_after=5.0)
-
-    syncer = await open_syncer(rt, stack)
-    if syncer is not None:
-        rt.scheduler.add_loop(
-            "sync",
-            syncer.run_scheduled,
-            every=settings.sync_interval_seconds,
-            first_after=min(10.0, settings.sync_interval_seconds),
-        )
-        rt.scheduler.add_loop(
-            "cluster-view",
-            syncer.refresh_view,
-            every=settings.cluster_refresh_seconds,
-            first_after=settings.cluster_refresh_seconds,
-        )
-
-    updater = await open_self_updater(rt, stack)
-    if updater is not None:
-        rt.scheduler.add_loop(
-            "self-update",
-            updater.run_scheduled,
-            every=settings.self_update_interval_seconds,
-            first_after=min(60.0, settings.self_update_interval_seconds),
-        )
-
-    rt.scheduler.start()
-    rt.components["scheduler"].succeeded(datetime.now(UTC))
-    # a run in progress may finish within half the grace period; the rest is for the
-    # worker's drain, the registry's goodbye and the final report
-    stack.push_async_callback(
-        rt.scheduler.stop, within=min(10.0, settings.shutdown_grace_seconds / 2)
+    backend = open_backend(settings, rt.signer, stack)
+    rt.reporter = Reporter(
+        node_id=rt.node_id,
+        book=rt.book,
+        backend=backend if components["report"].enabled else None,
+        component=components["report"],
+        metrics=rt.metrics,
+        disk_path=settings.data_dir if settings.data_dir.exists() else settings.data_dir.parent,
+        started_at=rt.started_at,
     )
+    rt.syncer = await open_syncer(
+        settings, components["sync"], stack, backend=backend, book=rt.book, metrics=rt.metrics,
+        alerts=rt.alerts, cluster_lock=rt.cluster_lock,
+    )  # fmt: skip
+    rt.heartbeat = await open_registry(
+        settings, components["registry"], stack, database_url=rt.database_url,
+        node_id=rt.node_id, metrics=rt.metrics, alerts=rt.alerts,
+        cluster_version=rt.syncer.kube.server_version if rt.syncer is not None else None,
+    )  # fmt: skip
+    rt.registry = rt.heartbeat.registry if rt.heartbeat is not None else None
+    opened = await open_worker(
+        settings, components["worker"], stack, nats_url=rt.nats_url, heartbeat=rt.heartbeat,
+        node_id=rt.node_id, metrics=rt.metrics, alerts=rt.alerts,
+    )  # fmt: skip
+    if opened is not None:
+        rt.worker, rt.bus = opened
+    rt.updater = await open_self_updater(
+        settings, components["self_update"], stack, metrics=rt.metrics, alerts=rt.alerts,
+        cluster_lock=rt.cluster_lock,
+    )  # fmt: skip
+
+    _add_loops(rt)
+    if rt.worker is not None:
+        rt.supervisor.start(
+            "job-worker", rt.worker.run, restart=True, component=components["worker"]
+        )
+    if rt.updater is not None:
+        # finish an update or rollback a previous process began, without waiting for the
+        # first scheduled check
+        updater = rt.updater
+
+        async def resume(_stopping: asyncio.Event) -> None:
+            await updater.resume()
+
+        rt.supervisor.start("self-update-resume", resume, restart=False)
+    rt.scheduler.start()
+    components["scheduler"].succeeded(datetime.now(UTC))
+    stack.push_async_callback(stop_runtime, rt)
     rt.started = True
     log.info(
         "workload manager %s started as node %s (%s); components on: %s",
         __version__,
         rt.node_id,
         settings.app_env.value,
-        ", ".join(n for n, c in rt.components.items() if c.enabled),
+        ", ".join(n for n, c in components.items() if c.enabled),
     )
 
 
-def open_backend(rt: Runtime, stack: AsyncExitStack) -> BackendClient | None:
-    """The signed backend client, when an endpoint and a key are configured."""
-    settings = rt.settings
-    if settings.node_system_endpoint is None or rt.signer is None:
-        return None
-    from app.adapters.backend import BackendClient
+def _add_loops(rt: Runtime) -> None:
+    settings, scheduler = rt.settings, rt.scheduler
+    watch = rt.health_watch = HealthWatch(book=rt.book, alerts=rt.alerts)
+    every = max(1.0, min(15.0, settings.ping_stale_seconds / 2))
+    scheduler.add_loop("health-watch", watch.check, every=every, first_after=every)
+    if rt.reporter is not None and rt.components["report"].enabled:
+        scheduler.add_loop(
+            "report", rt.reporter.report_once, every=settings.report_interval_seconds,
+            first_after=min(5.0, settings.report_interval_seconds),
+        )  # fmt: skip
+    if rt.heartbeat is not None:
+        scheduler.add_loop(
+            "heartbeat", rt.heartbeat.beat, every=settings.heartbeat_interval_seconds,
+            first_after=0.1,
+        )  # fmt: skip
+    if rt.bus is not None:
+        tier = (settings.node_tier or DEVELOPMENT_TIER).value
+        scheduler.add_loop(
+            "consumer-stats", consumer_stats(rt.bus, rt.metrics, tier), every=15.0, first_after=5.0
+        )
+    if rt.syncer is not None:
+        scheduler.add_loop(
+            "sync", rt.syncer.run_scheduled, every=settings.sync_interval_seconds,
+            first_after=min(10.0, settings.sync_interval_seconds),
+        )  # fmt: skip
+        scheduler.add_loop(
+            "cluster-view", rt.syncer.refresh_view, every=settings.cluster_refresh_seconds,
+            first_after=settings.cluster_refresh_seconds,
+        )  # fmt: skip
+    if rt.updater is not None:
+        scheduler.add_loop(
+            "self-update", rt.updater.run_scheduled, every=settings.self_update_interval_seconds,
+            first_after=min(60.0, settings.self_update_interval_seconds),
+        )  # fmt: skip
 
-    rt.backend = BackendClient(
-        base_url=settings.node_system_endpoint,
-        signer=rt.signer,
-        timeout=settings.backend_timeout_seconds,
-        attempts=settings.backend_retry_attempts,
-        max_wait=settings.backend_retry_max_wait_seconds,
+
+# Of the grace period, this share (at most TAIL_CAP_SECONDS) is kept for what comes after
+# the loops and the jobs: the final report, `offline` in the registry, closing clients.
+TAIL_SHARE = 0.3
+TAIL_CAP_SECONDS = 5.0
+
+
+async def stop_runtime(rt: Runtime) -> None:
+    """The orderly shutdown, every step within what is left of the one deadline.
+
+    1. `draining` in the registry: the fleet routes around the node from now on.
+    2. At once, side by side: the loop in progress (a sync mid-write) finishes or is
+       cancelled; the jobs in flight finish or are handed back, nothing new starts.
+    3. One last report. 4. `offline` in the registry. 5. The other supervised tasks
+       (the alert sender's last messages). The exit stack then closes the clients.
+    """
+    deadline = rt.shutdown
+    deadline.begin()
+    rt.stopping = True
+    if rt.worker is not None:
+        rt.worker.begin_stop()  # nothing new starts from here on
+    tail = min(TAIL_CAP_SECONDS, deadline.grace * TAIL_SHARE)
+    log.info("shutting down within %.1f s", deadline.remaining())
+    heartbeat = rt.heartbeat
+    if heartbeat is not None:
+        budget = deadline.budget(cap=2.0, reserve=tail)
+        await heartbeat.mark("draining", within=budget)
+    await asyncio.gather(
+        rt.scheduler.stop(within=deadline.budget(reserve=tail)), _drain_worker(rt, tail)
     )
-    stack.push_async_callback(rt.backend.aclose)
-    return rt.backend
+    if rt.reporter is not None and rt.components["report"].enabled:
+        await within(
+            "final report", deadline.budget(cap=5.0, reserve=tail / 2), rt.reporter.report_once
+        )
+    if heartbeat is not None:
+        await heartbeat.mark("offline", within=deadline.budget(cap=2.0, reserve=0.5))
+    await rt.alerts.flush(within=deadline.budget(cap=2.0, reserve=0.5))
+    await rt.supervisor.stop_all(budget=deadline.budget(reserve=0.25))
+    log.info("shutdown steps done with %.1f s to spare", deadline.remaining())
 
 
-async def _start_alerts(rt: Runtime, stack: AsyncExitStack) -> None:
-    settings = rt.settings
-    if not rt.components["alerts"].enabled:
+async def _drain_worker(rt: Runtime, tail: float) -> None:
+    worker, bus, deadline = rt.worker, rt.bus, rt.shutdown
+    if worker is None or bus is None:
         return
-    from app.adapters.matrix import MatrixRoom
-
-    assert settings.matrix_homeserver and settings.matrix_room_id and settings.matrix_access_token
-    room = MatrixRoom(
-        homeserver=settings.matrix_homeserver,
-        room_id=settings.matrix_room_id,
-        token=settings.matrix_access_token.get_secret_value(),
-        timeout=settings.backend_timeout_seconds,
-    )
-    stack.push_async_callback(room.aclose)
-    rt.alerts.room = room
-    sender = asyncio.create_task(rt.alerts.deliver(), name="alert-sender")
-
-    async def stop() -> None:
-        await rt.alerts.flush(within=min(3.0, settings.shutdown_grace_seconds))
-        sender.cancel()
-        await asyncio.gather(sender, return_exceptions=True)
-
-    stack.push_async_callback(stop)
-    rt.components["alerts"].succeeded(datetime.now(UTC))
+    if bus.connected:
+        await within(
+            "node.draining event", deadline.budget(cap=1.0, reserve=tail), worker.announce_draining
+        )
+    # the jobs in flight; the consume loops end within one fetch wait meanwhile
+    await worker.drain(within=deadline.budget(reserve=tail + 1.0))
+    await rt.supervisor.stop("job-worker", budget=deadline.budget(cap=2.0, reserve=tail))
+    if bus.connected:
+        await within(
+            "node.offline event", deadline.budget(cap=1.0, reserve=tail), worker.announce_offline
+        )
+    await bus.drain(within=deadline.budget(cap=3.0, reserve=tail / 2))
 
 
-async def _final_report(rt: Runtime) -> None:
-    """One last report on the way out, bounded by the shutdown grace period."""
-    budget = min(5.0, rt.settings.shutdown_grace_seconds)
-    if budget <= 0:
-        return
-    try:
-        await asyncio.wait_for(rt.reporter.report_once(), timeout=budget)
-    except TimeoutError:
-        log.warning("final report not delivered within %.1f s", budget)
+async def open_sync_only(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
+    """The syncer alone, as the one-shot CLI and the sync tests use it."""
+    return await open_syncer(
+        rt.settings, rt.components["sync"], stack,
+        backend=open_backend(rt.settings, rt.signer, stack), book=rt.book, metrics=rt.metrics,
+        alerts=rt.alerts, cluster_lock=rt.cluster_lock,
+    )  # fmt: skip
+
+
+async def open_self_update_only(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater | None:
+    """The self-updater alone, as `workload-manager self-update` and its tests use it."""
+    return await open_self_updater(
+        rt.settings, rt.components["self_update"], stack, metrics=rt.metrics,
+        alerts=rt.alerts, cluster_lock=rt.cluster_lock,
+    )  # fmt: skip
 
 
 async def _start_data_services(rt: Runtime, stack: AsyncExitStack) -> None:

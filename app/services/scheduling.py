@@ -60,14 +60,6 @@ class Scheduler:
             replace_existing=True,
         )
 
-    def run_soon(self, name: str) -> bool:
-        """Move a loop's next run to now; False if there is no such loop."""
-        job = self._scheduler.get_job(name)
-        if job is None:
-            return False
-        job.modify(next_run_time=datetime.now(UTC))
-        return True
-
     def next_run(self, name: str) -> datetime | None:
         job = self._scheduler.get_job(name)
         return None if job is None else job.next_run_time

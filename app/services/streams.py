@@ -44,6 +44,9 @@ def stream_specs(settings: Settings) -> list[StreamSpec]:
     return specs
 
 
+UNLIMITED_DELIVERIES = -1
+
+
 def consumer_specs(settings: Settings, tiers: tuple[str, ...] = TIERS) -> list[ConsumerSpec]:
     return [
         ConsumerSpec(
@@ -51,7 +54,11 @@ def consumer_specs(settings: Settings, tiers: tuple[str, ...] = TIERS) -> list[C
             durable=consumer_name(tier),
             filter_subject=consumer_filter(kind, tier),
             ack_wait_seconds=settings.job_ack_wait_seconds,
-            max_deliver=settings.job_max_deliver,
+            # No limit on the server: JOB_MAX_DELIVER is the worker's to enforce, because
+            # a job past its last delivery must end with a stored job.dead event, and
+            # JetStream would drop it silently (and a NAK after a failed event publish
+            # would spend a delivery it no longer has).
+            max_deliver=UNLIMITED_DELIVERIES,
             # NATS takes backoff[0] as the ack wait when a backoff is set, so the list
             # starts with it: an unanswered delivery (a crashed worker) is redelivered
             # after ack_wait, later ones further apart; NAKs carry their own delays.

@@ -202,6 +202,14 @@ class Syncer:
             started = time.monotonic()
             try:
                 await self._sync(outcome)
+            except asyncio.CancelledError:
+                outcome.aborted = "cancelled before it finished (shutdown or its deadline)"
+                raise
+            except Exception as exc:
+                # a bug outside the per-workload actions: recorded as a failed sync, and
+                # the traceback reaches Sentry through the log
+                outcome.aborted = f"sync crashed: {type(exc).__name__}: {exc}"
+                log.error("sync crashed", exc_info=exc)
             finally:
                 outcome.finished_at = datetime.now(UTC)
                 outcome.duration_seconds = time.monotonic() - started
@@ -232,7 +240,13 @@ class Syncer:
             async with semaphore:
                 return await self._carry_out(action, desired, dry_run=outcome.dry_run)
 
-        outcome.results = list(await asyncio.gather(*(run(a) for a in plan)))
+        # A task group, not gather: every action has ended (or been cancelled and
+        # awaited) when it exits, so no write of this sync lands after it returns.
+        # `_carry_out` turns every error into that workload's result, so nothing
+        # escapes the group but a cancellation.
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(run(a), name=f"sync-{a.name}") for a in plan]
+        outcome.results = [task.result() for task in tasks]
         if not outcome.dry_run and any(r.outcome == "applied" for r in outcome.results):
             try:
                 self._book.set_deployed(_deployed(await self.kube.list_managed(MANAGED_SELECTOR)))
@@ -272,6 +286,13 @@ class Syncer:
             result.outcome, result.action, result.reason = "held", "hold", str(exc)
         except (*SOURCE_ERRORS, KubeError) as exc:
             result.outcome, result.error = "failed", str(exc)
+        except Exception as exc:
+            # a bug (in preparation, planning or an adapter): this workload fails, named,
+            # the others go on, and the traceback reaches Sentry through the log
+            result.outcome, result.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.error(
+                "sync of %s (%s) failed unexpectedly", action.name, action.kind.value, exc_info=exc
+            )
         self._metrics.sync_actions.labels(result.action, result.outcome).inc()
         return result
 

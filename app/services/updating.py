@@ -1,13 +1,22 @@
 """Self-update: move the manager's own Deployment to a newer published image, safely.
 
-Every SELF_UPDATE_INTERVAL_SECONDS (with jitter) the version file is read and a pure
-`decide_update` says noop, update or skip. An update patches only the manager
-container's image, recording the previous image and the target version in annotations;
-then the old pod (this one, still serving: maxUnavailable 0) watches the rollout. If the
-new ReplicaSet is not available by the deadline, or the Deployment reports
-ProgressDeadlineExceeded, the previous image is put back and the version is recorded as
-failed (an annotation, so it survives restarts) and skipped from then on. Updates and
-syncs share one lock: they never overlap.
+Every SELF_UPDATE_INTERVAL_SECONDS (with jitter) the own Deployment is read first: its
+annotations record an update in flight (target version and image, previous image, start
+time, confirmation), and a pure `pending_update` says what that update still owes. An owed
+step is done before anything else, and without the version file: watching a rollout that
+is still going (then confirming it or rolling it back), a rollback, or recording a rollback
+that someone else already did. `resume()` does the same at start-up, so a restarted
+manager finishes what the one before it began.
+
+When nothing is owed, the version file is read and a pure `decide_update` says noop,
+update or skip. An update patches only the manager container's image and the annotations;
+then the old pod (this one, still serving: maxUnavailable 0) watches the rollout. If the new
+ReplicaSet is available it writes the confirmation; if it is not available by the deadline
+(counted from the recorded start), or the Deployment reports ProgressDeadlineExceeded, the
+previous image is put back and the version recorded as failed (skipped from then on). The
+rollback is retried with jittered exponential backoff for up to the deadline; if it still
+fails, the component fails naming it, an alert is raised, and the next check tries again.
+Updates and syncs share one lock: they never overlap.
 """
 
 from __future__ import annotations
@@ -15,8 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import stamina
 
 from app import __version__
 from app.adapters.kube import KubeDeployments, KubeError
@@ -24,13 +36,25 @@ from app.adapters.versions import VersionFile, VersionSourceError
 from app.domain.components import Component
 from app.domain.health import RolloutPhase, rollout_of
 from app.domain.updates import (
+    CONFIRMED_VERSION,
+    FAILED_VERSIONS,
+    PREVIOUS_IMAGE,
+    TARGET_IMAGE,
+    TARGET_VERSION,
+    UPDATE_STARTED,
     Choice,
+    Owed,
+    Pending,
     UpdateDecision,
+    UpdateMarks,
     UpdatePolicy,
     VersionFileError,
     decide_update,
     parse_version_file,
+    pending_update,
+    read_marks,
     split_image,
+    stamp,
 )
 from app.metrics import Metrics
 
@@ -39,13 +63,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PREVIOUS_IMAGE = "workload-manager.io/previous-image"
-TARGET_VERSION = "workload-manager.io/update-target"
-FAILED_VERSIONS = "workload-manager.io/failed-versions"
+T = TypeVar("T")
 
 
 class SelfUpdateBusy(RuntimeError):
     """A sync or another update holds the cluster lock."""
+
+
+def _retryable(exc: Exception) -> bool:
+    return isinstance(exc, KubeError) and exc.retryable
 
 
 class SelfUpdater:
@@ -75,17 +101,47 @@ class SelfUpdater:
         self._component = component
         self._metrics = metrics
         self._lock = cluster_lock
+        # Rollback retries: jittered exponential backoff from the poll interval (at most
+        # 1 s) up to a tenth of the deadline, for at most the deadline in all.
+        self._retry_initial = min(1.0, poll_interval)
+        self._retry_max = max(self._retry_initial, deadline / 10)
+        self._retry_budget = deadline
         self.last: dict[str, Any] | None = None
 
     async def check(self) -> UpdateDecision:
-        """Read the version file and the own Deployment; decide. Changes nothing."""
+        """Read the own Deployment and the version file; decide. Changes nothing.
+
+        While the last update still owes a step (see `pending_update`), no new update is
+        decided: the answer is a skip naming that step, and `last["decision"]` is the step.
+        """
+        decision, _pending, _own = await self._check()
+        return decision
+
+    async def _check(self) -> tuple[UpdateDecision, Pending, dict[str, Any]]:
+        own = await self._own()
+        marks = read_marks(_annotations(own))
+        pending = self._pending(own, marks)
+        current = self._current_version(own)
+        if pending.owed is not Owed.NOTHING:
+            self.last = {
+                "checked_at": datetime.now(UTC),
+                "running": current,
+                "published": None,
+                "decision": pending.owed.value,
+                "reason": f"update to {pending.version}: {pending.reason}",
+                "failed_versions": sorted(marks.failed),
+            }
+            decision = UpdateDecision(
+                Choice.SKIP,
+                f"the update to {pending.version} still owes {pending.owed.value}: "
+                f"{pending.reason}",
+                pending.version,
+            )
+            return decision, pending, own
         content = await self._source.fetch()
         published = parse_version_file(content)
-        own = await self._own()
-        current = self._current_version(own)
-        failed = _failed_versions(own)
         decision = decide_update(
-            current=current, published=published, failed=failed, policy=self._policy,
+            current=current, published=published, failed=marks.failed, policy=self._policy,
             now=datetime.now(UTC),
         )  # fmt: skip
         self.last = {
@@ -94,9 +150,9 @@ class SelfUpdater:
             "published": published.version,
             "decision": decision.choice.value,
             "reason": decision.reason,
-            "failed_versions": sorted(failed),
+            "failed_versions": sorted(marks.failed),
         }
-        return decision
+        return decision, pending, own
 
     async def run_scheduled(self) -> None:
         if self._lock.locked():
@@ -104,18 +160,52 @@ class SelfUpdater:
             return
         now = datetime.now(UTC)
         try:
-            decision = await self.check()
+            decision, pending, own = await self._check()
         except (VersionSourceError, VersionFileError, KubeError) as exc:
             self._component.failed(now, str(exc))
             self._metrics.self_updates.labels("check-failed").inc()
             log.warning("self-update check failed, nothing changed: %s", exc)
             return
-        self._component.succeeded(now, **(self.last or {}))
+        if pending.owed is not Owed.NOTHING:
+            log.warning(
+                "self-update to %s: %s owed: %s",
+                pending.version, pending.owed.value, pending.reason,
+            )  # fmt: skip
+            if self._lock.locked():
+                log.info("self-update: %s deferred: a sync is running", pending.owed.value)
+                return
+            await self._settle(pending, own)
+            return
+        self._component.succeeded(now, owed=None, **(self.last or {}))
         if decision.choice is Choice.UPDATE:
             await self.update(decision)
 
+    async def resume(self) -> str:
+        """At start-up: finish what the own Deployment says the last update still owes.
+
+        Returns "nothing" when nothing is owed, else the outcome ("available",
+        "rolled-back", "rollback-failed"). Waits for a sync that holds the cluster lock.
+        Never raises for cluster errors: they are shown on the component, and the
+        scheduled checks try again. It may watch a rollout for up to the deadline, so run
+        it as a background task, not in the start-up path.
+        """
+        try:
+            own = await self._own()
+            pending = self._pending(own, read_marks(_annotations(own)))
+        except KubeError as exc:
+            self._component.failed(datetime.now(UTC), str(exc))
+            log.warning("self-update: cannot read the own Deployment at start: %s", exc)
+            return "nothing"
+        if pending.owed is Owed.NOTHING:
+            return "nothing"
+        log.warning(
+            "self-update to %s: resuming, %s owed: %s",
+            pending.version, pending.owed.value, pending.reason,
+        )  # fmt: skip
+        return await self._settle(pending, own)
+
     async def update(self, decision: UpdateDecision) -> str:
-        """Apply and watch; returns "available", "rolled-back" or "failed"."""
+        """Apply and watch; returns "available", "rolled-back" or "rollback-failed"."""
         if self._lock.locked():
             raise SelfUpdateBusy("a sync or an update is running")
         async with self._lock:
@@ -128,8 +218,12 @@ class SelfUpdater:
             patched = await self._kube.patch(
                 self._deployment,
                 {
-                    "metadata": {"annotations": {PREVIOUS_IMAGE: previous,
-                                                 TARGET_VERSION: decision.version}},
+                    "metadata": {"annotations": {
+                        PREVIOUS_IMAGE: previous,
+                        TARGET_VERSION: decision.version,
+                        TARGET_IMAGE: decision.image,
+                        UPDATE_STARTED: stamp(datetime.now(UTC)),
+                    }},
                     "spec": {"template": {"spec": {"containers": [
                         {"name": self._container, "image": decision.image}]}}},
                 },
@@ -139,53 +233,144 @@ class SelfUpdater:
                 self._alerts.alert(f"self-update:applied:{decision.version}",
                                    f"self-update applied: {decision.reason}")  # fmt: skip
             generation = int((patched.get("metadata") or {}).get("generation") or 0)
-            outcome, why = await self._watch(generation)
-            if outcome == "available":
-                log.info(
-                    "self-update to %s is available; this pod will be replaced", decision.version
-                )
-                self._metrics.self_updates.labels("available").inc()
-                return outcome
-            await self._roll_back(previous, decision.version, why, own)
-            return "rolled-back"
+            pending = Pending(
+                Owed.WATCH, decision.reason, decision.version, previous, self._deadline
+            )
+            return await self._see_through(pending, generation, read_marks(_annotations(own)))
 
-    async def _watch(self, generation: int) -> tuple[str, str]:
+    async def _settle(self, pending: Pending, own: dict[str, Any]) -> str:
+        """Do what the last update owes (WATCH, ROLLBACK or FINISH_ROLLBACK), under the lock."""
+        async with self._lock:
+            generation = int((own.get("metadata") or {}).get("generation") or 0)
+            marks = read_marks(_annotations(own))
+            if pending.owed is Owed.WATCH:
+                return await self._see_through(pending, generation, marks)
+            assert pending.version is not None and pending.previous_image is not None
+            return await self._roll_back(
+                pending.version, pending.previous_image, pending.reason, marks,
+                put_image_back=pending.owed is Owed.ROLLBACK,
+            )  # fmt: skip
+
+    async def _see_through(self, pending: Pending, generation: int, marks: UpdateMarks) -> str:
+        """Watch an applied update to its end: confirm it, or roll it back."""
+        assert pending.version is not None and pending.previous_image is not None
+        outcome, why = await self._watch(generation, pending.remaining)
+        if outcome == "available":
+            await self._confirm(pending.version)
+            return outcome
+        return await self._roll_back(
+            pending.version, pending.previous_image, why, marks, put_image_back=True
+        )
+
+    async def _watch(self, generation: int, budget: float) -> tuple[str, str]:
+        """Read the rollout until it is done, failed, or `budget` seconds have passed (at
+        least one read, so a finished rollout is seen even with no time left)."""
         started = time.monotonic()
-        while time.monotonic() - started < self._deadline:
-            await asyncio.sleep(self._poll)
+        while True:
             try:
                 own = await self._own()
             except KubeError as exc:
                 log.warning("self-update: cannot read the rollout: %s", exc)
-                continue
-            rollout = rollout_of(own)
-            if rollout.observed_generation < generation:
-                continue
-            if rollout.phase is RolloutPhase.FAILED:
-                return "failed", "the Deployment reports ProgressDeadlineExceeded"
-            if rollout.phase is RolloutPhase.READY:
-                return "available", ""
-        return "failed", f"the new pod was not available within {self._deadline:.0f} s"
+            else:
+                rollout = rollout_of(own)
+                if rollout.observed_generation >= generation:
+                    if rollout.phase is RolloutPhase.FAILED:
+                        return "failed", "the Deployment reports ProgressDeadlineExceeded"
+                    if rollout.phase is RolloutPhase.READY:
+                        return "available", ""
+            if time.monotonic() - started >= budget:
+                return "failed", f"the new pod was not available within {self._deadline:.0f} s"
+            await asyncio.sleep(self._poll)
 
-    async def _roll_back(self, previous: str, version: str, why: str, own: dict[str, Any]) -> None:
-        failed = sorted(_failed_versions(own) | {version})
-        await self._kube.patch(
-            self._deployment,
-            {
-                "metadata": {"annotations": {FAILED_VERSIONS: ",".join(failed),
-                                             TARGET_VERSION: None}},
-                "spec": {"template": {"spec": {"containers": [
-                    {"name": self._container, "image": previous}]}}},
-            },
-        )  # fmt: skip
+    async def _confirm(self, version: str) -> None:
+        log.info("self-update to %s is available; confirmed", version)
+        self._metrics.self_updates.labels("available").inc()
+        self._component.succeeded(datetime.now(UTC), owed=None, confirmed=version)
+        try:
+            await self._kube.patch(
+                self._deployment, {"metadata": {"annotations": {CONFIRMED_VERSION: version}}}
+            )
+        except KubeError as exc:
+            # harmless: whichever manager runs next sees the finished rollout and confirms
+            log.warning("self-update to %s: confirmation not recorded: %s", version, exc)
+
+    async def _roll_back(
+        self, version: str, previous: str, why: str, marks: UpdateMarks, *, put_image_back: bool
+    ) -> str:
+        """Put the previous image back (unless it is back already) and record the version
+        as failed, in one patch, retried with backoff; "rolled-back" or "rollback-failed"."""
+        failed = sorted(marks.failed | {version})
+        patch: dict[str, Any] = {
+            "metadata": {"annotations": {
+                FAILED_VERSIONS: ",".join(failed), TARGET_VERSION: None, TARGET_IMAGE: None,
+                UPDATE_STARTED: None,
+            }},
+        }  # fmt: skip
+        if put_image_back:
+            patch["spec"] = {"template": {"spec": {"containers": [
+                {"name": self._container, "image": previous}]}}}  # fmt: skip
+        try:
+            await self._retrying(
+                f"rollback of the update to {version}",
+                lambda: self._kube.patch(self._deployment, patch),
+            )
+        except KubeError as exc:
+            self._metrics.self_updates.labels("rollback-failed").inc()
+            message = (
+                f"rollback of the update to {version} (back to {previous}) failed: {exc}; "
+                f"the update had failed: {why}; the next check retries the rollback"
+            )
+            self._component.failed(datetime.now(UTC), message, owed="rollback")
+            log.error("self-update: %s", message)
+            if self._alerts is not None:
+                self._alerts.alert(f"self-update:rollback-failed:{version}",
+                                   f"self-update: {message}")  # fmt: skip
+            return "rollback-failed"
         self._metrics.self_updates.labels("rolled-back").inc()
-        self._component.failed(datetime.now(UTC), f"update to {version} rolled back: {why}")
+        self._component.failed(
+            datetime.now(UTC), f"update to {version} rolled back: {why}", owed=None
+        )
         log.error("self-update to %s rolled back to %s: %s", version, previous, why)
         if self._alerts is not None:
             self._alerts.alert(
                 f"self-update:rolled-back:{version}",
                 f"self-update to {version} rolled back to {previous}: {why}",
             )
+        return "rolled-back"
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call` (a Kubernetes request, which has its own timeout), retried on transient
+        errors with jittered exponential backoff for at most the retry budget."""
+        async for attempt in stamina.retry_context(
+            on=_retryable,
+            attempts=None,
+            timeout=self._retry_budget,
+            wait_initial=self._retry_initial,
+            wait_max=self._retry_max,
+            wait_jitter=self._retry_initial,
+        ):
+            with attempt:
+                try:
+                    return await call()
+                except KubeError as exc:
+                    if _retryable(exc):
+                        log.warning(
+                            "self-update: %s failed (attempt %d): %s; retrying in %.2f s or "
+                            "more, for up to %.0f s in all",
+                            what, attempt.num, exc, attempt.next_wait, self._retry_budget,
+                            extra={"attempt": attempt.num, "next_wait": attempt.next_wait},
+                        )  # fmt: skip
+                    raise
+        raise AssertionError("unreachable: stamina either returns or raises")
+
+    def _pending(self, own: dict[str, Any], marks: UpdateMarks) -> Pending:
+        return pending_update(
+            marks=marks,
+            image=self._container_image(own),
+            rollout=rollout_of(own).phase,
+            now=datetime.now(UTC),
+            deadline=self._deadline,
+        )
 
     async def _own(self) -> dict[str, Any]:
         own = await self._kube.get(self._deployment)
@@ -210,6 +395,6 @@ class SelfUpdater:
         return __version__
 
 
-def _failed_versions(own: dict[str, Any]) -> frozenset[str]:
-    raw = ((own.get("metadata") or {}).get("annotations") or {}).get(FAILED_VERSIONS, "")
-    return frozenset(v for v in raw.split(",") if v)
+def _annotations(own: dict[str, Any]) -> dict[str, str]:
+    annotations: dict[str, str] = (own.get("metadata") or {}).get("annotations") or {}
+    return annotations

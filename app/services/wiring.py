@@ -1,16 +1,18 @@
-"""Opening the optional components: registry, job worker, deployment sync, self-update.
+"""Building each component from its own dependencies and its slice of the settings.
 
-Each `open_*` returns None, with the reason on its component, when the component is off
-or cannot start; otherwise it builds the component, registers its cleanup on the
-lifespan's AsyncExitStack and returns it. Each imports its clients only once it knows
-the component is on, so a switched-off component costs no memory.
+Every `open_*` takes what the component needs, by name, and returns the component (or
+None, with the reason written on its `Component`, when it is off or cannot start). It
+registers the closing of what it opened on the `AsyncExitStack` it is given, and imports
+its clients only once it knows the component is on, so a switched-off component costs no
+memory. Nothing here reads or writes the runtime: `runtime.start_runtime` calls these in
+the order their inputs require and keeps what they return.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
+import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from datetime import UTC, datetime
@@ -19,11 +21,18 @@ from typing import TYPE_CHECKING, Any
 
 from app.domain.components import Component
 from app.domain.requirements import Tier
+from app.metrics import Metrics
+from app.services.alerting import Alerter
+from app.services.workloads import WorkloadBook
+from app.settings import Settings
 
 if TYPE_CHECKING:
+    from app.adapters.backend import BackendClient
+    from app.adapters.bus import JetStreamBus
     from app.adapters.kube import KubeDeployments
+    from app.adapters.matrix import MatrixRoom
+    from app.adapters.signing import NodeSigner
     from app.services.heartbeating import Heartbeat
-    from app.services.runtime import Runtime
     from app.services.syncing import Syncer
     from app.services.updating import SelfUpdater
     from app.services.working import Worker
@@ -33,15 +42,149 @@ log = logging.getLogger(__name__)
 DEVELOPMENT_TIER = Tier.C
 
 
-async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
+def open_backend(
+    settings: Settings, signer: NodeSigner | None, stack: AsyncExitStack
+) -> BackendClient | None:
+    """The signed backend client, when an endpoint and a key are configured."""
+    if settings.node_system_endpoint is None or signer is None:
+        return None
+    from app.adapters.backend import BackendClient
+
+    backend = BackendClient(
+        base_url=settings.node_system_endpoint,
+        signer=signer,
+        timeout=settings.backend_timeout_seconds,
+        attempts=settings.backend_retry_attempts,
+        max_wait=settings.backend_retry_max_wait_seconds,
+    )
+    stack.push_async_callback(backend.aclose)
+    return backend
+
+
+def open_matrix_room(
+    settings: Settings, component: Component, stack: AsyncExitStack
+) -> MatrixRoom | None:
+    if not component.enabled:
+        return None
+    from app.adapters.matrix import MatrixRoom
+
+    assert settings.matrix_homeserver and settings.matrix_room_id and settings.matrix_access_token
+    room = MatrixRoom(
+        homeserver=settings.matrix_homeserver,
+        room_id=settings.matrix_room_id,
+        token=settings.matrix_access_token.get_secret_value(),
+        timeout=settings.backend_timeout_seconds,
+    )
+    stack.push_async_callback(room.aclose)
+    return room
+
+
+async def open_cluster(
+    settings: Settings, component: Component, stack: AsyncExitStack, *, namespace: str
+) -> tuple[KubeDeployments, str] | None:
+    """A Deployments client for one namespace, closed with the lifespan; None (and the
+    component switched off with the reason) when there is no cluster to talk to."""
+    from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
+
+    try:
+        configuration, source = await load_configuration(settings.kubeconfig)
+    except ClusterUnavailable as exc:
+        component.switch_off(str(exc))
+        return None
+    kube = KubeDeployments(
+        configuration, namespace=namespace, timeout=settings.kube_timeout_seconds
+    )
+    stack.push_async_callback(kube.aclose)
+    return kube, source
+
+
+async def open_syncer(
+    settings: Settings,
+    component: Component,
+    stack: AsyncExitStack,
+    *,
+    backend: BackendClient | None,
+    book: WorkloadBook,
+    metrics: Metrics,
+    alerts: Alerter,
+    cluster_lock: asyncio.Lock,
+) -> Syncer | None:
+    """The deployment syncer, or None with the reason recorded on the sync component."""
+    if not component.enabled:
+        return None
+    from app.adapters.desired_files import DesiredFiles
+    from app.domain.manifests import Injection, ManifestPolicy
+    from app.domain.planning import SyncPolicy
+    from app.domain.tokens import ping_token
+    from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
+
+    source: DesiredSource
+    if backend is not None and settings.node_system_endpoint is not None:
+        source = BackendSource(backend, settings.node_system_endpoint)
+    elif settings.desired_state_dir is not None:
+        source = FolderSource(DesiredFiles(settings.desired_state_dir))
+    else:
+        component.switch_off("no desired-state source")
+        return None
+    opened = await open_cluster(settings, component, stack, namespace=settings.managed_namespace)
+    if opened is None:
+        return None
+    kube, cluster_source = opened
+    protected = (
+        frozenset({settings.self_deployment_name})
+        if settings.pod_namespace in (None, settings.managed_namespace)
+        else frozenset()
+    )
+    secret = settings.ping_token_secret
+
+    def injection_for(name: str) -> Injection:
+        token = ping_token(secret.get_secret_value(), name) if secret else None
+        return Injection(manager_url=settings.manager_url, ping_token=token)
+
+    syncer = Syncer(
+        source=source,
+        kube=kube,
+        book=book,
+        policy=SyncPolicy(
+            max_deletes=settings.sync_max_deletes,
+            max_delete_percent=settings.sync_max_delete_percent,
+            protected=protected,
+        ),
+        manifest_policy=ManifestPolicy(
+            allow_privileged=settings.allow_privileged,
+            allow_host_namespaces=settings.allow_host_namespaces,
+            allow_host_path=settings.allow_host_path,
+            allow_host_ports=settings.allow_host_ports,
+        ),
+        injection_for=injection_for,
+        concurrency=settings.sync_concurrency,
+        metrics=metrics,
+        component=component,
+        cluster_lock=cluster_lock,
+        alerts=alerts,
+    )
+    component.reason = (
+        f"{source.description} -> namespace {settings.managed_namespace} via {cluster_source}"
+    )
+    return syncer
+
+
+async def open_registry(
+    settings: Settings,
+    component: Component,
+    stack: AsyncExitStack,
+    *,
+    database_url: str | None,
+    node_id: str,
+    metrics: Metrics,
+    alerts: Alerter,
+    cluster_version: Callable[[], Awaitable[str]] | None,
+) -> Heartbeat | None:
     """The registry pool, pending migrations (development), and the heartbeat.
 
-    Shutdown marks the node `draining` first and `offline` last, so whatever stops in
-    between (jobs, the last report) happens while the fleet already routes around it.
-    """
-    settings = rt.settings
-    component = rt.components["registry"]
-    if not component.enabled or rt.database_url is None:
+    The registry's own shutdown steps (`draining`, then `offline`) belong to the runtime,
+    which orders them around the other steps."""
+    if not component.enabled or database_url is None:
         return None
     from app.adapters import system
     from app.adapters.kube import KubeError
@@ -51,13 +194,12 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
     from app.services.heartbeating import Heartbeat
 
     registry = AsyncpgRegistry(
-        rt.database_url,
+        database_url,
         timeout=settings.database_timeout_seconds,
         max_connections=settings.database_pool_size,
     )
     await registry.open()
     stack.push_async_callback(registry.close)
-    rt.registry = registry
     prepare = None
     if settings.migrates_on_start:
         directory = migrating.migrations_dir(settings.migrations_dir)
@@ -75,16 +217,16 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
 
     async def fingerprint() -> dict[str, Any]:
         hardware = await asyncio.to_thread(system.fingerprint, disk)
-        if rt.syncer is not None:  # the cluster client exists once sync has started
+        if cluster_version is not None:
             try:
-                hardware["k3s_version"] = await rt.syncer.kube.server_version()
+                hardware["k3s_version"] = await cluster_version()
             except KubeError as exc:
                 log.info("K3S version not in the fingerprint this time: %s", exc)
         return hardware
 
-    heartbeat = Heartbeat(
+    return Heartbeat(
         registry=registry,
-        node_id=rt.node_id,
+        node_id=node_id,
         tier=settings.node_tier or DEVELOPMENT_TIER,
         region=settings.node_region,
         trust_zone=settings.node_trust_zone,
@@ -92,24 +234,31 @@ async def open_registry(rt: Runtime, stack: AsyncExitStack) -> Heartbeat | None:
         fingerprint=fingerprint,
         interval_seconds=settings.heartbeat_interval_seconds,
         component=component,
-        metrics=rt.metrics,
+        metrics=metrics,
         retry_max_wait=min(5.0, settings.heartbeat_interval_seconds / 4),
         prepare=prepare,
-        alerts=rt.alerts,
+        alerts=alerts,
     )
-    rt.heartbeat = heartbeat
-    budget = min(5.0, settings.shutdown_grace_seconds)
-    stack.push_async_callback(heartbeat.mark, "offline", within=budget)
-    stack.push_async_callback(heartbeat.mark, "draining", within=budget)
-    return heartbeat
 
 
-async def open_worker(rt: Runtime, stack: AsyncExitStack) -> Worker | None:
-    """The job worker as a supervised task; it connects to NATS inside the task, so a
-    NATS outage at start delays the worker, never the manager."""
-    settings = rt.settings
-    component = rt.components["worker"]
-    if not component.enabled or rt.nats_url is None:
+async def open_worker(
+    settings: Settings,
+    component: Component,
+    stack: AsyncExitStack,
+    *,
+    nats_url: str | None,
+    heartbeat: Heartbeat | None,
+    node_id: str,
+    metrics: Metrics,
+    alerts: Alerter,
+) -> tuple[Worker, JetStreamBus] | None:
+    """The job worker and its bus, not yet running: the runtime starts `worker.run` as a
+    supervised task (it connects inside it, so a NATS outage at start delays the worker,
+    never the manager) and drains it on shutdown."""
+    if not component.enabled or nats_url is None:
+        return None
+    if heartbeat is None:
+        component.switch_off("the registry is not running: no idempotency ledger")
         return None
     from app.adapters.bus import JetStreamBus
     from app.adapters.registry import AsyncpgLedger
@@ -118,23 +267,36 @@ async def open_worker(rt: Runtime, stack: AsyncExitStack) -> Worker | None:
     from app.services.streams import consumer_specs, init_streams
     from app.services.working import Worker, WorkerConfig
 
-    if rt.registry is None or rt.heartbeat is None:
-        component.switch_off("the registry is not running: no idempotency ledger")
-        return None
     tier = (settings.node_tier or DEVELOPMENT_TIER).value
     bus = JetStreamBus(
-        rt.nats_url, name=f"workload-manager/{rt.node_id}", timeout=settings.backend_timeout_seconds
+        nats_url, name=f"workload-manager/{node_id}", timeout=settings.backend_timeout_seconds
     )
     http = WorkloadHttp(
         timeout=settings.http_job_timeout_seconds,
         allowed_suffixes=tuple(settings.http_job_allowed_suffixes),
     )
     stack.push_async_callback(http.aclose)
+
+    async def prepare() -> None:
+        """Connect, make sure the topology exists, and wait for the node's registration
+        (the ledger's schema exists by then)."""
+        if not bus.connected:
+            await bus.connect()
+        if settings.auto_init_streams:
+            changes = await init_streams(bus, settings)
+        else:
+            changes = []
+            for consumer in consumer_specs(settings, (tier,)):
+                changes.append((consumer.durable, await bus.ensure_consumer(consumer)))
+        component.detail["topology"] = dict(changes)
+        await heartbeat.registered.wait()
+        component.succeeded(datetime.now(UTC), connected=True)
+
     worker = Worker(
         bus=bus,
-        ledger=AsyncpgLedger(rt.registry),
-        registry=rt.registry,
-        node=rt.heartbeat.profile,
+        ledger=AsyncpgLedger(heartbeat.registry, node_id=node_id, claimant=uuid.uuid4().hex),
+        registry=heartbeat.registry,
+        node=heartbeat.profile,
         handlers=load_handlers(),
         http=http,
         config=WorkerConfig(
@@ -148,86 +310,38 @@ async def open_worker(rt: Runtime, stack: AsyncExitStack) -> Worker | None:
             held_delay=settings.job_held_delay_seconds,
             job_timeout=settings.job_timeout_seconds,
         ),
-        metrics=rt.metrics,
+        metrics=metrics,
         component=component,
-        alerts=rt.alerts,
+        alerts=alerts,
+        prepare=prepare,
     )
-    rt.worker, rt.bus = worker, bus
-    rt.metrics.jobs_in_flight.set_function(lambda: worker.in_flight)
-
-    async def start_and_run() -> None:
-        if not bus.connected:
-            await bus.connect()
-        if settings.auto_init_streams:
-            changes = await init_streams(bus, settings)
-        else:
-            changes = []
-            for consumer in consumer_specs(settings, (tier,)):
-                changes.append((consumer.durable, await bus.ensure_consumer(consumer)))
-        component.detail["topology"] = dict(changes)
-        # no jobs before the node is registered: the ledger's schema exists by then
-        await heartbeat.registered.wait()
-        component.succeeded(datetime.now(UTC), connected=True)
-        await worker.run()
-
-    heartbeat = rt.heartbeat
-    supervisor = asyncio.create_task(
-        _supervise("worker", start_and_run, component), name="job-worker"
-    )
-
-    async def drain() -> None:
-        grace = max(rt.settings.shutdown_grace_seconds - 5.0, 1.0)
-        await heartbeat.mark("draining", within=min(5.0, grace))
-        if bus.connected:
-            await worker.announce_draining()
-        await worker.stop(grace=grace)
-        # the fetch loops notice the stop within one fetch wait and unsubscribe cleanly;
-        # cancelling one mid-fetch would leave a pull request that stalls the drain
-        _done, pending = await asyncio.wait({supervisor}, timeout=5.0)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(supervisor, return_exceptions=True)
-        await bus.drain()
-
-    stack.push_async_callback(drain)
-    return worker
+    metrics.jobs_in_flight.set_function(lambda: worker.in_flight)
+    return worker, bus
 
 
-async def _supervise(name: str, body: Callable[[], Awaitable[None]], component: Component) -> None:
-    """Run a long-lived task; restart it with backoff if it dies, never silently."""
-    failures = 0
-    while True:
-        try:
-            await body()
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            failures += 1
-            delay = min(60.0, 2.0**failures) * random.uniform(0.5, 1.0)
-            component.failed(datetime.now(UTC), f"{type(exc).__name__}: {exc}")
-            log.exception("%s crashed (%d in a row); restarting in %.1f s", name, failures, delay)
-            await asyncio.sleep(delay)
-
-
-def consumer_stats(rt: Runtime) -> Callable[[], Awaitable[None]]:
+def consumer_stats(bus: JetStreamBus, metrics: Metrics, tier: str) -> Callable[[], Awaitable[None]]:
     from app.domain.jobs import STREAMS, consumer_name
 
     async def collect() -> None:
-        if rt.bus is None or not rt.bus.connected:
+        if not bus.connected:
             return
-        tier = (rt.settings.node_tier or DEVELOPMENT_TIER).value
         for stream in STREAMS.values():
-            state = await rt.bus.consumer_state(stream, consumer_name(tier))
-            rt.metrics.consumer_pending.labels(stream).set(state["pending"])
-            rt.metrics.consumer_ack_pending.labels(stream).set(state["ack_pending"])
+            state = await bus.consumer_state(stream, consumer_name(tier))
+            metrics.consumer_pending.labels(stream).set(state["pending"])
+            metrics.consumer_ack_pending.labels(stream).set(state["ack_pending"])
 
     return collect
 
 
-async def open_self_updater(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater | None:
-    settings = rt.settings
-    component = rt.components["self_update"]
+async def open_self_updater(
+    settings: Settings,
+    component: Component,
+    stack: AsyncExitStack,
+    *,
+    metrics: Metrics,
+    alerts: Alerter,
+    cluster_lock: asyncio.Lock,
+) -> SelfUpdater | None:
     if not component.enabled or settings.self_update_url is None:
         return None
     from app.adapters.versions import VersionFile
@@ -235,13 +349,13 @@ async def open_self_updater(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater |
     from app.services.updating import SelfUpdater
 
     assert settings.pod_namespace is not None
-    opened = await _cluster_client(rt, stack, component, namespace=settings.pod_namespace)
+    opened = await open_cluster(settings, component, stack, namespace=settings.pod_namespace)
     if opened is None:
         return None
     kube, _source = opened
     source = VersionFile(settings.self_update_url, timeout=settings.self_update_timeout_seconds)
     stack.push_async_callback(source.aclose)
-    rt.updater = SelfUpdater(
+    return SelfUpdater(
         source=source,
         kube=kube,
         deployment=settings.self_deployment_name,
@@ -254,90 +368,7 @@ async def open_self_updater(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater |
         deadline=settings.self_update_deadline_seconds,
         poll_interval=settings.self_update_poll_seconds,
         component=component,
-        metrics=rt.metrics,
-        cluster_lock=rt.cluster_lock,
-        alerts=rt.alerts,
+        metrics=metrics,
+        cluster_lock=cluster_lock,
+        alerts=alerts,
     )
-    return rt.updater
-
-
-async def open_syncer(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
-    """The deployment syncer, or None with the reason recorded on the sync component."""
-    settings = rt.settings
-    component = rt.components["sync"]
-    if not component.enabled:
-        return None
-    from app.adapters.desired_files import DesiredFiles
-    from app.domain.manifests import Injection, ManifestPolicy
-    from app.domain.planning import SyncPolicy
-    from app.domain.tokens import ping_token
-    from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
-
-    source: DesiredSource
-    if rt.backend is not None and settings.node_system_endpoint is not None:
-        source = BackendSource(rt.backend, settings.node_system_endpoint)
-    elif settings.desired_state_dir is not None:
-        source = FolderSource(DesiredFiles(settings.desired_state_dir))
-    else:
-        component.switch_off("no desired-state source")
-        return None
-    opened = await _cluster_client(rt, stack, component, namespace=settings.managed_namespace)
-    if opened is None:
-        return None
-    kube, cluster_source = opened
-    protected = (
-        frozenset({settings.self_deployment_name})
-        if settings.pod_namespace in (None, settings.managed_namespace)
-        else frozenset()
-    )
-    secret = settings.ping_token_secret
-
-    def injection_for(name: str) -> Injection:
-        token = ping_token(secret.get_secret_value(), name) if secret else None
-        return Injection(manager_url=settings.manager_url, ping_token=token)
-
-    rt.syncer = Syncer(
-        source=source,
-        kube=kube,
-        book=rt.book,
-        policy=SyncPolicy(
-            max_deletes=settings.sync_max_deletes,
-            max_delete_percent=settings.sync_max_delete_percent,
-            protected=protected,
-        ),
-        manifest_policy=ManifestPolicy(
-            allow_privileged=settings.allow_privileged,
-            allow_host_namespaces=settings.allow_host_namespaces,
-            allow_host_path=settings.allow_host_path,
-            allow_host_ports=settings.allow_host_ports,
-        ),
-        injection_for=injection_for,
-        concurrency=settings.sync_concurrency,
-        metrics=rt.metrics,
-        component=component,
-        cluster_lock=rt.cluster_lock,
-        alerts=rt.alerts,
-    )
-    component.reason = (
-        f"{source.description} -> namespace {settings.managed_namespace} via {cluster_source}"
-    )
-    return rt.syncer
-
-
-async def _cluster_client(
-    rt: Runtime, stack: AsyncExitStack, component: Component, *, namespace: str
-) -> tuple[KubeDeployments, str] | None:
-    """A Deployments client for one namespace, closed with the lifespan; None (and the
-    component switched off with the reason) when there is no cluster to talk to."""
-    from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
-
-    try:
-        configuration, source = await load_configuration(rt.settings.kubeconfig)
-    except ClusterUnavailable as exc:
-        component.switch_off(str(exc))
-        return None
-    kube = KubeDeployments(
-        configuration, namespace=namespace, timeout=rt.settings.kube_timeout_seconds
-    )
-    stack.push_async_callback(kube.aclose)
-    return kube, source

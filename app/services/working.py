@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# kept at the end of a drain for releasing and handing back the jobs that did not finish
+HAND_BACK_SECONDS = 1.0
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -80,8 +83,10 @@ class Worker:
         metrics: Metrics,
         component: Component,
         alerts: Alerter | None = None,
+        prepare: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._alerts = alerts
+        self._prepare = prepare
         self._bus = bus
         self._ledger = ledger
         self._registry = registry
@@ -98,32 +103,65 @@ class Worker:
         self._stopping = False
         self.node_id = ""
 
+    def _is_stopping(self) -> bool:
+        # a call, not the attribute: the flag changes while a loop awaits
+        return self._stopping
+
     @property
     def in_flight(self) -> int:
         return len(self._tasks)
 
-    async def run(self) -> None:
-        """The root task: one consume loop per job stream; returns when stopped."""
+    async def run(self, stopping: asyncio.Event) -> None:
+        """The root task (supervised): connect and prepare, then one consume loop per job
+        stream; returns once `stopping` is set (or `drain` began) and the loops ended."""
+        if self._prepare is not None:
+            await self._prepare()
         self.node_id = (await self._node()).node_id
         await self._node_event(EventKind.NODE_ONLINE)
         async with asyncio.TaskGroup() as group:
+            group.create_task(self._watch(stopping), name="worker-stop-watch")
             for kind, stream in STREAMS.items():
                 group.create_task(self._consume(stream), name=f"consume-{kind}")
 
-    async def stop(self, *, grace: float) -> None:
-        """Stop fetching; let jobs in flight finish within `grace`, hand back the rest."""
-        self._stopping = True
-        if self._tasks:
-            log.info("waiting up to %.1f s for %d job(s) in flight", grace, len(self._tasks))
-            _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=5)
-        await self._node_event(EventKind.NODE_OFFLINE)
+    async def _watch(self, stopping: asyncio.Event) -> None:
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(stopping.wait(), timeout=self._config.fetch_wait)
+            except TimeoutError:
+                continue
+            self._stopping = True
+
+    def begin_stop(self) -> None:
+        """From now on no job starts here; what is fetched is handed back."""
+        if not self._stopping:
+            self._stopping = True
+            log.info("job worker stopping: %d job(s) in flight", len(self._tasks))
+
+    async def drain(self, *, within: float) -> None:
+        """Start nothing new; let the jobs in flight finish within `within` seconds, and
+        hand back (release and NAK) those that cannot. The consume loops end within one
+        fetch wait; whatever they fetch meanwhile is handed back at once."""
+        self.begin_stop()
+        if not self._tasks:
+            return
+        clock = asyncio.get_running_loop().time
+        ends = clock() + within
+        # the last moments are kept for the jobs that must be handed back
+        wait = max(0.0, within - HAND_BACK_SECONDS)
+        log.info("waiting up to %.1f s for %d job(s) in flight", wait, len(self._tasks))
+        _done, pending = await asyncio.wait(set(self._tasks), timeout=wait)
+        for task in pending:
+            task.cancel()
+        if pending:
+            _done, stuck = await asyncio.wait(pending, timeout=max(0.1, ends - clock()))
+            for task in stuck:
+                task.cancel()  # its hand-back outlasted the budget: the ack wait brings it back
 
     async def announce_draining(self) -> None:
         await self._node_event(EventKind.NODE_DRAINING)
+
+    async def announce_offline(self) -> None:
+        await self._node_event(EventKind.NODE_OFFLINE)
 
     # -- fetching ------------------------------------------------------------------
 
@@ -153,6 +191,9 @@ class Worker:
             slots = await self._reserve(batch=self._config.batch if active else 1)
             if slots == 0:
                 continue
+            if self._is_stopping():
+                self._give_back(slots)
+                break
             try:
                 deliveries = await subscription.fetch(slots, wait=self._config.fetch_wait)
             except BusError as exc:
@@ -163,6 +204,11 @@ class Worker:
                 continue
             failures = 0
             active = bool(deliveries)
+            if self._is_stopping():
+                # fetched while the stop began: another node runs them, none starts here
+                self._give_back(slots)
+                await self._hand_back(deliveries)
+                break
             self._give_back(slots - len(deliveries))
             for delivery in deliveries:
                 self._spawn(delivery)
@@ -182,6 +228,13 @@ class Worker:
                 slots += 1
             return slots
         return 0
+
+    async def _hand_back(self, deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            try:
+                await delivery.nak(0.0)
+            except BusError as exc:  # it comes back after ack_wait instead
+                log.warning("job not handed back on shutdown: %s", exc)
 
     def _give_back(self, slots: int) -> None:
         for _ in range(slots):
@@ -207,9 +260,10 @@ class Worker:
 
     async def _handle(self, delivery: Delivery) -> None:
         started = time.monotonic()
-        job = parse_job(delivery.data, delivery.subject)
-        job_type = job.type if isinstance(job, Job) else "invalid"
+        job_type = "invalid"
         try:
+            job = parse_job(delivery.data, delivery.subject)
+            job_type = job.type if isinstance(job, Job) else "invalid"
             outcome = await self._process(delivery, job)
         except BusError as exc:
             # The answer could not be sent; JetStream redelivers after ack_wait and the
@@ -232,18 +286,20 @@ class Worker:
     async def _process(self, delivery: Delivery, job: Job | Rejection) -> str:
         decision = admit(job, node=await self._node(), now=datetime.now(UTC))
         if decision.admission is Admission.REJECT:
-            await self._event(EventKind.REJECTED, job, reason=decision.reason)
-            await delivery.term()
+            if not await self._terminate(delivery, EventKind.REJECTED, job, reason=decision.reason):
+                return "event-unsent"
             log.warning("job rejected: %s", decision.reason)
             return "rejected"
         assert isinstance(job, Job)
         if decision.admission is Admission.EXPIRE:
-            await self._event(EventKind.EXPIRED, job, reason=decision.reason)
-            await delivery.term()
+            if not await self._terminate(delivery, EventKind.EXPIRED, job, reason=decision.reason):
+                return "event-unsent"
             return "expired"
         if decision.admission is Admission.SECURITY:
-            await self._event(EventKind.REJECTED, job, reason=decision.reason, security=True)
-            await delivery.term()
+            if not await self._terminate(
+                delivery, EventKind.REJECTED, job, reason=decision.reason, security=True
+            ):
+                return "event-unsent"
             log.error("security: job %s refused: %s", job.job_id, decision.reason)
             self._alert(f"job:security:{job.type}", f"job {job.job_id} refused: {decision.reason}")
             return "refused"
@@ -251,18 +307,23 @@ class Worker:
             return await self._not_here(delivery, job, decision.reason)
         if job.type not in self._handlers:
             return await self._not_here(delivery, job, f"no handler for type {job.type!r}")
-        if job.idempotency_key in self._running_keys:
-            await delivery.nak(self._config.held_delay)
-            return "held"
-        return await self._claim_and_run(delivery, job)
+        key = job.idempotency_key
+        if key in self._running_keys:
+            return await self._held(delivery, self._config.held_delay)
+        # taken before the first await of the claim: a second delivery of the key in the
+        # same batch sees it and waits, instead of racing this one to the ledger
+        self._running_keys.add(key)
+        try:
+            return await self._claim_and_run(delivery, job)
+        finally:
+            self._running_keys.discard(key)
 
     async def _not_here(self, delivery: Delivery, job: Job, reason: str) -> str:
         if delivery.delivered >= self._config.max_deliver:
-            # the next NAK would be the last delivery spent: dead-letter it visibly instead
-            await self._event(EventKind.DEAD, job, reason=f"{reason}; no node ran it after "
-                              f"{delivery.delivered} deliveries")  # fmt: skip
-            await delivery.term()
-            return "dead"
+            # its deliveries are spent: dead-letter it visibly
+            spent = f"{reason}; no node ran it after {delivery.delivered} deliveries"
+            dead = await self._terminate(delivery, EventKind.DEAD, job, reason=spent)
+            return "dead" if dead else "event-unsent"
         try:
             eligible = await self._registry.eligible(job.requirements)
         except RegistryUnavailable as exc:
@@ -270,8 +331,9 @@ class Worker:
             eligible = None
         if eligible == []:
             await self._event(
-                EventKind.UNROUTABLE, job, reason=f"no live node can run it: {reason}"
-            )
+                EventKind.UNROUTABLE, job, reason=f"no live node can run it: {reason}",
+                delivered=delivery.delivered,
+            )  # fmt: skip
             log.warning("job %s (%s): no live node can run it: %s", job.job_id, job.type, reason)
             self._metrics.jobs_unroutable.inc()
             self._alert(f"job:unroutable:{job.type}",
@@ -282,10 +344,9 @@ class Worker:
     async def _claim_and_run(self, delivery: Delivery, job: Job) -> str:
         key = job.idempotency_key
         try:
-            claim, lease_left = await self._ledger.claim(
-                key=key, job_id=str(job.job_id), job_type=job.type, node_id=self.node_id,
-                lease_seconds=self._lease,
-            )  # fmt: skip
+            claim, number = await self._ledger.claim(
+                key=key, job_id=str(job.job_id), job_type=job.type, lease_seconds=self._lease
+            )
         except RegistryUnavailable as exc:
             log.warning("ledger unavailable, job %s handed back: %s", job.job_id, exc)
             await delivery.nak(self._config.held_delay)
@@ -294,22 +355,34 @@ class Worker:
             await delivery.ack()
             return "duplicate"
         if claim is Claim.DEAD:
-            await delivery.term()
+            # dead-lettered before; its event may not have been stored then, so it is sent
+            # again (deduplicated by its message id) before the message goes
+            if not await self._terminate(
+                delivery, EventKind.DEAD, job, reason="dead-lettered before (ledger)"
+            ):
+                return "event-unsent"
             return "duplicate-dead"
         if claim is Claim.HELD:
-            if delivery.delivered >= self._config.max_deliver:
-                # A duplicate of a job another node is running: that node's own delivery
-                # completes it, or is redelivered if the node dies. This copy can go.
-                await delivery.term()
-                return "duplicate-held"
-            # look again when the other node's lease would have run out
-            await delivery.nak(max(self._config.held_delay, lease_left + 0.5))
-            return "held"
-        self._running_keys.add(key)
-        try:
-            return await self._run(delivery, job)
-        finally:
-            self._running_keys.discard(key)
+            # look again when the holder's lease would have run out (`number` is the
+            # seconds left on it)
+            return await self._held(delivery, max(self._config.held_delay, number + 0.5))
+        if number > self._config.max_deliver:
+            # claimed more often than it may be delivered, yet never answered: earlier runs
+            # ended in a crash or a hang past their lease; it is not run again
+            return await self._dead_letter(
+                delivery, job, f"started {int(number) - 1} times without finishing"
+            )
+        return await self._run(delivery, job)
+
+    async def _held(self, delivery: Delivery, delay: float) -> str:
+        """A copy of a job that is running (here or elsewhere): look again later.
+
+        Never terminated while held: the copy that runs may still fail and be handed back
+        (or its holder die), and then this copy is what is left of the job. Once the job
+        is finished this copy is answered from the ledger.
+        """
+        await delivery.nak(delay)
+        return "held"
 
     @property
     def _lease(self) -> float:
@@ -327,16 +400,14 @@ class Worker:
             )
         except asyncio.CancelledError:
             # shutdown ran out of grace: hand the job back for someone else, now
-            await self._write(lambda: self._ledger.release(key=key, node_id=self.node_id))
+            await self._write(lambda: self._ledger.release(key=key))
             await delivery.nak(1.0)
             raise
         except Exception as exc:
             return await self._failed(delivery, job, exc)
         finally:
             keep_alive.cancel()
-        await self._write(
-            lambda: self._ledger.complete(key=key, node_id=self.node_id, result=result)
-        )
+        await self._write(lambda: self._ledger.complete(key=key, result=result))
         await self._event(EventKind.COMPLETED, job, result=result)
         await delivery.ack()
         return "completed"
@@ -352,9 +423,7 @@ class Worker:
         reason = f"{type(exc).__name__}: {exc}"
         key = job.idempotency_key
         if verdict.retry:
-            await self._write(
-                lambda: self._ledger.fail(key=key, node_id=self.node_id, error=reason, dead=False)
-            )
+            await self._write(lambda: self._ledger.fail(key=key, error=reason, dead=False))
             await self._event(EventKind.FAILED, job, reason=reason, retry_in_seconds=verdict.delay,
                               delivered=delivery.delivered)  # fmt: skip
             await delivery.nak(verdict.delay)
@@ -362,16 +431,36 @@ class Worker:
                 "job %s failed (%s), retry in %.0f s: %s", job.job_id, kind, verdict.delay, reason
             )
             return "retrying"
-        await self._write(
-            lambda: self._ledger.fail(key=key, node_id=self.node_id, error=reason, dead=True)
-        )
-        await self._event(EventKind.DEAD, job, reason=reason, delivered=delivery.delivered)
-        await delivery.term()
+        return await self._dead_letter(delivery, job, reason)
+
+    async def _dead_letter(self, delivery: Delivery, job: Job, reason: str) -> str:
+        key = job.idempotency_key
+        await self._write(lambda: self._ledger.fail(key=key, error=reason, dead=True))
+        if not await self._terminate(
+            delivery, EventKind.DEAD, job, reason=reason, delivered=delivery.delivered
+        ):
+            return "event-unsent"
         self._alert(f"job:dead:{job.type}", f"{job.type} job {job.job_id} dead-lettered: {reason}")
         log.warning(
             "job %s dead-lettered after %d deliveries: %s", job.job_id, delivery.delivered, reason
         )
         return "dead"
+
+    async def _terminate(
+        self, delivery: Delivery, kind: EventKind, job: Job | Rejection, **fields: Any
+    ) -> bool:
+        """A final answer: the event first, `term` only once the stream has stored it.
+
+        Otherwise the message is handed back with a delay and the decision is taken again
+        at its next delivery (the consumer has no delivery limit of its own, so none is
+        lost to JetStream's), and the event is sent again then.
+        """
+        if await self._event(kind, job, **fields):
+            await delivery.term()
+            return True
+        self._metrics.job_events_unsent.inc()
+        await delivery.nak(self._config.held_delay)
+        return False
 
     def _alert(self, key: str, text: str) -> None:
         if self._alerts is not None:
@@ -384,7 +473,7 @@ class Worker:
             await asyncio.sleep(interval)
             try:
                 await delivery.in_progress()
-                await self._ledger.renew(key=key, node_id=self.node_id, lease_seconds=self._lease)
+                await self._ledger.renew(key=key, lease_seconds=self._lease)
             except (*BusError, *RegistryUnavailable) as exc:
                 log.warning("keep-alive for job %s failed: %s", key, exc)
 
@@ -403,18 +492,25 @@ class Worker:
         except RegistryUnavailable as exc:
             log.error("ledger write failed after the job ran: %s", exc)
 
-    async def _event(self, kind: EventKind, job: Job | Rejection, **fields: Any) -> None:
+    async def _event(self, kind: EventKind, job: Job | Rejection, **fields: Any) -> bool:
+        """Publish a job event; True once the stream acknowledged it."""
         job_id = str(job.job_id) if job.job_id is not None else None
         key = job.idempotency_key
         body = event_body(
             node_id=self.node_id, job_id=job_id, idempotency_key=key, at=datetime.now(UTC),
             **fields,
         )  # fmt: skip
-        msg_id = f"{key or job_id or time.monotonic_ns()}:{kind.value}:{fields.get('delivered', 0)}"
+        # a final event is sent again when its first publish was not acknowledged: one id
+        # per job and kind lets the stream drop the copy; progress events are per delivery
+        msg_id = f"{key or job_id or time.monotonic_ns()}:{kind.value}"
+        if kind in (EventKind.FAILED, EventKind.UNROUTABLE):
+            msg_id += f":{fields.get('delivered', 0)}"
         try:
             await self._bus.publish(event_subject(self.node_id, kind), body, msg_id=msg_id)
         except BusError as exc:
             log.warning("event %s for job %s not published: %s", kind.value, job_id, exc)
+            return False
+        return True
 
     async def _node_event(self, kind: EventKind) -> None:
         body = event_body(

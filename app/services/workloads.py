@@ -38,7 +38,11 @@ class WorkloadBook:
         capacity: int,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        on_forget: Callable[[str], None] = lambda _name: None,
     ) -> None:
+        """`on_forget(name)` is called for each workload the book forgets (its metric
+        series go with it)."""
+        self._on_forget = on_forget
         self._stale_after = stale_after
         self._forget_after = forget_after
         self._capacity = capacity
@@ -90,13 +94,14 @@ class WorkloadBook:
             counts[view.status] = counts.get(view.status, 0) + 1
         return counts
 
-    def forget_silent(self) -> int:
-        """Drop pings silent for longer than `forget_after`; returns how many."""
+    def forget_silent(self) -> list[str]:
+        """Drop pings silent for longer than `forget_after`; returns their names."""
         now = self._clock()
         gone = [n for n, r in self._pings.items() if now - r.received_at > self._forget_after]
         for name in gone:
             del self._pings[name]
-        return len(gone)
+            self._on_forget(name)
+        return gone
 
     def _view(self, name: str, now: float) -> WorkloadView:
         record = self._pings.get(name)

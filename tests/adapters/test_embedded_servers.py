@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from app.adapters import bus, registry
-from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
+from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.main import create_app
 from tests.conftest import SettingsFactory, running
 
@@ -110,3 +112,67 @@ def test_servers_left_behind_by_a_killed_run_are_replaced(tmp_path: Path) -> Non
             if handle.poll() is None:
                 os.kill(handle.pid, signals.SIGKILL)
             handle.wait(timeout=10)
+
+
+def modes(paths: list[Path]) -> dict[Path, str]:
+    return {path: stat.filemode(path.stat().st_mode) for path in paths}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: PostgreSQL runs as a system user")
+async def test_starting_as_root_changes_no_parent_directory(tmp_path: Path) -> None:
+    """The server runs as an unprivileged user; the data directory is given to it, and
+    nothing else changes: no directory above it (here one the user may not even search),
+    nothing of the PostgreSQL installation."""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    data = locked / "pg"
+    install = EmbeddedPostgres._bin("postgres").parent.parent
+    watched = [*data.parents, install, *install.parents, install / "bin" / "postgres"]
+    before = modes(watched)
+    assert before[locked] == "drwx------"
+    server = EmbeddedPostgres(data).start()
+    try:
+        assert await registry.server_version(server.url, connect_timeout=5)
+        assert modes(watched) == before
+        assert stat.filemode(data.stat().st_mode) == "drwx------"
+        assert data.stat().st_uid != 0 and (data / "PG_VERSION").exists()
+        server.stop()
+        server.start()  # and again, on the cluster it made
+        assert await registry.server_version(server.url, connect_timeout=5)
+        assert modes(watched) == before
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: PostgreSQL runs as a system user")
+def test_an_installation_the_server_user_cannot_reach_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL's programs under a directory the server user may not search (as when
+    the virtualenv is under /root): start says which directory and what to do, and
+    changes its mode no more than any other."""
+    locked = tmp_path / "locked"
+    (locked / "pginstall" / "bin").mkdir(parents=True)
+    locked.chmod(0o700)
+    real = EmbeddedPostgres._bin
+    for name in ("initdb", "postgres", "pg_isready"):
+        (locked / "pginstall" / "bin" / name).symlink_to(real(name))
+    monkeypatch.setattr(
+        EmbeddedPostgres, "_bin", staticmethod(lambda name: locked / "pginstall" / "bin" / name)
+    )
+    watched = [*locked.parents, locked]
+    before = modes(watched)
+    server = EmbeddedPostgres(tmp_path / "data")
+    try:
+        with pytest.raises(EmbeddedError) as caught:
+            server.start()
+    finally:
+        server.stop()
+    # the first directory on the way that is closed to others: `locked`, or one above it
+    # (pytest's own base directory is mode 0700 too)
+    closed = next(d for d in [*reversed(locked.parents), locked] if not d.stat().st_mode & 0o001)
+    message = str(caught.value)
+    assert f"cannot reach {locked / 'pginstall' / 'bin' / 'initdb'}" in message
+    assert f"{closed} is {before[closed]} root:root" in message
+    assert f"chmod o+x {closed})" in message
+    assert modes(watched) == before

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app.adapters.workload_http import WorkloadHttp
+from app.adapters.workload_http import MAX_RESPONSE_BYTES, WorkloadHttp
 from app.domain.jobs import FailureKind, Job, PermanentJobFailure, RetryableJobFailure
 from app.services import handlers
 from app.services.handlers import HandlerContext, load_handlers
 from app.services.streams import new_job
+from tests.support.polling import eventually
 from tests.support.servers import ThreadedServer, serve
 
 received: list[tuple[dict[str, Any], str | None]] = []
@@ -31,9 +34,50 @@ async def answer(request: Request) -> JSONResponse:
     return JSONResponse({"stored": True}, status_code=status)
 
 
+async def sized(request: Request) -> Response:
+    """`size` bytes of JSON (a string field padded out) or of plain text."""
+    size = int(request.path_params["size"])
+    if request.path_params["kind"] == "json":
+        padding = "x" * (size - len(json.dumps({"data": ""})))
+        return Response(json.dumps({"data": padding}), media_type="application/json")
+    return Response(b"y" * size, media_type="text/plain")
+
+
+class Endless:
+    """A body that never ends, counting what it sent; it stops when the client goes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sent = 0
+        self.running = False
+
+    async def respond(self, request: Request) -> StreamingResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            with self.lock:
+                self.running = True
+            try:
+                while True:
+                    with self.lock:
+                        self.sent += 16 * 1024
+                    yield b"z" * (16 * 1024)
+                    await asyncio.sleep(0)
+            finally:
+                with self.lock:
+                    self.running = False
+
+        return StreamingResponse(chunks(), status_code=int(request.path_params["status"]))
+
+
+endless = Endless()
+
+
 @pytest.fixture(scope="module")
 def workload() -> Iterator[ThreadedServer]:
-    app = Starlette(routes=[Route("/answer/{status}", answer, methods=["POST"])])
+    app = Starlette(routes=[
+        Route("/answer/{status}", answer, methods=["POST"]),
+        Route("/sized/{kind}/{size}", sized, methods=["POST"]),
+        Route("/endless/{status}", endless.respond, methods=["POST"]),
+    ])  # fmt: skip
     with serve(app) as server:
         yield server
 
@@ -72,6 +116,65 @@ async def test_http_handler_failures_are_classified(
 ) -> None:
     with pytest.raises(failure):
         await handlers.http(http_job(f"{workload.url}{path}"), context(http))
+
+
+@pytest.mark.parametrize(
+    ("kind", "size", "body"),
+    [
+        ("json", 1000, {"data": "x" * (1000 - len('{"data": ""}'))}),
+        ("json", MAX_RESPONSE_BYTES, {"data": "x" * (MAX_RESPONSE_BYTES - len('{"data": ""}'))}),
+        ("text", 10_000, "y" * 10_000),  # more than the 4096 characters kept before, unsaid
+        ("text", MAX_RESPONSE_BYTES, "y" * MAX_RESPONSE_BYTES),
+    ],
+)
+async def test_http_handler_keeps_a_body_within_the_cap_whole(
+    workload: ThreadedServer, http: WorkloadHttp, kind: str, size: int, body: Any
+) -> None:
+    result = await handlers.http(http_job(f"{workload.url}/sized/{kind}/{size}"), context(http))
+    assert result == {"status": 200, "body": body}
+
+
+@pytest.mark.parametrize("kind", ["json", "text"])
+async def test_http_handler_cuts_a_larger_body_and_says_so(
+    workload: ThreadedServer, http: WorkloadHttp, kind: str
+) -> None:
+    size = 5 * MAX_RESPONSE_BYTES
+    result = await handlers.http(http_job(f"{workload.url}/sized/{kind}/{size}"), context(http))
+    assert result["status"] == 200
+    assert result["truncated"] is True and result["kept_bytes"] == MAX_RESPONSE_BYTES
+    # a cut JSON document does not parse: its first bytes are kept as text
+    assert isinstance(result["body"], str) and len(result["body"]) == MAX_RESPONSE_BYTES
+    assert result["body"].startswith('{"data": "xxx' if kind == "json" else "yyy")
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [(200, None), (201, None), (422, PermanentJobFailure), (503, RetryableJobFailure)],
+)
+async def test_http_handler_stops_reading_an_endless_body(
+    workload: ThreadedServer, http: WorkloadHttp, status: int, outcome: type[Exception] | None
+) -> None:
+    """Read whole, this body would never end (and fill the memory): the handler stops
+    at the cap, and the workload sees the connection go."""
+    with endless.lock:
+        endless.sent = 0
+    call = handlers.http(http_job(f"{workload.url}/endless/{status}"), context(http))
+    if outcome is None:
+        result = await asyncio.wait_for(call, timeout=20)
+        assert (result["status"], result["truncated"]) == (status, True)
+        assert result["kept_bytes"] == MAX_RESPONSE_BYTES == len(result["body"])
+    else:
+        with pytest.raises(outcome, match=f"HTTP {status}"):
+            await asyncio.wait_for(call, timeout=20)
+
+    async def workload_stopped() -> bool:
+        with endless.lock:
+            return not endless.running
+
+    await eventually(workload_stopped)
+    with endless.lock:
+        # what the socket buffers took before the client closed, not an endless stream
+        assert endless.sent < 64 * 1024 * 1024
 
 
 @pytest.mark.parametrize(

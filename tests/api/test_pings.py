@@ -189,3 +189,29 @@ async def test_pings_are_counted_in_metrics(client: httpx.AsyncClient) -> None:
     assert 'workload_manager_ping_rejections_total{reason="invalid"} 1.0' in text
     assert 'workload_manager_workloads{status="unhealthy"} 1.0' in text
     assert "workload_manager_build_info{" in text
+
+
+async def test_a_forgotten_workload_takes_its_metric_series_with_it(
+    make_settings: SettingsFactory, fast: bool
+) -> None:
+    now = [1000.0]
+    app = create_app(
+        make_settings(ping_fast_path=fast, ping_forget_seconds=60.0), clock=lambda: now[0]
+    )
+    rt = runtime_of(app)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://manager") as client:
+        for name in ("gone", "stays"):
+            response = await client.post(f"/v1/workloads/{name}/health", json={"status": "healthy"})
+            assert response.status_code == 204
+        now[0] += 30
+        await client.post("/v1/workloads/stays/health", json={"status": "healthy"})
+        now[0] += 45  # "gone" has been silent for 75 s, "stays" for 45 s
+        assert rt.book.forget_silent() == ["gone"]
+        metrics = (await client.get("/metrics")).text
+        assert 'workload="gone"' not in metrics
+        assert 'workload_manager_pings_total{status="healthy",workload="stays"} 2.0' in metrics
+        # a workload that comes back is counted from zero in a fresh series
+        await client.post("/v1/workloads/gone/health", json={"status": "healthy"})
+        metrics = (await client.get("/metrics")).text
+    assert 'workload_manager_pings_total{status="healthy",workload="gone"} 1.0' in metrics

@@ -96,6 +96,7 @@ def status_with(last: dict[str, Any] | None, change: dict[str, Any] | None = Non
             managed_namespace="workloads",
         ),
         components={},
+        tasks={},
         workloads=[],
         report=ReportInfo(
             interval_seconds=60, next_at=None, last_reported_at=None, last_workload_count=None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -10,6 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from app.domain.jobs import (
+    MAX_JOB_BYTES,
+    MAX_JOB_DEPTH,
+    MAX_REJECTION_REASON,
     Admission,
     EventKind,
     FailureKind,
@@ -86,6 +90,114 @@ def test_invalid_jobs_are_rejections_naming_the_field(
     assert reason in result.reason
 
 
+def nested(depth: int) -> Any:
+    value: Any = "leaf"
+    for level in range(depth):
+        value = [value] if level % 2 else {"n": value}
+    return value
+
+
+TOO_DEEP = f"nests arrays and objects more than {MAX_JOB_DEPTH} deep"
+TOO_BIG = f"more than the {MAX_JOB_BYTES} a job may be"
+
+
+def with_fields(**fields: str) -> bytes:
+    """A valid job's bytes with some fields replaced by raw JSON text (NaN, escapes, ...)."""
+    text = json.dumps(body(**{name: "@" + name for name in fields}))
+    for name, raw_json in fields.items():
+        text = text.replace(f'"@{name}"', raw_json)
+    return text.encode()
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        # nesting deeper than the interpreter's recursion limit: RecursionError before
+        (b"[" * 100_000, TOO_DEEP),
+        (b'{"a":' * 100_000, TOO_DEEP),
+        (b"[" * 100_000 + b"]" * 100_000, TOO_DEEP),
+        # deep but parseable: a Job before, whose payload no encoder downstream may take
+        (raw(body(payload={"deep": nested(MAX_JOB_DEPTH - 1)})), TOO_DEEP),
+        # more than NATS's default max_payload: refused before it is decoded
+        (raw(body(payload={"blob": "x" * MAX_JOB_BYTES})), TOO_BIG),
+        (b" " * (MAX_JOB_BYTES + 1), TOO_BIG),
+        # not UTF-8: json.loads would have read UTF-16 and UTF-32 as well
+        (json.dumps(body()).encode("utf-16"), "not UTF-8"),
+        (json.dumps(body()).encode("utf-32"), "not UTF-8"),
+        (raw(body())[:-2] + b'\xff"}', "not UTF-8"),
+        (raw(body()).replace(b'"hi"', b'"h\xc3"'), "not UTF-8"),
+        (b"\xef\xbb\xbf" + raw(body()), "payload is not JSON"),
+        # numbers JSON has no room for
+        (with_fields(payload='{"x": NaN}'), "NaN is not a JSON number"),
+        (with_fields(payload='{"x": -Infinity}'), "-Infinity is not a JSON number"),
+        (with_fields(payload='{"x": 1e999}'), "out of range"),
+        (with_fields(payload='{"x": ' + "9" * 5000 + "}"), "payload is not JSON"),
+        # text that is not Unicode: it cannot be encoded to be stored, published or sent on
+        (with_fields(payload='{"x": "\\ud800"}'), "unpaired surrogate"),
+        (with_fields(payload='{"\\udfff": 1}'), "unpaired surrogate"),
+        (with_fields(idempotency_key='"k\\ud83d"'), "unpaired surrogate"),
+        # PostgreSQL text cannot hold NUL: the ledger could never claim this key
+        (with_fields(idempotency_key='"k\\u0000"'), "idempotency_key: must not contain NUL"),
+        # wrong types at the top
+        (b"[]", "payload: Input should be"),
+        (b'"job"', "payload: Input should be"),
+        (b"null", "payload: Input should be"),
+        (b"", "payload is not JSON"),
+    ],
+)
+def test_any_bytes_are_a_job_or_a_clear_rejection(data: bytes, reason: str) -> None:
+    result = parse_job(data, "mm.write.A.memory.write")
+    assert isinstance(result, Rejection), result
+    assert reason in result.reason
+
+
+def test_an_unparseable_payload_says_where() -> None:
+    result = parse_job(b'{"schema": "job/v1",, }', "mm.write.A.noop")
+    assert isinstance(result, Rejection)
+    assert result.reason == (
+        "payload is not JSON: Expecting property name enclosed in double quotes at line 1 column 21"
+    )
+
+
+def test_deep_but_allowed_nesting_is_a_job() -> None:
+    # the job object is level 1 and its payload level 2: MAX_JOB_DEPTH - 2 more fit inside
+    result = parse_job(
+        raw(body(payload={"deep": nested(MAX_JOB_DEPTH - 2)})), "mm.write.A.memory.write"
+    )
+    assert isinstance(result, Job)
+
+
+def test_a_job_of_exactly_the_size_limit_parses() -> None:
+    data = raw(body())
+    padded = data[:-1] + b" " * (MAX_JOB_BYTES - len(data)) + b"}"
+    assert len(padded) == MAX_JOB_BYTES
+    assert isinstance(parse_job(padded, "mm.write.A.memory.write"), Job)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"idempotency_key": "k" * 100_000, "type": None},
+        {"job_id": nested(500), "idempotency_key": ["k"], "type": None},
+        {"job_id": "x\ud800", "idempotency_key": "k\x00", "type": None},
+    ],
+)
+def test_rejections_carry_only_ids_fit_to_publish(bad: dict[str, Any]) -> None:
+    data = json.dumps(body(**bad)).encode()
+    result = parse_job(data, "mm.write.A.noop")
+    assert isinstance(result, Rejection)
+    for value in (result.job_id, result.idempotency_key):
+        assert value is None or (len(value) <= 255 and "\x00" not in value)
+        assert value is None or value.encode("utf-8")
+
+
+def test_rejection_reasons_are_bounded() -> None:
+    result = parse_job(raw(body(**{"x" * 100_000: 1})), "mm.write.A.memory.write")
+    assert isinstance(result, Rejection)
+    assert "Extra inputs are not permitted" in result.reason
+    assert len(result.reason) <= MAX_REJECTION_REASON
+
+
 def test_rejections_keep_the_ids_they_could_read() -> None:
     result = parse_job(raw(body(type=None)), "mm.write.A.noop")
     assert isinstance(result, Rejection)
@@ -142,19 +254,48 @@ def test_admit(candidate: Job | Rejection, admission: Admission, says: str) -> N
     assert says in decision.reason
 
 
+class PayloadMissing(PermanentJobFailure, KeyError):
+    """A handler's own failure type that also is a KeyError."""
+
+
+class UpstreamGarbled(RetryableJobFailure, ValueError):
+    """A handler's own failure type that also is a ValueError: what it says wins."""
+
+
 @pytest.mark.parametrize(
     ("error", "kind"),
     [
+        # what the handler says
         (RetryableJobFailure("upstream 503"), FailureKind.RETRYABLE),
         (PermanentJobFailure("bad request"), FailureKind.PERMANENT),
+        (UpstreamGarbled("half a body"), FailureKind.RETRYABLE),
+        (PayloadMissing("text"), FailureKind.PERMANENT),
+        # timeouts and connection errors: transient, retried
         (TimeoutError(), FailureKind.RETRYABLE),
         (ConnectionResetError(), FailureKind.RETRYABLE),
-        (RuntimeError("bug"), FailureKind.RETRYABLE),
+        (OSError(28, "No space left on device"), FailureKind.RETRYABLE),
+        # a certificate that does not verify is an OSError and a ValueError: a connection
+        # error (a certificate being rotated), not a bad payload
+        (ssl.SSLCertVerificationError(1, "certificate has expired"), FailureKind.RETRYABLE),
+        # the same payload fails the same way on every delivery: dead-lettered at once
         (KeyError("text"), FailureKind.PERMANENT),
         (ValueError("bad"), FailureKind.PERMANENT),
         (TypeError("bad"), FailureKind.PERMANENT),
+        (json.JSONDecodeError("Expecting value", "", 0), FailureKind.PERMANENT),
+        (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), FailureKind.PERMANENT),
+        # anything else unexpected may be transient: retried within JOB_MAX_DELIVER
+        (RuntimeError("bug"), FailureKind.RETRYABLE),
+        (Exception("who knows"), FailureKind.RETRYABLE),
+        # a TaskGroup's exception group: permanent only when everything in it is
+        (ExceptionGroup("g", [PermanentJobFailure("4xx")]), FailureKind.PERMANENT),
+        (ExceptionGroup("g", [KeyError("a"), ValueError("b")]), FailureKind.PERMANENT),
+        (ExceptionGroup("g", [KeyError("a"), ConnectionResetError()]), FailureKind.RETRYABLE),
+        (ExceptionGroup("g", [ExceptionGroup("h", [TypeError()]), PermanentJobFailure()]),
+         FailureKind.PERMANENT),
+        (ExceptionGroup("g", [ExceptionGroup("h", [TimeoutError()]), KeyError("a")]),
+         FailureKind.RETRYABLE),
     ],
-)
+)  # fmt: skip
 def test_classify_failure(error: BaseException, kind: FailureKind) -> None:
     assert classify_failure(error) is kind
 

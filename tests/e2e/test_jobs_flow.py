@@ -3,17 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from app.adapters.embedded import EmbeddedNats
-from tests.support.jobs_world import at_least_completed, ledger, manager_env, publish, publisher
+from app.domain.jobs import job_subject
+from app.services.streams import new_job, publish_job
+from tests.support.jobs_world import (
+    at_least_completed,
+    consumer_bound,
+    consumer_settled,
+    ledger,
+    manager_env,
+    publish,
+    publisher,
+)
 from tests.support.polling import eventually
 from tests.support.process import ManagerProcess
+from tests.support.servers import serve
 
 pytestmark = pytest.mark.e2e
 
@@ -33,8 +50,13 @@ async def test_two_managers_of_different_tiers_each_run_only_their_jobs(
     b.start()
     try:
         async with publisher(nats_server.url) as bus:
-            # both consumers exist once both workers are up; wait for them via the ledger
-            await asyncio.sleep(2.0)
+            # both workers are up once each pulls from its tier's durable on every stream
+            for durable in ("wm-A", "wm-B"):
+                for stream in ("MM_ONLINE", "MM_OFFLINE", "MM_WRITE"):
+                    await eventually(
+                        functools.partial(consumer_bound, nats_server.url, stream, 1, durable),
+                        within=30,
+                    )
             for i in range(10):
                 await publish(bus, tier="A", kind="online", idempotency_key=f"tier-a-{i}")
                 await publish(bus, tier="B", kind="offline", idempotency_key=f"tier-b-{i}")
@@ -68,7 +90,7 @@ def test_init_streams_is_idempotent_and_publish_reaches_the_stream(tmp_path: Pat
         again = cli(["init-streams"], env, tmp_path)
         assert again.returncode == 0
         assert {line.split()[0] for line in again.stdout.splitlines()} == {"unchanged"}
-        changed = cli(["init-streams"], env | {"JOB_MAX_DELIVER": "7"}, tmp_path)
+        changed = cli(["init-streams"], env | {"JOB_ACK_WAIT_SECONDS": "45"}, tmp_path)
         assert "updated    consumer MM_ONLINE/wm-B" in changed.stdout
         sent = cli(["publish", "--kind", "write", "--tier", "B", "--type", "memory.write",
                     "--payload", '{"text": "hi"}', "--key", "k-1"], env, tmp_path)  # fmt: skip
@@ -80,3 +102,72 @@ def test_init_streams_is_idempotent_and_publish_reaches_the_stream(tmp_path: Pat
         assert bad.returncode == 2 and "invalid job" in bad.stderr
     finally:
         server.stop()
+
+
+class EffectCounter:
+    """A workload that counts the calls it gets per idempotency key (the job's effect),
+    holding each call long enough that two copies of one job overlap."""
+
+    def __init__(self, hold: float) -> None:
+        self.calls: dict[str, int] = {}
+        self._hold = hold
+
+    def app(self) -> Starlette:
+        async def effect(request: Request) -> JSONResponse:
+            key = request.headers.get("idempotency-key", "")
+            self.calls[key] = self.calls.get(key, 0) + 1
+            await asyncio.sleep(self._hold)  # the workload's own work time
+            return JSONResponse({"stored": key})
+
+        return Starlette(routes=[Route("/effect", effect, methods=["POST"])])
+
+    async def started(self, key: str) -> bool:
+        return key in self.calls
+
+
+async def test_two_processes_on_one_node_id_run_each_key_once(
+    database: str, nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """Two manager processes with the same NODE_ID share the tier's consumer; every job is
+    published twice under one key. Each key's effect happens exactly once."""
+    counter = EffectCounter(hold=1.0)
+    keys = [f"same-node-{i}" for i in range(12)]
+    env = manager_env(database, nats_server.url, "node-twin", "A") | {
+        "HTTP_JOB_ALLOWED_SUFFIXES": "127.0.0.1",
+        "JOB_ACK_WAIT_SECONDS": "2",
+        "JOB_HELD_DELAY_SECONDS": "0.2",
+        "WORKER_CONCURRENCY": "8",
+    }
+    managers = []
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        managers.append(ManagerProcess(env=env, workdir=tmp_path / name))
+    with serve(counter.app()) as workload:
+        try:
+            for proc in managers:
+                proc.start()
+            async with publisher(nats_server.url) as bus:
+                await eventually(lambda: consumer_bound(nats_server.url, "MM_WRITE", 2))
+                for key in keys:
+                    effect = {"url": f"{workload.url}/effect", "body": {}}
+                    job = new_job("http", idempotency_key=key, payload=effect)
+                    await publish_job(bus, job, kind="write", tier="A")
+                    await eventually(functools.partial(counter.started, key))
+                    # the twin arrives while the first copy runs; whichever process
+                    # fetches it must not run it
+                    # (past NATS's duplicate window: a message id of its own)
+                    twin = job.model_copy(update={"job_id": uuid.uuid4()})
+                    body = twin.model_dump(mode="json", by_alias=True, exclude_none=True)
+                    await bus.publish(job_subject("write", "A", "http"), body, msg_id=f"{key}/2")
+                await eventually(
+                    lambda: consumer_settled(nats_server.url, "MM_WRITE"), within=60, step=0.2
+                )
+        finally:
+            logs = "".join(proc.log() for proc in managers)
+            for proc in managers:
+                proc.stop()
+    assert counter.calls == dict.fromkeys(keys, 1), logs
+    rows = await ledger(database)
+    assert {k: (rows[k]["status"], rows[k]["attempts"]) for k in keys} == dict.fromkeys(
+        keys, ("completed", 1)
+    )

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -18,6 +19,16 @@ from tests.support.servers import serve
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def poll(check: Callable[[], bool], *, within: float) -> bool:
+    """Whether `check()` came true within `within` s (a blocking twin of `eventually`)."""
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_route_and_loop_errors_reach_sentry(tmp_path: Path) -> None:
@@ -42,19 +53,18 @@ def test_route_and_loop_errors_reach_sentry(tmp_path: Path) -> None:
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
+
+            def serving() -> bool:
+                assert proc.poll() is None, (tmp_path / "target.log").read_text()
                 try:
-                    httpx.get(f"{url}/healthz", timeout=1)
-                    break
+                    return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
                 except httpx.TransportError:
-                    time.sleep(0.1)
+                    return False
+
+            assert poll(serving, within=30), (tmp_path / "target.log").read_text()
             assert httpx.get(f"{url}/boom", timeout=5).status_code == 500
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                if {"RouteBoom", "LoopBoom"} <= receiver.exception_types():
-                    break
-                time.sleep(0.1)
+            # the assertion after the process is stopped says what arrived, with its log
+            poll(lambda: {"RouteBoom", "LoopBoom"} <= receiver.exception_types(), within=30)
         finally:
             proc.terminate()
             proc.wait(timeout=20)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import asyncpg
 import httpx
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.main import create_app
@@ -63,14 +65,15 @@ async def test_a_postgres_restart_under_load_loses_no_job_and_heartbeats_resume(
             async def feed() -> None:
                 for i in range(JOBS):
                     await publish(bus, idempotency_key=f"pg-{i:04d}", payload={"i": i})
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.01)  # a steady trickle, not one burst
 
             feeding = asyncio.create_task(feed())
             try:
                 await eventually(lambda: at_least_completed(postgres.url, 50), within=30)
                 await asyncio.to_thread(postgres.stop)  # jobs keep arriving while it is down
                 await eventually(lambda: _failing(manager.url, "registry"), within=15)
-                await asyncio.sleep(1.0)
+                # the outage has bitten: jobs were delivered and handed back unclaimed
+                await eventually(lambda: _ledger_errors(manager.url), within=15, step=0.1)
                 await asyncio.to_thread(postgres.start)
                 restarted_at = await _last_heartbeat(postgres.url, "node-pg-restart")
                 assert restarted_at is not None
@@ -100,6 +103,19 @@ async def _ok(url: str, name: str) -> bool:
     return await _component(url, name) == "ok"
 
 
+async def _ledger_errors(url: str) -> bool:
+    """True once the manager handed back a job because the ledger was unreachable."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    return any(
+        sample.name == "workload_manager_jobs_total"
+        and sample.labels.get("outcome") == "ledger-error"
+        and sample.value > 0
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    )
+
+
 async def _moved(url: str, since: datetime) -> bool:
     current = await _last_heartbeat(url, "node-pg-restart")
     return current is not None and current > since
@@ -117,18 +133,17 @@ async def test_a_thousand_jobs_survive_a_nats_server_restart(
     app = create_app(settings)
     try:
         async with running(app):
-            for _ in range(200):
-                if runtime_of(app).components["worker"].state == "ok":
-                    break
-                await asyncio.sleep(0.05)
+            await eventually(lambda: _worker_ok(app))
             async with publisher(nats.url) as bus:
                 for i in range(1000):
                     await publish(bus, idempotency_key=f"bulk-{i:04d}", payload={"i": i})
             # kill the server while jobs are in flight, then bring it back on the same port
             await eventually(lambda: at_least_completed(database, 150), within=60, step=0.02)
             await asyncio.to_thread(nats.stop, graceful=False)
-            await asyncio.sleep(1.0)
+            # the manager noticed the loss before the server comes back on the same port
+            await eventually(lambda: _bus_lost(app), within=30)
             await asyncio.to_thread(nats.start)
+            await eventually(lambda: _bus_reconnected(app), within=60, step=0.1)
             await eventually(lambda: at_least_completed(database, 1000), within=120, step=0.2)
     finally:
         nats.stop()
@@ -139,3 +154,17 @@ async def test_a_thousand_jobs_survive_a_nats_server_restart(
     assert runs == {}, f"jobs claimed more than once: {runs}"
     connection = runtime_of(app).bus
     assert connection is not None and connection.reconnects >= 1, "the restart was noticed"
+
+
+async def _worker_ok(app: FastAPI) -> bool:
+    return runtime_of(app).components["worker"].state == "ok"
+
+
+async def _bus_lost(app: FastAPI) -> bool:
+    bus = runtime_of(app).bus
+    return bus is not None and not bus.connected
+
+
+async def _bus_reconnected(app: FastAPI) -> bool:
+    bus = runtime_of(app).bus
+    return bus is not None and bus.connected and bus.reconnects >= 1

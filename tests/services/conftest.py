@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from app.services.runtime import Runtime, build_runtime, open_backend
+from app.services.runtime import Runtime, build_runtime, open_sync_only
 from app.services.syncing import Syncer
-from app.services.wiring import open_syncer
 from tests.conftest import SettingsFactory
 from tests.support.backend import LocalBackend
 from tests.support.kube_emulator import KubeEmulator
@@ -86,7 +85,6 @@ async def world(
     )
     runtime = build_runtime(settings)
     async with AsyncExitStack() as stack:
-        open_backend(runtime, stack)
-        syncer = await open_syncer(runtime, stack)
+        syncer = runtime.syncer = await open_sync_only(runtime, stack)
         assert syncer is not None, runtime.components["sync"].reason
         yield World(backend=backend, emulator=emulator, runtime=runtime, syncer=syncer)

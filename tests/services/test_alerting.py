@@ -133,13 +133,15 @@ async def test_a_workload_turning_unhealthy_and_recovering_reaches_the_room(
     async with running(app) as client:
         rt = runtime_of(app)
         assert rt.components["alerts"].enabled
+        watch = rt.health_watch
+        assert watch is not None
         await client.post("/v1/workloads/api/health", json={"status": "healthy"})
-        await rt.reporter.report_once()
+        await watch.check()
         await client.post("/v1/workloads/api/health", json={"status": "unhealthy"})
-        await rt.reporter.report_once()
-        await rt.reporter.report_once()  # still unhealthy: no second alert
+        await watch.check()
+        await watch.check()  # still unhealthy: no second alert
         await client.post("/v1/workloads/api/health", json={"status": "healthy"})
-        await rt.reporter.report_once()
+        await watch.check()
 
         async def two_messages() -> bool:
             return len(receiver.messages) == 2
@@ -162,3 +164,18 @@ async def test_without_matrix_alerts_only_go_to_the_log(
     assert "MATRIX_HOMESERVER" in rt.components["alerts"].reason
     rt.alerts.alert("k", "something happened")
     assert "alert: [" in caplog.text and "something happened" in caplog.text
+
+
+async def test_workload_alerts_need_no_reporting(make_settings: SettingsFactory) -> None:
+    """The health watch is a loop of its own: with reports switched off, a workload that
+    turns unhealthy still raises its alert."""
+    app = create_app(make_settings(report_enabled=False, ping_stale_seconds=2.0))
+    async with running(app) as client:
+        rt = runtime_of(app)
+        assert not rt.components["report"].enabled
+        await client.post("/v1/workloads/api/health", json={"status": "unhealthy"})
+
+        async def alerted() -> bool:
+            return any(a.key == "workload:api:unhealthy" for a in rt.alerts.recent)
+
+        await eventually(alerted, within=10)

@@ -6,8 +6,7 @@ import shutil
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from app.services.runtime import build_runtime, open_backend
-from app.services.wiring import open_syncer
+from app.services.runtime import build_runtime, open_sync_only
 from tests.conftest import SettingsFactory
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.sync_world import NAMESPACE
@@ -28,8 +27,7 @@ async def test_the_example_folder_syncs_into_the_cluster(
     )
     rt = build_runtime(settings)
     async with AsyncExitStack() as stack:
-        open_backend(rt, stack)
-        syncer = await open_syncer(rt, stack)
+        syncer = await open_sync_only(rt, stack)
         assert syncer is not None
         assert "local folder" in rt.components["sync"].reason
         outcome = await syncer.sync()
@@ -59,7 +57,7 @@ async def test_without_a_cluster_sync_is_off_and_says_why(
     settings = make_settings(desired_state_dir=EXAMPLE, kubeconfig=tmp_path / "missing")
     rt = build_runtime(settings)
     async with AsyncExitStack() as stack:
-        assert await open_syncer(rt, stack) is None
+        assert await open_sync_only(rt, stack) is None
     component = rt.components["sync"]
     assert component.enabled is False
     assert "no cluster access" in component.reason and str(tmp_path / "missing") in component.reason

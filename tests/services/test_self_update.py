@@ -3,28 +3,47 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from app.services.runtime import Runtime, build_runtime
+from app.adapters.kube import KubeDeployments, load_configuration
+from app.adapters.versions import VersionFile, VersionSourceError
+from app.api.schemas import ComponentInfo
+from app.domain.health import RolloutPhase, rollout_of
+from app.domain.updates import MAX_VERSION_FILE_BYTES, UpdatePolicy
+from app.services.runtime import Runtime, build_runtime, open_self_update_only, open_sync_only
 from app.services.syncing import SyncBusy
-from app.services.updating import FAILED_VERSIONS, PREVIOUS_IMAGE, SelfUpdateBusy, SelfUpdater
-from app.services.wiring import open_self_updater, open_syncer
+from app.services.updating import SelfUpdateBusy, SelfUpdater
 from tests.conftest import SettingsFactory
 from tests.support.kube_emulator import KubeEmulator
+from tests.support.polling import eventually
 from tests.support.servers import ThreadedServer, serve
 
 REPO = "ghcr.io/node-system/workload-manager"
 OWN_NS = "workload-manager"
+OWN = "deployments/workload-manager"  # the own Deployment's API path, for fault injection
+# The annotations are the on-cluster protocol between manager versions: spelled out here so
+# a rename shows up as a failing test, not as a silent incompatibility.
+PREVIOUS_IMAGE = "workload-manager.io/previous-image"
+TARGET = "workload-manager.io/update-target"
+TARGET_IMAGE = "workload-manager.io/update-image"
+STARTED = "workload-manager.io/update-started"
+CONFIRMED = "workload-manager.io/update-confirmed"
+FAILED_VERSIONS = "workload-manager.io/failed-versions"
+DEADLINE = 2.0
+POLL = 0.05
 
 
 class VersionFileServer:
@@ -104,22 +123,90 @@ async def runtime(
         pod_namespace=OWN_NS,
         kubeconfig=cluster.write_kubeconfig(tmp_path / "kc", OWN_NS),
         self_image_repository=REPO,
-        self_update_deadline_seconds=2.0,
-        self_update_poll_seconds=0.05,
+        self_update_deadline_seconds=DEADLINE,
+        self_update_poll_seconds=POLL,
         self_update_timeout_seconds=0.5,
         desired_state_dir=tmp_path,  # sync on, for the lock test
         managed_namespace="workloads",
     )
     rt = build_runtime(settings)
     async with AsyncExitStack() as stack:
-        assert await open_self_updater(rt, stack) is not None, rt.components["self_update"].reason
-        await open_syncer(rt, stack)
+        rt.updater = await open_self_update_only(rt, stack)
+        assert rt.updater is not None, rt.components["self_update"].reason
+        rt.syncer = await open_sync_only(rt, stack)
         yield rt
 
 
 def updater(rt: Runtime) -> SelfUpdater:
     assert rt.updater is not None
     return rt.updater
+
+
+@pytest.fixture
+async def fresh_updater(runtime: Runtime) -> AsyncIterator[SelfUpdater]:
+    """A second SelfUpdater on the same runtime (component, metrics, alerts, lock), as a
+    restarted manager would build it, whose Kubernetes client makes one request per call:
+    each injected fault is then exactly one attempt of the updater's own retries."""
+    settings = runtime.settings
+    assert settings.self_update_url is not None
+    configuration, _source = await load_configuration(settings.kubeconfig)
+    kube = KubeDeployments(configuration, namespace=OWN_NS, timeout=1.0, attempts=1)
+    source = VersionFile(settings.self_update_url, timeout=0.5)
+    try:
+        yield SelfUpdater(
+            source=source,
+            kube=kube,
+            deployment=settings.self_deployment_name,
+            container=settings.self_container_name,
+            policy=UpdatePolicy(repository=REPO),
+            deadline=DEADLINE,
+            poll_interval=POLL,
+            component=runtime.components["self_update"],
+            metrics=runtime.metrics,
+            cluster_lock=runtime.cluster_lock,
+            alerts=runtime.alerts,
+        )
+    finally:
+        await source.aclose()
+        await kube.aclose()
+
+
+def annotations_of(cluster: KubeEmulator) -> dict[str, str]:
+    own = cluster.get_deployment(OWN_NS, "workload-manager")
+    assert own is not None
+    annotations: dict[str, str] = own["metadata"].get("annotations") or {}
+    return annotations
+
+
+def stamp(at: datetime) -> str:
+    return at.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def as_left_by_an_update(
+    cluster: KubeEmulator, *, image: str, target: str, started: datetime, **extra: str
+) -> None:
+    """Put the own Deployment in the state an update patch leaves (as if another manager
+    instance had applied it): the new image and the update's annotations."""
+
+    def edit(obj: dict[str, Any]) -> None:
+        obj["spec"]["template"]["spec"]["containers"][0]["image"] = image
+        obj["metadata"].setdefault("annotations", {}).update(
+            {PREVIOUS_IMAGE: f"{REPO}:0.1.0", TARGET: target, TARGET_IMAGE: image,
+             STARTED: stamp(started), **extra}
+        )  # fmt: skip
+
+    cluster.edit_deployment(OWN_NS, "workload-manager", edit)
+
+
+async def update_applied(cluster: KubeEmulator, image: str) -> None:
+    async def applied() -> bool:
+        return image_of(cluster) == image
+
+    await eventually(applied, within=5.0, step=0.01)
+
+
+def patch_statuses(cluster: KubeEmulator) -> list[int]:
+    return [r.status for r in cluster.requests if r.method == "PATCH"]
 
 
 async def test_a_newer_version_is_applied_and_becomes_available(
@@ -133,6 +220,7 @@ async def test_a_newer_version_is_applied_and_becomes_available(
     annotations = own["metadata"]["annotations"]
     assert annotations[PREVIOUS_IMAGE] == f"{REPO}:0.1.0"
     assert annotations["workload-manager.io/update-target"] == "0.2.0"
+    assert annotations[CONFIRMED] == "0.2.0"  # the old pod saw the rollout finish
     # only the manager container changed
     assert own["spec"]["template"]["spec"]["containers"][1]["image"] == "busybox:1.36"
     assert runtime.metrics.self_updates.labels("available")._value.get() == 1
@@ -209,7 +297,7 @@ async def test_sync_and_self_update_never_overlap(
     cluster.mark_bad_image(f"{REPO}:0.4.0")  # keeps the update watching until its deadline
     version_file[0].set(body=b"0.4.0")
     update = asyncio.create_task(updater(runtime).run_scheduled())
-    await asyncio.sleep(0.3)
+    await update_applied(cluster, f"{REPO}:0.4.0")
     assert runtime.syncer is not None
     with pytest.raises(SyncBusy):
         await runtime.syncer.sync()
@@ -220,8 +308,259 @@ async def test_sync_and_self_update_never_overlap(
             await updater(runtime).update(decision)
 
 
+async def test_a_rollback_that_fails_transiently_is_retried_with_backoff_until_it_lands(
+    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any],
+    fresh_updater: SelfUpdater, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="app.services.updating")
+    cluster.mark_bad_image(f"{REPO}:0.3.0")
+    version_file[0].set(body=b"0.3.0")
+    run = asyncio.create_task(fresh_updater.run_scheduled())
+    await update_applied(cluster, f"{REPO}:0.3.0")
+    cluster.clear_requests()
+    cluster.fail_next("PATCH", OWN, status=503, times=3, message="etcdserver: leader changed")
+    await run
+    assert patch_statuses(cluster) == [503, 503, 503, 200]
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    annotations = annotations_of(cluster)
+    assert annotations[FAILED_VERSIONS] == "0.3.0" and TARGET not in annotations
+    # each failed attempt was followed by a longer (exponential) wait before the next one
+    waits = [r.next_wait for r in caplog.records if hasattr(r, "next_wait")]
+    assert len(waits) == 3 and 0 < waits[0] < waits[1] < waits[2], waits
+    assert "rolled back" in (runtime.components["self_update"].last_error or "")
+
+
+async def fail_every_rollback(
+    cluster: KubeEmulator, versions: VersionFileServer, updater: SelfUpdater
+) -> None:
+    """Publish 0.3.0 (an image that never becomes ready), and let every rollback patch
+    fail; returns when the scheduled run gave up (it does not raise)."""
+    cluster.mark_bad_image(f"{REPO}:0.3.0")
+    versions.set(body=b"0.3.0")
+    run = asyncio.create_task(updater.run_scheduled())
+    await update_applied(cluster, f"{REPO}:0.3.0")
+    cluster.clear_requests()
+    cluster.fail_next("PATCH", OWN, status=503, times=10_000)
+    await run
+
+
+async def test_a_rollback_that_keeps_failing_is_bounded_shown_and_alerted(
+    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any],
+    fresh_updater: SelfUpdater,
+) -> None:  # fmt: skip
+    started = time.monotonic()
+    await fail_every_rollback(cluster, version_file[0], fresh_updater)  # nor forever
+    assert time.monotonic() - started < DEADLINE + 3.0
+    assert len(patch_statuses(cluster)) > 2 and set(patch_statuses(cluster)) == {503}
+    assert image_of(cluster) == f"{REPO}:0.3.0"
+    # what /v1/status shows for the component
+    shown = ComponentInfo(**runtime.components["self_update"].as_dict())
+    assert shown.state == "failing"
+    assert shown.last_error is not None and "rollback" in shown.last_error
+    assert "failed" in shown.last_error and f"{REPO}:0.1.0" in shown.last_error
+    assert shown.detail.get("owed") == "rollback"
+    assert any(
+        a.key == "self-update:rollback-failed:0.3.0" and "rollback" in a.text
+        for a in runtime.alerts.recent
+    )
+    assert runtime.metrics.self_updates.labels("rollback-failed")._value.get() == 1
+
+
+async def test_the_check_after_a_failed_rollback_performs_it(
+    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any],
+    fresh_updater: SelfUpdater,
+) -> None:  # fmt: skip
+    await fail_every_rollback(cluster, version_file[0], fresh_updater)
+    assert image_of(cluster) == f"{REPO}:0.3.0"  # the rollback did not land
+    cluster.clear_faults()
+    cluster.clear_requests()
+    await fresh_updater.run_scheduled()
+    last = fresh_updater.last
+    assert last is not None and last["decision"] == "rollback", last
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    annotations = annotations_of(cluster)
+    assert annotations[FAILED_VERSIONS] == "0.3.0" and TARGET not in annotations
+    assert "rolled back" in (runtime.components["self_update"].last_error or "")
+    # and from then on the failed version is skipped
+    await fresh_updater.run_scheduled()
+    last = fresh_updater.last
+    assert last is not None and last["decision"] == "skip" and "failed before" in last["reason"]
+
+
+async def test_a_starting_manager_resumes_watching_an_update_and_confirms_it(
+    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    cluster.rollout_delay = 0.5
+    version_file[0].set(body=b"0.2.0")
+    as_left_by_an_update(cluster, image=f"{REPO}:0.2.0", target="0.2.0", started=datetime.now(UTC))
+    assert rollout_of(cluster.get_deployment(OWN_NS, "workload-manager") or {}).phase is (
+        RolloutPhase.ROLLING_OUT
+    )
+    cluster.clear_requests()
+    await updater(runtime).run_scheduled()  # the first run of a freshly started manager
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "watch", last
+    # it returned only once the rollout had finished, and confirmed it
+    assert rollout_of(cluster.get_deployment(OWN_NS, "workload-manager") or {}).phase is (
+        RolloutPhase.READY
+    )
+    assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
+    assert image_of(cluster) == f"{REPO}:0.2.0"
+    assert runtime.components["self_update"].state == "ok"
+    await updater(runtime).run_scheduled()
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "noop"
+
+
+async def test_a_starting_manager_resumes_watching_an_update_and_rolls_it_back(
+    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    cluster.mark_bad_image(f"{REPO}:0.3.0")
+    version_file[0].set(body=b"0.3.0")
+    # a second ahead: the annotation has whole seconds, and the watch should get its whole
+    # deadline (a start in the future counts as now), so it is the Deployment that says why
+    as_left_by_an_update(
+        cluster, image=f"{REPO}:0.3.0", target="0.3.0",
+        started=datetime.now(UTC) + timedelta(seconds=1),
+    )  # fmt: skip
+    assert await updater(runtime).resume() == "rolled-back"
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    annotations = annotations_of(cluster)
+    assert annotations[FAILED_VERSIONS] == "0.3.0" and TARGET not in annotations
+    assert "ProgressDeadlineExceeded" in (runtime.components["self_update"].last_error or "")
+    assert any("rolled back" in a.text for a in runtime.alerts.recent)
+
+
+async def test_a_starting_manager_finishes_an_interrupted_rollback(
+    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    # the update's deadline passed while no manager was watching (the one that owed the
+    # rollback died); the version file is unreadable, which must not matter
+    cluster.mark_bad_image(f"{REPO}:0.3.0")
+    version_file[0].set(status=500)
+    as_left_by_an_update(
+        cluster, image=f"{REPO}:0.3.0", target="0.3.0",
+        started=datetime.now(UTC) - timedelta(hours=1),
+    )  # fmt: skip
+    cluster.clear_requests()
+    await updater(runtime).run_scheduled()
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "rollback", last
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    annotations = annotations_of(cluster)
+    assert annotations[FAILED_VERSIONS] == "0.3.0" and TARGET not in annotations
+    assert f"within {DEADLINE:.0f} s" in (runtime.components["self_update"].last_error or "")
+
+
+async def test_a_starting_manager_records_a_rollback_done_outside_it(
+    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    # the image is back at the previous one (`kubectl rollout undo`, or a rollback whose
+    # bookkeeping was lost) but the annotations still say an update is in flight
+    version_file[0].set(body=b"0.3.0")
+    as_left_by_an_update(cluster, image=f"{REPO}:0.3.0", target="0.3.0", started=datetime.now(UTC))
+    cluster.edit_deployment(
+        OWN_NS,
+        "workload-manager",
+        lambda obj: obj["spec"]["template"]["spec"]["containers"][0].update(image=f"{REPO}:0.1.0"),
+    )
+    cluster.clear_requests()
+    assert await updater(runtime).resume() == "rolled-back"
+    patches = [r for r in cluster.requests if r.method == "PATCH"]
+    assert len(patches) == 1 and "spec" not in patches[0].body  # bookkeeping only
+    annotations = annotations_of(cluster)
+    assert annotations[FAILED_VERSIONS] == "0.3.0" and TARGET not in annotations
+    await updater(runtime).run_scheduled()
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "skip" and "failed before" in last["reason"]
+
+
 async def test_outside_a_cluster_self_update_is_off(make_settings: SettingsFactory) -> None:
     rt = build_runtime(make_settings(self_update_url="https://example.invalid/version"))
     component = rt.components["self_update"]
     assert component.enabled is False
     assert "not running in a cluster" in component.reason
+
+
+# -- the version file's size limit, against a real local server ---------------------------
+
+
+class OversizedFiles:
+    """/endless: a chunked body that never ends; /sized/N: N bytes with a Content-Length.
+    Counts what it sent, and whether a body is still being sent."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sent = 0
+        self.sending = 0
+        self.app = Starlette(routes=[Route("/endless", self._endless),
+                                     Route("/sized/{size:int}", self._sized)])  # fmt: skip
+
+    async def _body(self, size: int | None) -> AsyncIterator[bytes]:
+        with self.lock:
+            self.sending += 1
+        try:
+            left = size
+            while left is None or left > 0:
+                chunk = b"9" * (1024 if left is None else min(1024, left))
+                with self.lock:
+                    self.sent += len(chunk)
+                yield chunk
+                left = None if left is None else left - len(chunk)
+                await asyncio.sleep(0)
+        finally:
+            with self.lock:
+                self.sending -= 1
+
+    async def _endless(self, request: Request) -> StreamingResponse:
+        return StreamingResponse(self._body(None))
+
+    async def _sized(self, request: Request) -> StreamingResponse:
+        size: int = request.path_params["size"]
+        return StreamingResponse(self._body(size), headers={"Content-Length": str(size)})
+
+    async def done_sending(self) -> bool:
+        with self.lock:
+            return self.sending == 0
+
+
+@pytest.fixture(scope="module")
+def oversized() -> Iterator[tuple[OversizedFiles, ThreadedServer]]:
+    files = OversizedFiles()
+    with serve(files.app) as server:
+        yield files, server
+
+
+async def fetch_once(url: str) -> bytes:
+    source = VersionFile(url, timeout=2.0)
+    try:
+        # bounded, so that a read that never stops fails the test instead of hanging it
+        return await asyncio.wait_for(source.fetch(), timeout=20)
+    finally:
+        await source.aclose()
+
+
+@pytest.mark.parametrize(
+    "path", ["/endless", f"/sized/{MAX_VERSION_FILE_BYTES + 1}", f"/sized/{256 * 1024 * 1024}"]
+)
+async def test_a_version_file_is_read_only_up_to_its_limit(
+    oversized: tuple[OversizedFiles, ThreadedServer], path: str
+) -> None:
+    files, server = oversized
+    with files.lock:
+        files.sent = 0
+    with pytest.raises(VersionSourceError, match=f"larger than {MAX_VERSION_FILE_BYTES} bytes"):
+        await fetch_once(f"{server.url}{path}")
+    # the server saw the connection go: it stopped sending, after what the socket buffers
+    # took, not after the body (which has no end, or is 256 MiB)
+    await eventually(files.done_sending)
+    with files.lock:
+        assert files.sent < 16 * 1024 * 1024
+
+
+async def test_a_version_file_of_exactly_the_limit_is_read(
+    oversized: tuple[OversizedFiles, ThreadedServer],
+) -> None:
+    _files, server = oversized
+    body = await fetch_once(f"{server.url}/sized/{MAX_VERSION_FILE_BYTES}")
+    assert body == b"9" * MAX_VERSION_FILE_BYTES

@@ -17,6 +17,7 @@ from app.domain.manifests import (
 from app.domain.tokens import ping_token
 from app.services.syncing import SyncBusy
 from tests.services.conftest import World
+from tests.support.polling import eventually
 from tests.support.sync_world import NAMESPACE, manifest
 
 
@@ -228,8 +229,11 @@ async def test_an_update_that_timed_out_but_landed_is_still_reported(world: Worl
     world.emulator.delay_next("PATCH", "/deployments/api", seconds=1.5, times=3)
     first = await world.syncer.sync()
     assert [(r.name, r.outcome) for r in first.results] == [("api", "failed")]
-    await asyncio.sleep(0.6)
-    assert image_of(world.deployments()["api"]) == "registry.example/api:1.1.0"
+
+    async def landed() -> bool:
+        return image_of(world.deployments()["api"]) == "registry.example/api:1.1.0"
+
+    await eventually(landed)
     assert ("api", "1.1.0") not in [(n, b["version"]) for n, b in world.backend.versions]
     second = await world.syncer.sync()
     assert [(r.name, r.action) for r in second.results] == [("api", "noop")]
@@ -255,7 +259,11 @@ async def test_syncs_never_overlap(world: World) -> None:
     world.desire(("api", "1.0.0"))
     world.backend.fail("workloads", "timeout", times=1, delay=0.5)
     first = asyncio.create_task(world.syncer.sync())
-    await asyncio.sleep(0.1)
+
+    async def under_way() -> bool:
+        return world.runtime.cluster_lock.locked()
+
+    await eventually(under_way)
     with pytest.raises(SyncBusy):
         await world.syncer.sync()
     await first
@@ -272,10 +280,13 @@ async def test_rollout_state_feeds_workload_status(world: World) -> None:
     )
     await world.syncer.sync()
     book = world.runtime.book
-    await asyncio.sleep(0.5)  # past the emulator's rollout delay and progress deadline
-    await world.syncer.refresh_view()
-    statuses = {v.name: v.status for v in book.views()}
-    assert statuses == {"api": "unknown", "broken": "failed", "blocked": "missing"}
+    expected = {"api": "unknown", "broken": "failed", "blocked": "missing"}
+
+    async def rolled_out() -> bool:  # past the emulator's rollout delay and progress deadline
+        await world.syncer.refresh_view()
+        return {v.name: v.status for v in book.views()} == expected
+
+    await eventually(rolled_out)
     api = book.view("api")
     assert api is not None
     assert (api.desired_version, api.deployed_version, api.rollout) == ("1.0.0", "1.0.0", "ready")
@@ -294,10 +305,14 @@ async def test_an_edit_between_plan_and_apply_is_a_real_conflict(world: World) -
     await world.syncer.sync()
     world.desire(("api", "1.1.0"))
     # hold the apply at the server while someone edits the Deployment
-    world.emulator.delay_next("PATCH", "/deployments/api", seconds=0.3, times=1)
+    world.emulator.delay_next("PATCH", "/deployments/api", seconds=0.6, times=1)
     world.forget_requests()
     task = asyncio.create_task(world.syncer.sync())
-    await asyncio.sleep(0.15)
+
+    async def patch_held() -> bool:
+        return world.emulator.delays_waiting == 0
+
+    await eventually(patch_held, step=0.01)
     world.emulator.edit_deployment(NAMESPACE, "api", lambda d: d["spec"].update(replicas=2))
     outcome = await task
     patches = [r.status for r in world.emulator.requests if r.method == "PATCH"]
@@ -307,3 +322,44 @@ async def test_an_edit_between_plan_and_apply_is_a_real_conflict(world: World) -
     api = world.deployments()["api"]
     assert image_of(api) == "registry.example/api:1.1.0"
     assert api["spec"]["replicas"] == 2
+
+
+async def test_an_unexpected_error_fails_that_workload_and_the_sync(world: World) -> None:
+    """A bug in preparing one manifest is that workload's failure, named, and never an ok
+    sync; every other action of the sync is finished before `sync()` returns."""
+    broken = manifest("bad", "1.0.0")
+    broken["spec"]["template"]["spec"]["volumes"] = 5
+    world.desire(("bad", "1.0.0"), *[(f"w{i}", "1.0.0") for i in range(6)], bad=broken)
+    syncs_ok = world.runtime.metrics.syncs.labels("ok")
+    ok_before = syncs_ok._value.get()
+    before = asyncio.all_tasks()
+    outcome = await world.syncer.sync()
+    # nothing of this sync is still running (and so writing) after it returned
+    assert [t for t in asyncio.all_tasks() - before if not t.done()] == []
+    by_name = {r.name: r for r in outcome.results}
+    assert set(by_name) == {"bad", *(f"w{i}" for i in range(6))}
+    assert by_name["bad"].outcome == "failed"
+    assert by_name["bad"].error is not None and "TypeError" in by_name["bad"].error
+    assert all(by_name[f"w{i}"].outcome == "applied" for i in range(6))
+    assert not outcome.ok
+    assert world.runtime.components["sync"].state == "failing"
+    assert syncs_ok._value.get() == ok_before
+    assert set(world.deployments()) == {f"w{i}" for i in range(6)}
+
+
+async def test_a_cancelled_sync_is_recorded_as_aborted(world: World) -> None:
+    world.desire(("api", "1.0.0"))
+    world.backend.fail("workloads", "timeout", times=1, delay=0.8)  # holds the sync
+    task = asyncio.create_task(world.syncer.sync())
+
+    async def under_way() -> bool:
+        return world.runtime.cluster_lock.locked()
+
+    await eventually(under_way)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    last = world.syncer.last
+    assert last is not None and not last.ok
+    assert last.aborted is not None and "cancelled" in last.aborted
+    assert world.runtime.components["sync"].state == "failing"

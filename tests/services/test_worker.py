@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
+import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -15,8 +18,17 @@ from prometheus_client import generate_latest
 
 from app.adapters.embedded import EmbeddedNats
 from app.main import create_app
+from app.services.streams import init_streams, new_job
 from tests.conftest import SettingsFactory, running, runtime_of
-from tests.support.jobs_world import EventLog, ledger, publish, publisher, watching_events
+from tests.support.jobs_world import (
+    EventLog,
+    consumer_settled,
+    ledger,
+    publish,
+    publisher,
+    stored_events,
+    watching_events,
+)
 from tests.support.polling import eventually
 
 NODE = "node-worker-a"
@@ -190,12 +202,16 @@ async def test_the_same_key_runs_once(manager: FastAPI, database: str, nats_url:
 
         await nc.jetstream().publish("mm.write.A.noop", json.dumps(again).encode())
         await nc.close()
-        await asyncio.sleep(1.0)
+        duplicates = runtime_of(manager).metrics.jobs.labels("noop", "duplicate")
+
+        async def answered_as_duplicate() -> bool:
+            return bool(duplicates._value.get() == 1)
+
+        await eventually(answered_as_duplicate)
+        await eventually(lambda: consumer_settled(nats_url, "MM_WRITE"))
     assert events.kinds("order-42") == ["job.completed"]
     row = (await ledger(database))["order-42"]
     assert (row["status"], row["attempts"]) == ("completed", 1)
-    metrics = runtime_of(manager).metrics.jobs.labels("noop", "duplicate")._value.get()
-    assert metrics == 1
 
 
 async def test_a_key_held_by_a_live_lease_elsewhere_waits_then_is_taken_over(
@@ -208,11 +224,17 @@ async def test_a_key_held_by_a_live_lease_elsewhere_waits_then_is_taken_over(
                    now() + interval '1.5 seconds')"""
     )
     await conn.close()
+    held = runtime_of(manager).metrics.jobs.labels("noop", "held")
     async with watching_events(nats_url) as events, publisher(nats_url) as bus:
         await publish(bus, idempotency_key="held-1")
-        await asyncio.sleep(0.8)
-        assert events.kinds("held-1") == []
+
+        async def waited() -> bool:
+            return bool(held._value.get() >= 1)
+
+        await eventually(waited)
         await events.wait_for(lambda: "job.completed" in events.kinds("held-1"))
+    # it waited for the other node's lease (held at least once), never ran alongside it
+    assert events.kinds("held-1") == ["job.completed"]
     row = (await ledger(database))["held-1"]
     assert (row["node_id"], row["attempts"]) == (NODE, 2)
 
@@ -297,3 +319,119 @@ def test_event_log_filters() -> None:
     log.events.append(("mm.events.n.node.online", {"idempotency_key": None}))
     assert log.kinds("k") == ["job.completed"]
     assert log.kinds() == ["job.completed", "node.online"]
+
+
+async def test_two_deliveries_of_one_key_in_one_batch_run_once(
+    make_settings: SettingsFactory, database: str, nats_url: str
+) -> None:
+    """Both copies are fetched in one batch (published before the worker starts): the
+    second must wait for the first and then be acknowledged as a duplicate, not run."""
+    import json
+
+    import nats
+
+    first = new_job("noop", payload={"delay_seconds": 0.5}, idempotency_key="twice-1")
+    second = first.model_copy(update={"job_id": uuid.uuid4()})
+    app = create_app(make_settings(**worker_settings(database, nats_url)))
+    async with publisher(nats_url) as bus:
+        await init_streams(bus, runtime_of(app).settings)
+        nc = await nats.connect(nats_url)
+        for job in (first, second):
+            body = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+            await nc.jetstream().publish("mm.write.A.noop", json.dumps(body).encode())
+        await nc.close()
+    async with watching_events(nats_url) as events, running(app):
+        await _worker_ready(app)
+        await events.wait_for(lambda: "job.completed" in events.kinds("twice-1"))
+        metrics = runtime_of(app).metrics
+        await eventually(lambda: consumer_settled(nats_url, "MM_WRITE"), within=20)
+        assert metrics.jobs.labels("noop", "completed")._value.get() == 1
+    row = (await ledger(database))["twice-1"]
+    assert (row["status"], row["attempts"]) == ("completed", 1)
+
+
+@pytest.mark.parametrize(
+    ("payload", "kind"),
+    [({"fail": "permanent"}, "job.dead"), ({"not": "a job"}, "job.rejected")],
+)
+async def test_a_terminal_event_that_cannot_be_stored_holds_the_message_back(
+    manager: FastAPI, nats_url: str, payload: dict[str, Any], kind: str
+) -> None:
+    """`term` only after the dead letter or rejection is stored: while MM_EVENTS is gone the
+    message is handed back with a delay; once the stream is back the event is stored and
+    the message terminated."""
+    import json
+
+    import nats
+
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await js.delete_stream("MM_EVENTS")
+        async with watching_events(nats_url) as attempts:
+            if "not" in payload:
+                await js.publish("mm.write.A.noop", json.dumps(payload).encode())
+            else:
+                async with publisher(nats_url) as bus:
+                    await publish(bus, payload=payload, idempotency_key="lost-letter")
+            # core subscribers see each attempt even though no stream stores it: a second
+            # attempt means the message came back instead of being terminated
+            await attempts.wait_for(lambda: attempts.kinds().count(kind) >= 2, within=20)
+        async with publisher(nats_url) as bus:
+            await init_streams(bus, runtime_of(manager).settings)
+
+        async def stored_kinds() -> list[str]:
+            return [subject.split(".", 3)[3] for subject, _ in await stored_events(nats_url)]
+
+        async def event_stored() -> bool:
+            return kind in await stored_kinds()
+
+        await eventually(event_stored, within=20)
+        await eventually(lambda: consumer_settled(nats_url, "MM_WRITE"), within=20)
+    finally:
+        await nc.close()
+    assert (await stored_kinds()).count(kind) == 1
+
+
+async def test_after_shutdown_begins_no_new_job_starts_and_nothing_is_left_unanswered(
+    make_settings: SettingsFactory,
+    database: str,
+    nats_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Jobs run when shutdown begins and more wait in the stream. Those running finish,
+    none of the waiting ones starts on this node, and every fetched message is answered
+    by the time the lifespan has ended (acknowledged, or handed back for another node)."""
+    caplog.set_level(logging.INFO, logger="app.services.working")
+    app = create_app(make_settings(**worker_settings(database, nats_url)))
+    keys = [f"drain-{i}" for i in range(8)]
+    async with publisher(nats_url) as bus:
+        async with running(app):
+            await _worker_ready(app)
+            for key in keys:
+                await publish(bus, idempotency_key=key, payload={"delay_seconds": 1.0})
+            worker = runtime_of(app).worker
+            assert worker is not None
+
+            async def busy() -> bool:
+                return worker.in_flight >= 1
+
+            await eventually(busy)
+        info = await _consumer_info(nats_url)
+    assert info.num_ack_pending == 0, "a fetched message was left unanswered"
+    (stopping,) = [r.getMessage() for r in caplog.records if "worker stopping" in r.getMessage()]
+    in_flight = int(re.search(r"(\d+) job\(s\) in flight", stopping).group(1))  # type: ignore[union-attr]
+    rows = (await ledger(database)).values()
+    assert len(rows) == in_flight, "only the jobs in flight when the stop began ran"
+    assert {r["status"] for r in rows} == {"completed"}
+    assert in_flight < len(keys), "the waiting jobs stay in the stream for another node"
+
+
+async def _consumer_info(nats_url: str) -> Any:
+    import nats
+
+    nc = await nats.connect(nats_url)
+    try:
+        return await nc.jetstream().consumer_info("MM_WRITE", "wm-A")
+    finally:
+        await nc.close()

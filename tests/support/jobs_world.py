@@ -118,3 +118,47 @@ def manager_env(database: str, nats_url: str, node: str, tier: str) -> dict[str,
         "REPORT_ENABLED": "false",
         "SHUTDOWN_GRACE_SECONDS": "15",
     }
+
+
+async def _consumer_info(url: str, stream: str, durable: str) -> Any:
+    nc = await nats.connect(url)
+    try:
+        return await nc.jetstream().consumer_info(stream, durable)
+    finally:
+        await nc.close()
+
+
+async def consumer_bound(url: str, stream: str, pullers: int, durable: str = "wm-A") -> bool:
+    """True once `pullers` pull requests wait on the durable (its workers are up)."""
+    try:
+        info = await _consumer_info(url, stream, durable)
+    except nats.js.errors.NotFoundError:
+        return False
+    return int(info.num_waiting or 0) >= pullers
+
+
+async def consumer_settled(url: str, stream: str, durable: str = "wm-A") -> bool:
+    """True when every message on the durable has been answered for good."""
+    info = await _consumer_info(url, stream, durable)
+    return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+
+
+async def stored_events(url: str) -> list[tuple[str, dict[str, Any]]]:
+    """The events MM_EVENTS holds (what was acknowledged), as (subject, body)."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        try:
+            info = await js.stream_info("MM_EVENTS")
+        except nats.js.errors.NotFoundError:
+            return []
+        found = []
+        for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):
+            try:
+                msg = await js.get_msg("MM_EVENTS", seq)
+            except nats.js.errors.NotFoundError:
+                continue
+            found.append((msg.subject or "", json.loads(msg.data or b"{}")))
+        return found
+    finally:
+        await nc.close()

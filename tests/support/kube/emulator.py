@@ -214,6 +214,12 @@ class KubeEmulator:
     def clear_faults(self) -> None:
         self._control.clear_faults()
 
+    @property
+    def delays_waiting(self) -> int:
+        """Delays set with `delay_next` that no request has met yet: 0 once the held
+        request has arrived."""
+        return self._control.delays_waiting
+
 
 def _with_kind(item: Obj) -> Obj:
     return {"apiVersion": DEPLOYMENTS.api_version, "kind": DEPLOYMENTS.kind, **item}

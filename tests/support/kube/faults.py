@@ -80,6 +80,12 @@ class Control:
         with self._lock:
             return _take(self._faults, method, path)
 
+    @property
+    def delays_waiting(self) -> int:
+        """Delay rules not yet taken by a request."""
+        with self._lock:
+            return len(self._delays)
+
     def take_delay(self, method: str, path: str) -> float:
         with self._lock:
             rule = _take(self._delays, method, path)

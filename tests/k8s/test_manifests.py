@@ -19,6 +19,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from app.settings import Settings
+
 K8S = Path(__file__).resolve().parents[2] / "k8s"
 WORKER = K8S / "overlays" / "worker"
 MONITORING = K8S / "monitoring"
@@ -211,6 +213,20 @@ def test_base_and_worker_run_the_same_image() -> None:
     image = f"{pin['name']}:{pin['newTag']}"
     assert container(only(folder_docs(K8S), "Deployment"))["image"] == image
     assert container(only(folder_docs(WORKER), "DaemonSet"))["image"] == image
+
+
+@pytest.mark.parametrize(("folder", "kind"), [(K8S, "Deployment"), (WORKER, "DaemonSet")])
+def test_the_shutdown_deadline_ends_before_the_pod_is_killed(folder: Path, kind: str) -> None:
+    """SHUTDOWN_GRACE_SECONDS (the manager's one deadline, from SIGTERM) must end with
+    time to spare before the kubelet's SIGKILL at terminationGracePeriodSeconds."""
+    workload = only(folder_docs(folder), kind)
+    kill_after = pod_spec(workload)["terminationGracePeriodSeconds"]
+    grace = env(workload).get("SHUTDOWN_GRACE_SECONDS")
+    deadline = (
+        float(grace["value"]) if grace else Settings.model_fields["shutdown_grace_seconds"].default
+    )
+    assert deadline + 5 <= kill_after, (deadline, kill_after)
+    assert Settings.model_fields["shutdown_grace_seconds"].default + 5 <= kill_after
 
 
 def test_worker_copies_of_base_manifests_stay_in_step() -> None:
