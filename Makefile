@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run dev test test-fast test-faults lint fmt bench soak clean help
+.PHONY: install run dev test test-fast test-faults lint fmt bench soak clean help control-plane
 
 help:
 	@echo "make run    - start the manager on embedded defaults (Postgres + NATS from wheels)"
@@ -14,6 +14,7 @@ help:
 	@echo "make lint   - ruff, mypy --strict, import contracts, hadolint"
 	@echo "make bench  - benchmarks; prints a table and writes bench/results/latest.json"
 	@echo "make soak   - 10 minutes under steady load; writes bench/results/soak.json (not in CI)"
+	@echo "make control-plane - build kube-apiserver, controllers, etcd and kwok for the tests (cached)"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +30,7 @@ run: $(STAMP)
 dev: $(STAMP)
 	$(BIN)/workload-manager serve --reload
 
-test: $(STAMP)
+test: $(STAMP) control-plane
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)
@@ -55,6 +56,11 @@ bench: $(STAMP)
 # SOAK_SECONDS (600), SOAK_WARMUP_SECONDS (60), SOAK_WORKLOADS (100), SOAK_JOB_RATE (10/s)
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak
+
+# Real Kubernetes control plane for the tests, built from the pinned Go modules in
+# tools/control-plane into ~/.cache/workload-manager/control-plane/<versions>/ (reused).
+control-plane:
+	tools/control-plane/build.sh
 
 clean:
 	rm -rf .data .mypy_cache .ruff_cache build dist *.egg-info

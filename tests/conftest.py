@@ -20,6 +20,7 @@ from app.main import create_app
 from app.services.runtime import Runtime
 from app.settings import Settings
 from tests.support.backend import LocalBackend
+from tests.support.control_plane import ControlPlane
 from tests.support.databases import fresh_database
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.servers import ThreadedServer
@@ -184,3 +185,30 @@ async def database(postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
     """An empty database of its own on the session's PostgreSQL, dropped afterwards."""
     async with fresh_database(postgres_server.url) as url:
         yield url
+
+
+K8S = Path(__file__).resolve().parents[1] / "k8s"
+MANAGER_ACCOUNT = ("workload-manager", "workload-manager")  # namespace, ServiceAccount
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """A real kube-apiserver with its controllers, kwok and one fake node, for the whole
+    session, with the repo's namespaces, ServiceAccount and RBAC (k8s/) applied."""
+    plane = ControlPlane.start(tmp_path_factory.mktemp("control-plane"))
+    try:
+        for name in ("namespace.yaml", "workloads-namespace.yaml", "serviceaccount.yaml",
+                     "rbac.yaml"):  # fmt: skip
+            plane.kubectl("apply", "-f", str(K8S / name))
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture
+def manager_kubeconfig(control_plane: ControlPlane, tmp_path: Path) -> Path:
+    """A kubeconfig with the manager's own ServiceAccount token: RBAC decides."""
+    token = control_plane.token_for(*MANAGER_ACCOUNT)
+    return control_plane.write_kubeconfig(
+        tmp_path / "manager.kubeconfig", token=token, namespace="workloads"
+    )

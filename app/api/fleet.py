@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
 from app.api.auth import UNAUTHORIZED, require_api_token, runtime
+from app.domain.requirements import CAPABILITY_NAME
 
 router = APIRouter(
     tags=["fleet"], dependencies=[Depends(require_api_token)], responses=UNAUTHORIZED
@@ -24,7 +25,7 @@ async def fleet_nodes(
     request: Request,
     tier: Annotated[Literal["A", "B", "C"] | None, Query()] = None,
     status: Annotated[Liveness | None, Query(description="liveness, not the raw status")] = None,
-    capability: Annotated[str | None, Query(max_length=64)] = None,
+    capability: Annotated[str | None, Query(pattern=CAPABILITY_NAME)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> dict[str, Any]:
     rt = runtime(request)

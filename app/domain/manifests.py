@@ -12,8 +12,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
@@ -221,7 +223,46 @@ def first_difference(applied: Any, live: Any, path: str) -> str | None:
             if found is not None:
                 return found
         return None
-    return None if applied == live else path
+    if applied == live:
+        return None
+    if ".resources." in path and same_quantity(applied, live):
+        return None  # the API server writes quantities in canonical form: 1000m is 1
+    return path
+
+
+_QUANTITY = re.compile(
+    r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$"
+)
+_SUFFIXES = {
+    "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), None: Fraction(1),
+    "k": Fraction(10**3), "M": Fraction(10**6), "G": Fraction(10**9), "T": Fraction(10**12),
+    "P": Fraction(10**15), "E": Fraction(10**18),
+    "Ki": Fraction(2**10), "Mi": Fraction(2**20), "Gi": Fraction(2**30), "Ti": Fraction(2**40),
+    "Pi": Fraction(2**50), "Ei": Fraction(2**60),
+}  # fmt: skip
+
+
+def quantity(value: Any) -> Fraction | None:
+    """A Kubernetes resource quantity's exact value ("1000m", "1", "0.5Gi", "1e3", 2), or
+    None when `value` is not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return Fraction(value)
+    if not isinstance(value, str):
+        return None
+    found = _QUANTITY.match(value.strip())
+    if found is None:
+        return None
+    number, exponent, suffix = found.groups()
+    scale = Fraction(10) ** int(exponent[1:]) if exponent else _SUFFIXES[suffix]
+    return Fraction(number) * scale
+
+
+def same_quantity(a: Any, b: Any) -> bool:
+    """True when both are quantities of the same value, however written."""
+    left, right = quantity(a), quantity(b)
+    return left is not None and left == right
 
 
 def _merge_key(items: list[Any]) -> str | None:

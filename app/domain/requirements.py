@@ -11,6 +11,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# A capability's name: letters, digits and -_.: (as NODE_CAPABILITIES accepts), at most 64
+CAPABILITY_NAME = r"^[\w.:-]{1,64}$"
+
 
 class Tier(StrEnum):
     A = "A"

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REPEATED_FAILURES = 3
+# re-reads after a resourceVersion conflict before the workload's update counts as failed
+REPLANS = 3
 
 SOURCE_ERRORS = (BackendError, DesiredStateError, DesiredFilesError)
 
@@ -336,17 +338,33 @@ class Syncer:
     async def _replan(
         self, name: str, current: dict[str, Any], desired: DesiredState, manifest: dict[str, Any]
     ) -> tuple[str, str]:
-        (again,) = plan_sync(
-            DesiredState(revision=desired.revision, workloads=(desired.by_name()[name],)),
-            [LiveDeployment.from_object(current)],
-            self._policy,
-        )
-        if again.kind is ActionKind.NOOP:
-            return "unchanged", "already as desired when re-read"
-        if again.kind is ActionKind.HOLD:
-            return "held", again.reason
-        await self.kube.apply(_with_resource_version(manifest, again.resource_version))
-        return "applied", f"{again.reason} (after a conflict)"
+        """Plan one workload again from its re-read state and apply that, with the new
+        resourceVersion. A real deployment controller writes status (and so a new
+        resourceVersion) several times during a rollout, so a conflict can repeat: each
+        one re-reads, up to REPLANS times."""
+        for attempt in range(1, REPLANS + 1):
+            (again,) = plan_sync(
+                DesiredState(revision=desired.revision, workloads=(desired.by_name()[name],)),
+                [LiveDeployment.from_object(current)],
+                self._policy,
+            )
+            if again.kind is ActionKind.NOOP:
+                return "unchanged", "already as desired when re-read"
+            if again.kind is ActionKind.HOLD:
+                return "held", again.reason
+            try:
+                await self.kube.apply(_with_resource_version(manifest, again.resource_version))
+            except KubeConflict:
+                if attempt == REPLANS:
+                    raise
+                reread = await self.kube.get(name)
+                if reread is None:
+                    await self.kube.apply(manifest)
+                    return "applied", f"{again.reason} (re-created: it was deleted meanwhile)"
+                current = reread
+                continue
+            return "applied", f"{again.reason} (after a conflict)"
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     async def _delete(self, action: Action, desired: DesiredState) -> str:
         try:

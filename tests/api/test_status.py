@@ -158,3 +158,12 @@ async def test_sync_endpoint_says_why_sync_is_off(client: httpx.AsyncClient) -> 
     assert response.status_code == 503
     assert "sync is off" in response.json()["detail"]
     assert "DESIRED_STATE_DIR" in response.json()["detail"]
+
+
+@pytest.mark.parametrize("capability", ["gpu\x00", "\x04\x00", "a b", "x" * 65, ""])
+async def test_a_fleet_query_with_a_bad_capability_is_a_422_naming_it(
+    client: httpx.AsyncClient, capability: str
+) -> None:
+    response = await client.get("/v1/fleet/nodes", params={"capability": capability})
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["query", "capability"]

@@ -19,7 +19,9 @@ from app.domain.manifests import (
     ManifestPolicy,
     ManifestRejected,
     find_drift,
+    first_difference,
     prepare_manifest,
+    same_quantity,
 )
 
 INJECT = Injection(manager_url="http://manager:8080", ping_token="tok-api")
@@ -228,3 +230,52 @@ def test_drift(change: Callable[[dict[str, Any]], None], drift: str | None) -> N
         assert found is None
     else:
         assert found is not None and drift in found
+
+
+@pytest.mark.parametrize(
+    ("written", "canonical", "same"),
+    [
+        ("1000m", "1", True),
+        ("500m", "0.5", True),
+        ("1024Mi", "1Gi", True),
+        ("1e3", "1k", True),
+        ("1.5Gi", "1536Mi", True),
+        (2, "2", True),
+        ("100Mi", "100M", False),
+        ("1", "2", False),
+        ("abc", "abc", False),
+        (True, "1", False),
+        ("1Kb", "1Kb", False),
+    ],
+)
+def test_quantities_compare_by_value(written: object, canonical: object, same: bool) -> None:
+    assert same_quantity(written, canonical) is same
+
+
+def test_a_quantity_written_differently_by_the_server_is_no_drift() -> None:
+    applied = {
+        "template": {
+            "spec": {
+                "containers": [
+                    {"name": "api", "resources": {"limits": {"cpu": "1000m", "memory": "1024Mi"}}}
+                ]
+            }
+        }
+    }
+    live: dict[str, Any] = {
+        "template": {
+            "spec": {
+                "containers": [
+                    {"name": "api", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}
+                ]
+            }
+        }
+    }
+    assert first_difference(applied, live, "spec") is None
+    live["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "2"
+    assert (
+        first_difference(applied, live, "spec")
+        == "spec.template.spec.containers[api].resources.limits.cpu"
+    )
+    # outside resources, a string is a string
+    assert first_difference({"env": "1000m"}, {"env": "1"}, "spec") == "spec.env"

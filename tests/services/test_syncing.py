@@ -363,3 +363,16 @@ async def test_a_cancelled_sync_is_recorded_as_aborted(world: World) -> None:
     assert last is not None and not last.ok
     assert last.aborted is not None and "cancelled" in last.aborted
     assert world.runtime.components["sync"].state == "failing"
+
+
+async def test_conflicts_from_a_busy_controller_are_re_read_a_few_times(world: World) -> None:
+    """A real deployment controller writes status (a new resourceVersion) several times
+    during a rollout: two conflicts in a row still end in an applied update."""
+    world.desire(("api", "1.0.0"))
+    await world.syncer.sync()
+    world.desire(("api", "1.1.0"))
+    world.emulator.fail_next("PATCH", "/deployments/api", status=409, times=2)
+    outcome = await world.syncer.sync()
+    (result,) = outcome.results
+    assert result.outcome == "applied", result
+    assert image_of(world.deployments()["api"]) == "registry.example/api:1.1.0"

@@ -1,0 +1,85 @@
+"""k8s/rbac.yaml on a real API server, exercised with the manager's own token: what the
+manager does is allowed, nothing else is. The sync tests beside this one run every write
+the sync makes with the same token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.adapters.kube import KubeDeployments, KubeError, load_configuration
+from tests.conftest import K8S, MANAGER_ACCOUNT
+from tests.support.control_plane import ControlPlane
+from tests.support.sync_world import manifest
+
+OWN = "workload-manager"  # the manager's namespace and Deployment
+
+
+def can_i(plane: ControlPlane, verb: str, resource: str, namespace: str) -> bool:
+    ns, account = MANAGER_ACCOUNT
+    found = plane.kubectl(
+        "auth", "can-i", verb, resource, "-n", namespace,
+        f"--as=system:serviceaccount:{ns}:{account}", check=False,
+    )  # fmt: skip
+    return found.stdout.strip() == "yes"
+
+
+@pytest.mark.parametrize(
+    ("verb", "resource", "namespace", "allowed"),
+    [
+        ("list", "deployments.apps", "workloads", True),
+        ("create", "deployments.apps", "workloads", True),
+        ("patch", "deployments.apps", "workloads", True),
+        ("delete", "deployments.apps", "workloads", True),
+        ("update", "deployments.apps", "workloads", False),
+        ("watch", "deployments.apps", "workloads", False),
+        ("deletecollection", "deployments.apps", "workloads", False),
+        ("list", "deployments.apps", "default", False),
+        ("get", "secrets", "workloads", False),
+        ("get", f"deployments.apps/{OWN}", OWN, True),
+        ("patch", f"deployments.apps/{OWN}", OWN, True),
+        ("patch", "deployments.apps/someone-else", OWN, False),
+        ("list", "pods", OWN, False),
+        ("create", "pods/exec", "workloads", False),
+        ("get", "clusterroles.rbac.authorization.k8s.io", "", False),
+    ],
+)
+def test_the_manager_may_do_what_it_does_and_nothing_else(
+    control_plane: ControlPlane, verb: str, resource: str, namespace: str, allowed: bool
+) -> None:
+    args = (verb, resource, namespace or "default")
+    assert can_i(control_plane, *args) is allowed
+
+
+async def test_its_token_reaches_its_own_deployment_and_no_other_namespace(
+    control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    own = manifest(OWN, "0.1.0")
+    own["metadata"]["namespace"] = OWN
+    control_plane.kubectl("apply", "-f", "-", input=json.dumps(own))
+    token = control_plane.token_for(*MANAGER_ACCOUNT)
+    config_path = control_plane.write_kubeconfig(tmp_path / "kc", token=token, namespace=OWN)
+    configuration, _source = await load_configuration(config_path)
+    mine = KubeDeployments(configuration, namespace=OWN, timeout=10)
+    elsewhere = KubeDeployments(configuration, namespace="default", timeout=10)
+    try:
+        assert (await mine.get(OWN) or {})["metadata"]["name"] == OWN
+        patched = await mine.patch(OWN, {"metadata": {"annotations": {"rbac-test": "yes"}}})
+        assert patched["metadata"]["annotations"]["rbac-test"] == "yes"
+        assert (await mine.server_version()).startswith("v1.")
+        with pytest.raises(KubeError, match="403"):
+            await elsewhere.list_managed("app.kubernetes.io/managed-by=workload-manager")
+    finally:
+        await mine.aclose()
+        await elsewhere.aclose()
+        control_plane.kubectl("-n", OWN, "delete", "deployment", OWN)
+
+
+@pytest.mark.parametrize("folder", [K8S, K8S / "overlays" / "worker"], ids=["base", "worker"])
+def test_the_manifests_are_accepted_by_the_api_server(
+    control_plane: ControlPlane, folder: Path
+) -> None:
+    result = control_plane.kubectl("apply", "--dry-run=server", "-k", str(folder), check=False)
+    assert result.returncode == 0, result.stderr
