@@ -1,0 +1,92 @@
+"""The fault proxy in front of the real API server: forwards (RBAC still applies),
+records, and fails, delays or drops on demand."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, load_configuration
+from tests.conftest import MANAGER_ACCOUNT
+from tests.support.control_plane import ControlPlane
+from tests.support.kube.proxy import FaultProxy
+from tests.support.servers import ThreadedServer
+
+SELECTOR = "app.kubernetes.io/managed-by=workload-manager"
+
+
+@pytest.fixture(scope="module")
+def proxy(control_plane: ControlPlane) -> Iterator[tuple[FaultProxy, ThreadedServer]]:
+    faults = FaultProxy(control_plane.url, ca=control_plane.ca)
+    with faults.serving() as server:
+        yield faults, server
+
+
+@pytest.fixture
+async def kube(
+    control_plane: ControlPlane, proxy: tuple[FaultProxy, ThreadedServer], tmp_path: Path
+) -> AsyncIterator[KubeDeployments]:
+    faults, server = proxy
+    faults.clear_faults()
+    faults.clear_requests()
+    token = control_plane.token_for(*MANAGER_ACCOUNT)
+    path = control_plane.write_kubeconfig(
+        tmp_path / "kc", token=token, namespace="workloads", server=server.url
+    )
+    configuration, _source = await load_configuration(path)
+    client = KubeDeployments(configuration, namespace="workloads", timeout=2.0)
+    yield client
+    await client.aclose()
+
+
+async def test_requests_are_forwarded_with_the_callers_token_and_recorded(
+    kube: KubeDeployments, proxy: tuple[FaultProxy, ThreadedServer]
+) -> None:
+    faults, _server = proxy
+    assert isinstance(await kube.list_managed(SELECTOR), list)
+    assert [(r.method, r.path, r.status) for r in faults.requests] == [
+        ("GET", "/apis/apps/v1/namespaces/workloads/deployments", 200)
+    ]
+
+
+async def test_a_namespace_rbac_denies_stays_denied_through_the_proxy(
+    control_plane: ControlPlane, proxy: tuple[FaultProxy, ThreadedServer], tmp_path: Path
+) -> None:
+    _faults, server = proxy
+    token = control_plane.token_for(*MANAGER_ACCOUNT)
+    path = control_plane.write_kubeconfig(
+        tmp_path / "kc", token=token, namespace="default", server=server.url
+    )
+    configuration, _source = await load_configuration(path)
+    elsewhere = KubeDeployments(configuration, namespace="default", timeout=2.0)
+    try:
+        with pytest.raises(KubeError, match="403"):
+            await elsewhere.list_managed(SELECTOR)
+    finally:
+        await elsewhere.aclose()
+
+
+@pytest.mark.parametrize(("status", "error"), [(503, KubeError), (409, KubeConflict)])
+async def test_injected_statuses_reach_the_client(
+    kube: KubeDeployments,
+    proxy: tuple[FaultProxy, ThreadedServer],
+    status: int,
+    error: type[Exception],
+) -> None:
+    faults, _server = proxy
+    faults.fail_next("GET", "/deployments/nothing-here", status=status, times=10)
+    with pytest.raises(error):
+        await kube.get("nothing-here")
+
+
+async def test_a_held_request_times_out_and_the_next_one_goes_through(
+    kube: KubeDeployments, proxy: tuple[FaultProxy, ThreadedServer]
+) -> None:
+    faults, _server = proxy
+    faults.delay_next("GET", "/deployments", seconds=5, times=10)
+    with pytest.raises(KubeError):
+        await kube.list_managed(SELECTOR)
+    faults.clear_faults()
+    assert isinstance(await kube.list_managed(SELECTOR), list)
