@@ -22,7 +22,8 @@ from app.settings import Settings
 from tests.support.backend import LocalBackend
 from tests.support.control_plane import ControlPlane
 from tests.support.databases import fresh_database
-from tests.support.kube_emulator import KubeEmulator
+from tests.support.kube.proxy import FaultProxy
+from tests.support.real_cluster import MANAGER_ACCOUNT, RealCluster
 from tests.support.servers import ThreadedServer
 from tests.support.sync_world import KEY, NODE
 
@@ -165,11 +166,25 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNa
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def fault_proxy(control_plane: ControlPlane) -> Iterator[tuple[FaultProxy, str]]:
+    """The fault-injecting proxy in front of the session's API server, and its URL."""
+    proxy = FaultProxy(control_plane.url, ca=control_plane.ca)
+    with proxy.serving() as server:
+        yield proxy, server.url
+
+
 @pytest.fixture
-def cluster() -> Iterator[KubeEmulator]:
-    """A Kubernetes API emulator whose rollouts finish quickly."""
-    with KubeEmulator.serve(rollout_delay=0.1, progress_deadline=0.5) as emu:
-        yield emu
+def cluster(
+    control_plane: ControlPlane, fault_proxy: tuple[FaultProxy, str]
+) -> Iterator[RealCluster]:
+    """The real control plane for a process test: an empty `workloads` namespace, the
+    manager behind the fault proxy with its own token."""
+    proxy, url = fault_proxy
+    real = RealCluster(control_plane, proxy, url)
+    real.reset("workloads")
+    yield real
+    proxy.reset()
 
 
 @pytest.fixture
@@ -188,7 +203,6 @@ async def database(postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
 
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"
-MANAGER_ACCOUNT = ("workload-manager", "workload-manager")  # namespace, ServiceAccount
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from app.adapters.kube import KubeDeployments, KubeError, load_configuration
-from tests.conftest import K8S, MANAGER_ACCOUNT
+from tests.conftest import K8S
 from tests.support.control_plane import ControlPlane
+from tests.support.real_cluster import MANAGER_ACCOUNT
 from tests.support.sync_world import manifest
 
 OWN = "workload-manager"  # the manager's namespace and Deployment

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, load_configuration
-from tests.conftest import MANAGER_ACCOUNT
 from tests.support.control_plane import ControlPlane
 from tests.support.kube.proxy import FaultProxy
+from tests.support.real_cluster import MANAGER_ACCOUNT
 from tests.support.servers import ThreadedServer
 
 SELECTOR = "app.kubernetes.io/managed-by=workload-manager"

@@ -25,9 +25,11 @@ from app.adapters.embedded import EmbeddedPostgres
 from app.main import create_app
 from app.settings import Settings
 from tests.conftest import isolate_settings
+from tests.support.control_plane import ControlPlane
 from tests.support.databases import fresh_database_sync
-from tests.support.kube_emulator import KubeEmulator
+from tests.support.kube.proxy import FaultProxy
 from tests.support.process import ManagerProcess
+from tests.support.real_cluster import RealCluster
 
 pytestmark = pytest.mark.e2e
 
@@ -38,12 +40,17 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def manager_url(
-    postgres_server: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory
+    postgres_server: EmbeddedPostgres,
+    tmp_path_factory: pytest.TempPathFactory,
+    control_plane: ControlPlane,
+    fault_proxy: tuple[FaultProxy, str],
 ) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("fuzz")
     desired = workdir / "desired"
     shutil.copytree(EXAMPLES / "desired-state", desired)  # POST /v1/sync has work to do
-    with KubeEmulator.serve() as cluster, fresh_database_sync(postgres_server.url) as database:
+    cluster = RealCluster(control_plane, *fault_proxy)
+    cluster.reset("workloads")
+    with fresh_database_sync(postgres_server.url) as database:
         env = {
             "NODE_ID": "fuzz-node",
             "API_TOKEN": TOKEN,

@@ -13,9 +13,9 @@ import pytest
 from app.domain.tokens import ping_token
 from tests.support.backend import LocalBackend
 from tests.support.browser import browser, chromium_path
-from tests.support.kube_emulator import KubeEmulator
 from tests.support.polling import eventually
 from tests.support.process import manager
+from tests.support.real_cluster import RealCluster
 from tests.support.servers import ThreadedServer
 from tests.support.sync_world import desire, sync_env
 
@@ -45,7 +45,7 @@ async def ping(client: httpx.AsyncClient, name: str, body: dict[str, Any]) -> No
 
 
 async def test_a_person_sees_workloads_sync_and_alerts(
-    cluster: KubeEmulator, backend: tuple[LocalBackend, ThreadedServer], tmp_path: Path
+    cluster: RealCluster, backend: tuple[LocalBackend, ThreadedServer], tmp_path: Path
 ) -> None:
     local, server = backend
     desire(local, ("api", "1.0.0"), ("worker", "1.0.0"))

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from tests.support.backend import LocalBackend
-from tests.support.kube_emulator import KubeEmulator
 from tests.support.process import ManagerProcess
+from tests.support.real_cluster import RealCluster
 from tests.support.servers import ThreadedServer
 from tests.support.sync_world import NAMESPACE, desire, manifest, sync_env
 
@@ -34,12 +34,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @dataclass
 class Rig:
-    cluster: KubeEmulator
+    cluster: RealCluster
     local: LocalBackend
     backend_url: str
     workdir: Path
     process: ManagerProcess
-    theirs_version: str  # resourceVersion of the Deployment the manager must never touch
+    theirs_generation: int  # of the Deployment the manager must never touch
 
     def image(self, name: str) -> str | None:
         obj = self.cluster.get_deployment(NAMESPACE, name)
@@ -82,7 +82,11 @@ class Rig:
         managed Deployment was deleted."""
         theirs = self.cluster.get_deployment(NAMESPACE, "theirs")
         assert theirs is not None
-        assert theirs["metadata"]["resourceVersion"] == self.theirs_version
+        # its spec is as it was (status changes as its pods come and go), and the manager
+        # never applied a field of it
+        assert theirs["metadata"]["generation"] == self.theirs_generation
+        managers = {f["manager"] for f in theirs["metadata"].get("managedFields", [])}
+        assert "workload-manager" not in managers, managers
         assert {"api", "worker", "theirs"} <= self.names()
 
     def converged(self, api_version: str) -> None:
@@ -105,7 +109,7 @@ ENV = {
 
 
 def start_manager(
-    rig_dir: Path, backend_url: str, cluster: KubeEmulator, **extra: str
+    rig_dir: Path, backend_url: str, cluster: RealCluster, **extra: str
 ) -> ManagerProcess:
     rig_dir.mkdir(exist_ok=True)
     env = sync_env(backend_url, cluster.write_kubeconfig(rig_dir / "kc", NAMESPACE)) | ENV
@@ -114,7 +118,7 @@ def start_manager(
 
 @pytest.fixture
 def rig(
-    cluster: KubeEmulator, backend: tuple[LocalBackend, ThreadedServer], tmp_path: Path
+    cluster: RealCluster, backend: tuple[LocalBackend, ThreadedServer], tmp_path: Path
 ) -> Iterator[Rig]:
     local, server = backend
     theirs = manifest("theirs", "1")
@@ -122,7 +126,7 @@ def rig(
     created = cluster.add_deployment(theirs)
     desire(local, ("api", "1.0.0"), ("worker", "1.0.0"))
     process = start_manager(tmp_path, server.url, cluster)
-    rig = Rig(cluster, local, server.url, tmp_path, process, created["metadata"]["resourceVersion"])
+    rig = Rig(cluster, local, server.url, tmp_path, process, created["metadata"]["generation"])
     try:
         local.wait_for(lambda: rig.reported("api", "1.0.0") and rig.reported("worker", "1.0.0"))
         local.wait_for(lambda: bool(local.reports))

@@ -20,9 +20,9 @@ from tests.support.jobs_world import (
     publisher,
     watching_events,
 )
-from tests.support.kube_emulator import KubeEmulator
 from tests.support.polling import eventually
 from tests.support.process import ManagerProcess, manager
+from tests.support.real_cluster import RealCluster
 from tests.support.servers import ThreadedServer
 from tests.support.sync_world import NAMESPACE, desire, sync_env
 
@@ -109,7 +109,7 @@ async def test_sigterm_during_a_slow_job_loses_nothing(
 
 
 async def test_sigterm_with_everything_hanging_exits_within_the_grace_period(
-    cluster: KubeEmulator,
+    cluster: RealCluster,
     backend: tuple[LocalBackend, ThreadedServer],
     database: str,
     nats_server: EmbeddedNats,

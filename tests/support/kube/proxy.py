@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,6 +67,10 @@ class FaultProxy:
     def clear_faults(self) -> None:
         self._control.clear_faults()
 
+    def reset(self) -> None:
+        """No faults, no records, and requests held by a delay are abandoned, never sent."""
+        self._control.reset()
+
     @property
     def requests(self) -> list[RecordedRequest]:
         return self._control.requests
@@ -77,13 +82,14 @@ class FaultProxy:
 
     async def _forward(self, request: Request) -> Response:
         method, path = request.method, request.url.path
-        epoch, _interrupt = self._control.begin()
+        epoch, interrupt = self._control.begin()
         query = dict(request.query_params)
         content_type = (request.headers.get("content-type") or "").split(";")[0] or None
         body = await request.body()
         delay = self._control.take_delay(method, path)
-        if delay:
-            await asyncio.sleep(delay)  # the fault being injected: a slow API server
+        if delay and not await asyncio.to_thread(_held, interrupt, delay):
+            # reset while held: a request of an earlier test never reaches the server
+            return Response(status_code=503)
         fault = self._control.take_fault(method, path)
         if fault is not None:
             response = _status(fault)
@@ -116,6 +122,11 @@ class FaultProxy:
             yield server
         finally:
             server.stop()
+
+
+def _held(interrupt: threading.Event, seconds: float) -> bool:
+    """Hold a request (the fault: a slow API server); False when a reset ended the hold."""
+    return not interrupt.wait(seconds)
 
 
 def _status(rule: Rule) -> Response:
