@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run dev test test-fast test-faults lint fmt bench soak clean help control-plane
+.PHONY: install run dev test test-fast test-faults lint fmt bench soak clean help control-plane run-cluster
 
 help:
 	@echo "make run    - start the manager on embedded defaults (Postgres + NATS from wheels)"
@@ -15,6 +15,7 @@ help:
 	@echo "make bench  - benchmarks; prints a table and writes bench/results/latest.json"
 	@echo "make soak   - 10 minutes under steady load; writes bench/results/soak.json (not in CI)"
 	@echo "make control-plane - build kube-apiserver, controllers, etcd and kwok for the tests (cached)"
+	@echo "make run-cluster - make run plus a real control plane, syncing examples/desired-state"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +62,11 @@ soak: $(STAMP)
 # tools/control-plane into ~/.cache/workload-manager/control-plane/<versions>/ (reused).
 control-plane:
 	tools/control-plane/build.sh
+
+# `make run` plus the control plane above and the example desired state (not a container
+# runtime: kwok only fakes the pods' status)
+run-cluster: $(STAMP) control-plane
+	$(BIN)/python -m tests.support.run_cluster
 
 clean:
 	rm -rf .data .mypy_cache .ruff_cache build dist *.egg-info
