@@ -24,7 +24,13 @@ MIGRATION_LOCK_KEY = 0x574D_4D49_4752  # "WMMIGR"
 # A migration may build an index on a large table, or wait for another node's migrator.
 MIGRATION_TIMEOUT = 600.0
 
-RegistryUnavailable = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+# InternalClientError: asyncpg's protocol state gone wrong on one connection ("cannot
+# switch to state 12; another operation is in progress", MagicStack/asyncpg#784 and #1069,
+# seen here once under CPU load): like an outage, the operation is tried again later.
+RegistryUnavailable = (
+    OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError,
+    TimeoutError,
+)  # fmt: skip
 
 
 async def server_version(url: str, *, connect_timeout: float) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from app.adapters.kube import KubeDeployments, load_configuration
@@ -30,6 +30,7 @@ from tests.conftest import SettingsFactory
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.polling import eventually
 from tests.support.servers import ThreadedServer, serve
+from tests.support.version_file import VersionFileServer
 
 REPO = "ghcr.io/node-system/workload-manager"
 OWN_NS = "workload-manager"
@@ -44,31 +45,6 @@ CONFIRMED = "workload-manager.io/update-confirmed"
 FAILED_VERSIONS = "workload-manager.io/failed-versions"
 DEADLINE = 2.0
 POLL = 0.05
-
-
-class VersionFileServer:
-    """Serves /version with a settable status, body and delay (for garbage and timeouts)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.status = 200
-        self.body = b"0.1.0"
-        self.delay = 0.0
-        self.app = Starlette(routes=[Route("/version", self._version)])
-
-    def set(self, *, status: int = 200, body: bytes = b"", delay: float = 0.0) -> None:
-        with self.lock:
-            self.status, self.body, self.delay = status, body, delay
-
-    async def _version(self, request: Request) -> Response:
-        with self.lock:
-            status, body, delay = self.status, self.body, self.delay
-        if delay:
-            await asyncio.sleep(delay)
-        etag = f'"{hash(body)}"'
-        if request.headers.get("if-none-match") == etag:
-            return Response(status_code=304)
-        return Response(body, status_code=status, headers={"ETag": etag})
 
 
 @pytest.fixture(scope="module")

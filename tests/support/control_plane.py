@@ -71,6 +71,32 @@ _NODE = {
 }
 
 
+# A pod whose first container's image tag ends with `never-ready` or `rc666` (a version the
+# self-update accepts, such as `0.3.0rc666`) is never made Ready by kwok: a rollout of it
+# stalls until its progressDeadlineSeconds (an image that "never becomes ready").
+NEVER_READY_VERSION = "0.3.0rc666"
+_NEVER_READY_PATTERN = "(never-ready|rc666)$"
+_POD_READY_SELECTOR = """    - key: '.metadata.deletionTimestamp'
+      operator: 'DoesNotExist'
+    - key: '.status.phase'
+      operator: 'In'
+      values:
+      - 'Pending'
+"""
+_NEVER_READY = f"""    - key: '.spec.containers.[0].image | test("{_NEVER_READY_PATTERN}")'
+      operator: 'NotIn'
+      values:
+      - 'true'
+"""
+
+
+def _with_never_ready(stages: str) -> str:
+    """kwok's default stages, with pods of never-ready images left out of `pod-ready`."""
+    start = stages.index("name: pod-ready")
+    at = stages.index(_POD_READY_SELECTOR, start) + len(_POD_READY_SELECTOR)
+    return stages[:at] + _NEVER_READY + stages[at:]
+
+
 class ControlPlaneUnavailable(RuntimeError):
     """The binaries are not built (run `make control-plane`) or a server did not start."""
 
@@ -193,10 +219,12 @@ class ControlPlane:
                 f"--secure-port={free_port()}", "--leader-elect=false",
             ],
         )  # fmt: skip
+        stages = self.workdir / "kwok-stages.yaml"
+        stages.write_text(_with_never_ready((self.bin / "kwok-stages.yaml").read_text()))
         self._spawn(
             "kwok",
             [
-                f"--kubeconfig={kubeconfig}", f"--config={self.bin / 'kwok-stages.yaml'}",
+                f"--kubeconfig={kubeconfig}", f"--config={stages}",
                 "--manage-all-nodes=false",
                 "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
                 "--node-lease-duration-seconds=40", "--cidr=10.244.0.0/16",

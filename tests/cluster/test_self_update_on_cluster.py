@@ -1,0 +1,121 @@
+"""Self-update on the real deployment controller: the manager patches its own Deployment
+with its own ServiceAccount token, watches the rollout the controller reports, confirms a
+good image and rolls back one that never becomes ready (ProgressDeadlineExceeded)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.services.runtime import build_runtime, open_self_update_only
+from app.services.updating import SelfUpdater
+from tests.conftest import SettingsFactory
+from tests.support.control_plane import NEVER_READY_VERSION, ControlPlane
+from tests.support.real_cluster import MANAGER_ACCOUNT
+from tests.support.servers import ThreadedServer, serve
+from tests.support.version_file import VersionFileServer
+
+REPO = "ghcr.io/node-system/workload-manager"
+OWN_NS = "workload-manager"
+FAILED_VERSIONS = "workload-manager.io/failed-versions"
+CONFIRMED = "workload-manager.io/update-confirmed"
+
+
+@pytest.fixture(scope="module")
+def version_file() -> Iterator[tuple[VersionFileServer, ThreadedServer]]:
+    files = VersionFileServer()
+    with serve(files.app) as server:
+        yield files, server
+
+
+def own_deployment(image: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "workload-manager", "namespace": OWN_NS},
+        "spec": {
+            "progressDeadlineSeconds": 3,
+            "selector": {"matchLabels": {"app": "wm"}},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {"metadata": {"labels": {"app": "wm"}}, "spec": {"containers": [
+                {"name": "manager", "image": image}]}},
+        },
+    }  # fmt: skip
+
+
+@pytest.fixture
+async def updater(
+    control_plane: ControlPlane,
+    version_file: tuple[VersionFileServer, ThreadedServer],
+    make_settings: SettingsFactory,
+    tmp_path: Path,
+) -> AsyncIterator[SelfUpdater]:
+    files, server = version_file
+    files.set(body=b"0.1.0")
+    control_plane.kubectl("-n", OWN_NS, "delete", "deployment", "workload-manager",
+                          "--ignore-not-found", "--wait=true")  # fmt: skip
+    control_plane.kubectl("apply", "-f", "-", input=json.dumps(own_deployment(f"{REPO}:0.1.0")))
+    control_plane.kubectl("-n", OWN_NS, "rollout", "status", "deployment/workload-manager",
+                          "--timeout=60s")  # fmt: skip
+    token = control_plane.token_for(*MANAGER_ACCOUNT)
+    settings = make_settings(
+        self_update_url=f"{server.url}/version",
+        pod_namespace=OWN_NS,
+        kubeconfig=control_plane.write_kubeconfig(tmp_path / "kc", token=token, namespace=OWN_NS),
+        self_image_repository=REPO,
+        self_update_allow_prerelease=True,
+        self_update_deadline_seconds=60,
+        self_update_poll_seconds=0.2,
+        kube_timeout_seconds=10,
+    )
+    rt = build_runtime(settings)
+    async with AsyncExitStack() as stack:
+        found = await open_self_update_only(rt, stack)
+        assert found is not None, rt.components["self_update"].reason
+        yield found
+
+
+def own(control_plane: ControlPlane) -> dict[str, Any]:
+    found = control_plane.get("deployment", "workload-manager", OWN_NS)
+    assert found is not None
+    return found
+
+
+def image(obj: dict[str, Any]) -> str:
+    found: str = obj["spec"]["template"]["spec"]["containers"][0]["image"]
+    return found
+
+
+async def test_a_good_image_rolls_out_and_is_confirmed(
+    control_plane: ControlPlane,
+    updater: SelfUpdater,
+    version_file: tuple[VersionFileServer, ThreadedServer],
+) -> None:
+    version_file[0].set(body=b"0.2.0")
+    await updater.run_scheduled()
+    deployed = own(control_plane)
+    assert image(deployed) == f"{REPO}:0.2.0"
+    assert deployed["metadata"]["annotations"][CONFIRMED] == "0.2.0"
+    status = deployed["status"]
+    assert status["updatedReplicas"] == status["availableReplicas"] == status["replicas"] == 1
+
+
+async def test_an_image_that_never_becomes_ready_is_rolled_back_and_skipped(
+    control_plane: ControlPlane,
+    updater: SelfUpdater,
+    version_file: tuple[VersionFileServer, ThreadedServer],
+) -> None:
+    bad = NEVER_READY_VERSION
+    version_file[0].set(body=bad.encode())
+    await updater.run_scheduled()
+    deployed = own(control_plane)
+    assert image(deployed) == f"{REPO}:0.1.0", "rolled back"
+    assert bad in deployed["metadata"]["annotations"][FAILED_VERSIONS]
+    decision = await updater.check()
+    assert decision.choice.value == "skip" and "failed" in decision.reason
