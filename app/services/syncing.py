@@ -367,19 +367,28 @@ class Syncer:
         raise AssertionError("unreachable")  # the loop returns or raises
 
     async def _delete(self, action: Action, desired: DesiredState) -> str:
-        try:
-            await self.kube.delete(action.name, resource_version=action.resource_version)
-        except KubeNotFound:
-            return "applied"
-        except KubeConflict:
-            current = await self.kube.get(action.name)
-            if current is None:
+        """Delete with the planned resourceVersion as a precondition; on a conflict re-read
+        it and delete only if it is still managed and still not desired, up to REPLANS
+        times (the deployment controller's status writes make such conflicts repeat)."""
+        resource_version = action.resource_version
+        for attempt in range(1, REPLANS + 1):
+            try:
+                await self.kube.delete(action.name, resource_version=resource_version)
+            except KubeNotFound:
                 return "applied"
-            live = LiveDeployment.from_object(current)
-            if not live.managed or action.name in desired.by_name():
-                return "held"
-            await self.kube.delete(action.name, resource_version=live.resource_version)
-        return "applied"
+            except KubeConflict:
+                if attempt == REPLANS:
+                    raise
+                current = await self.kube.get(action.name)
+                if current is None:
+                    return "applied"
+                live = LiveDeployment.from_object(current)
+                if not live.managed or action.name in desired.by_name():
+                    return "held"
+                resource_version = live.resource_version
+                continue
+            return "applied"
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _owe_unconfirmed(self, action: Action) -> None:
         """A Deployment already at its desired version that the backend has not confirmed

@@ -376,3 +376,14 @@ async def test_conflicts_from_a_busy_controller_are_re_read_a_few_times(world: W
     (result,) = outcome.results
     assert result.outcome == "applied", result
     assert image_of(world.deployments()["api"]) == "registry.example/api:1.1.0"
+
+
+async def test_a_delete_that_meets_repeated_conflicts_is_re_read_and_done(world: World) -> None:
+    world.desire(("api", "1.0.0"), ("old", "1.0.0"))
+    await world.syncer.sync()
+    world.desire(("api", "1.0.0"))
+    world.emulator.fail_next("DELETE", "/deployments/old", status=409, times=2)
+    outcome = await world.syncer.sync()
+    by_name = {r.name: r for r in outcome.results}
+    assert by_name["old"].outcome == "applied", by_name["old"]
+    assert set(world.deployments()) == {"api"}
