@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -109,7 +111,10 @@ async def browser(*, start_within: float = 30.0) -> AsyncIterator[Page]:
     executable = chromium_path()
     if executable is None:
         raise FileNotFoundError("chromium is not installed (apt-get install chromium)")
-    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+    # Chromium's helper processes (zygote, crashpad) may still write to the profile for a
+    # moment after the browser exits, most of all on a busy machine: the whole process
+    # group is ended, and what they still write does not fail the test
+    with tempfile.TemporaryDirectory(prefix="chromium-", ignore_cleanup_errors=True) as profile:
         proc = await asyncio.create_subprocess_exec(
             executable,
             *FLAGS,
@@ -119,6 +124,7 @@ async def browser(*, start_within: float = 30.0) -> AsyncIterator[Page]:
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
             env={**os.environ, "HOME": profile},
+            start_new_session=True,
         )
         try:
             port = await _devtools_port(Path(profile), proc, start_within)
@@ -130,12 +136,18 @@ async def browser(*, start_within: float = 30.0) -> AsyncIterator[Page]:
                 await page.call("Page.enable")
                 yield page
         finally:
-            proc.terminate()
+            _signal_group(proc.pid, signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), 10)
             except TimeoutError:
-                proc.kill()
+                _signal_group(proc.pid, signal.SIGKILL)
                 await proc.wait()
+            _signal_group(proc.pid, signal.SIGKILL)  # helpers left behind
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
 
 
 async def _devtools_port(profile: Path, proc: asyncio.subprocess.Process, within: float) -> int:
