@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
+import stamina
+
 from app.adapters.backend import NOT_MODIFIED, BackendClient, BackendError
 from app.adapters.desired_files import DesiredFiles, DesiredFilesError
 from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, KubeNotFound
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 
 REPEATED_FAILURES = 3
 # re-reads after a resourceVersion conflict before the workload's update counts as failed
-REPLANS = 3
+REPLANS = 5
 
 SOURCE_ERRORS = (BackendError, DesiredStateError, DesiredFilesError)
 
@@ -341,54 +343,49 @@ class Syncer:
         """Plan one workload again from its re-read state and apply that, with the new
         resourceVersion. A real deployment controller writes status (and so a new
         resourceVersion) several times during a rollout, so a conflict can repeat: each
-        one re-reads, up to REPLANS times."""
-        for attempt in range(1, REPLANS + 1):
-            (again,) = plan_sync(
-                DesiredState(revision=desired.revision, workloads=(desired.by_name()[name],)),
-                [LiveDeployment.from_object(current)],
-                self._policy,
-            )
-            if again.kind is ActionKind.NOOP:
-                return "unchanged", "already as desired when re-read"
-            if again.kind is ActionKind.HOLD:
-                return "held", again.reason
-            try:
+        one waits a moment (jittered, growing) and re-reads, up to REPLANS times."""
+        async for attempt in _conflict_retries():
+            with attempt:
+                if attempt.num > 1:
+                    reread = await self.kube.get(name)
+                    if reread is None:
+                        await self.kube.apply(manifest)
+                        return "applied", "re-created: it was deleted meanwhile"
+                    current = reread
+                (again,) = plan_sync(
+                    DesiredState(revision=desired.revision, workloads=(desired.by_name()[name],)),
+                    [LiveDeployment.from_object(current)],
+                    self._policy,
+                )
+                if again.kind is ActionKind.NOOP:
+                    return "unchanged", "already as desired when re-read"
+                if again.kind is ActionKind.HOLD:
+                    return "held", again.reason
                 await self.kube.apply(_with_resource_version(manifest, again.resource_version))
-            except KubeConflict:
-                if attempt == REPLANS:
-                    raise
-                reread = await self.kube.get(name)
-                if reread is None:
-                    await self.kube.apply(manifest)
-                    return "applied", f"{again.reason} (re-created: it was deleted meanwhile)"
-                current = reread
-                continue
-            return "applied", f"{again.reason} (after a conflict)"
-        raise AssertionError("unreachable")  # the loop returns or raises
+                return "applied", f"{again.reason} (after a conflict)"
+        raise AssertionError("unreachable")  # the last conflict is raised by stamina
 
     async def _delete(self, action: Action, desired: DesiredState) -> str:
-        """Delete with the planned resourceVersion as a precondition; on a conflict re-read
-        it and delete only if it is still managed and still not desired, up to REPLANS
-        times (the deployment controller's status writes make such conflicts repeat)."""
+        """Delete with the planned resourceVersion as a precondition; on a conflict wait a
+        moment, re-read it and delete only if it is still managed and still not desired,
+        up to REPLANS times (the deployment controller's status writes repeat conflicts)."""
         resource_version = action.resource_version
-        for attempt in range(1, REPLANS + 1):
-            try:
-                await self.kube.delete(action.name, resource_version=resource_version)
-            except KubeNotFound:
-                return "applied"
-            except KubeConflict:
-                if attempt == REPLANS:
-                    raise
-                current = await self.kube.get(action.name)
-                if current is None:
+        async for attempt in _conflict_retries():
+            with attempt:
+                if attempt.num > 1:
+                    current = await self.kube.get(action.name)
+                    if current is None:
+                        return "applied"
+                    live = LiveDeployment.from_object(current)
+                    if not live.managed or action.name in desired.by_name():
+                        return "held"
+                    resource_version = live.resource_version
+                try:
+                    await self.kube.delete(action.name, resource_version=resource_version)
+                except KubeNotFound:
                     return "applied"
-                live = LiveDeployment.from_object(current)
-                if not live.managed or action.name in desired.by_name():
-                    return "held"
-                resource_version = live.resource_version
-                continue
-            return "applied"
-        raise AssertionError("unreachable")  # the loop returns or raises
+                return "applied"
+        raise AssertionError("unreachable")  # the last conflict is raised by stamina
 
     def _owe_unconfirmed(self, action: Action) -> None:
         """A Deployment already at its desired version that the backend has not confirmed
@@ -456,6 +453,15 @@ class Syncer:
             changed = any(r.outcome != "unchanged" for r in outcome.results)
             level = logging.INFO if changed else logging.DEBUG
             log.log(level, "sync done in %.2f s: %s", outcome.duration_seconds, counts)
+
+
+def _conflict_retries() -> Any:
+    """Attempts for a write that meets resourceVersion conflicts: jittered exponential
+    waits (0.2 s, then up to 2 s), REPLANS attempts in all."""
+    return stamina.retry_context(
+        on=KubeConflict, attempts=REPLANS, wait_initial=0.2, wait_max=2.0, wait_jitter=0.3,
+        timeout=None,
+    )  # fmt: skip
 
 
 def _with_resource_version(
