@@ -18,10 +18,8 @@ from tests.conftest import SettingsFactory
 from tests.support.control_plane import NEVER_READY_VERSION, ControlPlane
 from tests.support.real_cluster import MANAGER_ACCOUNT
 from tests.support.servers import ThreadedServer, serve
-from tests.support.version_file import VersionFileServer
+from tests.support.version_file import OWN_NS, REPO, VersionFileServer, own_deployment
 
-REPO = "ghcr.io/node-system/workload-manager"
-OWN_NS = "workload-manager"
 FAILED_VERSIONS = "workload-manager.io/failed-versions"
 CONFIRMED = "workload-manager.io/update-confirmed"
 
@@ -31,22 +29,6 @@ def version_file() -> Iterator[tuple[VersionFileServer, ThreadedServer]]:
     files = VersionFileServer()
     with serve(files.app) as server:
         yield files, server
-
-
-def own_deployment(image: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "workload-manager", "namespace": OWN_NS},
-        "spec": {
-            "progressDeadlineSeconds": 3,
-            "selector": {"matchLabels": {"app": "wm"}},
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {"metadata": {"labels": {"app": "wm"}}, "spec": {"containers": [
-                {"name": "manager", "image": image}]}},
-        },
-    }  # fmt: skip
 
 
 @pytest.fixture
@@ -60,7 +42,12 @@ async def updater(
     files.set(body=b"0.1.0")
     control_plane.kubectl("-n", OWN_NS, "delete", "deployment", "workload-manager",
                           "--ignore-not-found", "--wait=true")  # fmt: skip
-    control_plane.kubectl("apply", "-f", "-", input=json.dumps(own_deployment(f"{REPO}:0.1.0")))
+    control_plane.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(own_deployment(f"{REPO}:0.1.0", sidecar=False, progress_deadline=3)),
+    )
     control_plane.kubectl("-n", OWN_NS, "rollout", "status", "deployment/workload-manager",
                           "--timeout=60s")  # fmt: skip
     token = control_plane.token_for(*MANAGER_ACCOUNT)

@@ -30,10 +30,8 @@ from tests.conftest import SettingsFactory
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.polling import eventually
 from tests.support.servers import ThreadedServer, serve
-from tests.support.version_file import VersionFileServer
+from tests.support.version_file import OWN_NS, REPO, VersionFileServer, own_deployment
 
-REPO = "ghcr.io/node-system/workload-manager"
-OWN_NS = "workload-manager"
 OWN = "deployments/workload-manager"  # the own Deployment's API path, for fault injection
 # The annotations are the on-cluster protocol between manager versions: spelled out here so
 # a rename shows up as a failing test, not as a silent incompatibility.
@@ -58,22 +56,6 @@ def version_file() -> Iterator[tuple[VersionFileServer, ThreadedServer]]:
 def cluster() -> Iterator[KubeEmulator]:
     with KubeEmulator.serve(rollout_delay=0.1, progress_deadline=0.6) as emu:
         yield emu
-
-
-def own_deployment(image: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "workload-manager", "namespace": OWN_NS},
-        "spec": {
-            "selector": {"matchLabels": {"app": "wm"}},
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {"metadata": {"labels": {"app": "wm"}}, "spec": {"containers": [
-                {"name": "manager", "image": image},
-                {"name": "sidecar", "image": "busybox:1.36"}]}},
-        },
-    }  # fmt: skip
 
 
 def image_of(cluster: KubeEmulator) -> str:

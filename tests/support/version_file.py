@@ -1,10 +1,11 @@
-"""A version file server for the self-update tests: /version with a settable status, body
-and delay, and an ETag."""
+"""For the self-update tests: a version file server (/version with a settable status, body
+and delay, and an ETag) and the manager's own Deployment."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -35,3 +36,31 @@ class VersionFileServer:
         if request.headers.get("if-none-match") == etag:
             return Response(status_code=304)
         return Response(body, status_code=status, headers={"ETag": etag})
+
+
+REPO = "ghcr.io/node-system/workload-manager"
+OWN_NS = "workload-manager"
+
+
+def own_deployment(
+    image: str, *, sidecar: bool = True, progress_deadline: int | None = None
+) -> dict[str, Any]:
+    """The manager's own Deployment (container `manager`), as the self-update finds it."""
+    containers: list[dict[str, Any]] = [{"name": "manager", "image": image}]
+    if sidecar:
+        containers.append({"name": "sidecar", "image": "busybox:1.36"})
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": {"app": "wm"}},
+        "strategy": {"type": "RollingUpdate",
+                     "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+        "template": {"metadata": {"labels": {"app": "wm"}},
+                     "spec": {"containers": containers}},
+    }  # fmt: skip
+    if progress_deadline is not None:
+        spec["progressDeadlineSeconds"] = progress_deadline
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "workload-manager", "namespace": OWN_NS},
+        "spec": spec,
+    }
