@@ -51,17 +51,18 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix app tests bench
 	$(BIN)/ruff format app tests bench
 
-bench: $(STAMP)
+bench: $(STAMP) control-plane
 	$(BIN)/python -m bench
 
 # SOAK_SECONDS (600), SOAK_WARMUP_SECONDS (60), SOAK_WORKLOADS (100), SOAK_JOB_RATE (10/s)
-soak: $(STAMP)
+soak: $(STAMP) control-plane
 	$(BIN)/python -m bench.soak
 
 # Real Kubernetes control plane for the tests, built from the pinned Go modules in
 # tools/control-plane into ~/.cache/workload-manager/control-plane/<versions>/ (reused).
 control-plane:
 	tools/control-plane/build.sh
+	tools/control-plane/crds.sh
 
 # `make run` plus the control plane above and the example desired state (not a container
 # runtime: kwok only fakes the pods' status)

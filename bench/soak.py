@@ -1,7 +1,8 @@
 """The soak run: `python -m bench.soak`. Does the manager leak under steady, realistic load?
 
 The manager runs as a child process (`python -m app serve`) against real PostgreSQL and
-nats-server, the local backend and the Kubernetes API emulator, syncing every 10 s and
+nats-server, the local backend and a real kube-apiserver and deployment controller (kwok
+nodes), syncing every 10 s and
 reporting every 10 s, while 100 workloads ping it every 5 s, noop jobs flow through
 JetStream and a few desired versions change every minute. Every ~10 s its RSS, file
 descriptors, threads and /metrics are sampled.
@@ -222,7 +223,9 @@ async def _ledger(url: str, jobs: JobFlow) -> LedgerCheck:
 
 
 def _traffic(world: World) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What the local backend and the emulator saw: counts by status, unexpected answers."""
+    """What the local backend and the API server saw: counts by status, unexpected answers.
+    The API server counts the Deployment requests (LIST, GET, PATCH, DELETE; not the
+    controllers' UPDATE and WATCH), bench/cluster.py."""
     requests = world.backend.requests
     backend = {
         "requests": len(requests),
@@ -232,12 +235,18 @@ def _traffic(world: World) -> tuple[dict[str, Any], dict[str, Any]]:
         "reports": sum(1 for r in requests if r.route == "health" and r.status == 202),
         "versions": len(world.backend.versions),
     }
-    kube_requests = world.emulator.requests
+    kube_requests = world.kube_requests()
     kube = {
-        "requests": len(kube_requests),
-        "by_status": dict(Counter(str(r.status) for r in kube_requests)),
+        "requests": kube_requests.total,
+        "by_status": kube_requests.by_status(),
+        "by_kind": kube_requests.by_kind(),
+        "not_counted": dict(kube_requests.other.most_common()),
         # 404: a create first reads the name; 409: an apply conflict is re-planned
-        "errors": sum(1 for r in kube_requests if r.status >= 400 and r.status not in (404, 409)),
+        "errors": sum(
+            count
+            for key, count in kube_requests.counted.items()
+            if key.code >= 400 and key.code not in (404, 409)
+        ),
     }
     return backend, kube
 

@@ -294,7 +294,9 @@ def _notes(o: Outcome) -> list[str]:
         f"{c['bump_count']} desired versions bumped every {c['bump_seconds']:.0f} s; the manager "
         f"syncs every {c['sync_interval']:.0f} s and reports every "
         f"{c['report_interval']:.0f} s to the local backend (signatures checked), "
-        "against the Kubernetes API emulator, real PostgreSQL and nats-server.",
+        "against a real kube-apiserver and deployment controller (kwok nodes; Deployment "
+        "requests counted by the API server, without the controllers' UPDATE and WATCH), "
+        "real PostgreSQL and nats-server.",
         "quiet readings: the load is paused (after the warm-up) or stopped (at the end), pings "
         "in flight answered, the job consumers drained, then "
         f"{c['quiet_seconds']:.0f} s of quiet; the asyncio task count is the minimum of "

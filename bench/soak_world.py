@@ -1,9 +1,12 @@
-"""The soak's world: real PostgreSQL and nats-server, the local backend, the Kubernetes API
-emulator, and the manager as a child process wired to all of them.
+"""The soak's world: real PostgreSQL and nats-server, the local backend, a real Kubernetes
+control plane (kube-apiserver and deployment controller, kwok nodes: bench/cluster.py), and
+the manager as a child process wired to all of them, with its own ServiceAccount token.
 
 Everything lives in one temporary directory on free loopback ports, so a soak can run next
-to the test suite or another soak. `started()` stops it all in reverse order on any exit,
-an exception or Ctrl-C included: a soak that dies must not leave servers behind.
+to the test suite or another soak. The manager's Kubernetes requests are counted by the API
+server (`kube_requests()`, since the world started). `started()` stops it all in reverse
+order on any exit, an exception or Ctrl-C included: a soak that dies must not leave servers
+behind.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
 from bench.checks import say
+from bench.cluster import ApiserverRequests, Requests, Snapshot, start, write_manager_kubeconfig
 from bench.servers import HOST, ServerProcess, ServerSpec, free_port
 from tests.support.backend import LocalBackend
-from tests.support.kube_emulator import KubeEmulator
+from tests.support.control_plane import ControlPlane
 from tests.support.sync_world import manifest
 
 NODE = "soak-node"
@@ -33,9 +37,6 @@ TIER = "A"
 NAMESPACE = "workloads"
 FIRST_VERSION = "1.0.0"
 PING_TOKEN_SECRET = "soak-ping-token-secret"  # only ever sent to 127.0.0.1
-# Rollouts become ready after ROLLOUT_DELAY; nothing in the soak should ever hit the deadline.
-ROLLOUT_DELAY = 0.2
-PROGRESS_DEADLINE = 60.0
 
 
 def _say(message: str) -> None:
@@ -56,7 +57,9 @@ class World:
     pg: EmbeddedPostgres
     nats: EmbeddedNats
     backend: LocalBackend
-    emulator: KubeEmulator
+    plane: ControlPlane
+    requests: ApiserverRequests
+    requests_at_start: Snapshot  # before the manager started
     manager: ServerProcess
     backend_port: int
     # name -> version the backend desires now; the version bumper changes it, pingers read it
@@ -76,23 +79,29 @@ class World:
 
     def peers(self) -> dict[int, str]:
         """The manager's outbound servers by port, to name its sockets."""
-        emulator_port = int(self.emulator.url.rsplit(":", 1)[1])
         return {
             self.pg.port: "postgres",
             self.nats.port: "nats",
             self.backend_port: "backend",
-            emulator_port: "kube API",
+            self.plane.api_port: "kube API",
         }
 
     def deployed_versions(self) -> dict[str, str]:
-        """Managed Deployments in the emulator, by name, with the version they carry."""
-        listed = self.emulator.list_deployments(NAMESPACE, label_selector=MANAGED_SELECTOR)
+        """Managed Deployments in the cluster, by name, with the version they carry (one
+        LIST as the admin, left out of `kube_requests`)."""
+        listed = self.requests.list_deployments(NAMESPACE, MANAGED_SELECTOR)
         return {
             d["metadata"]["name"]: (d["metadata"].get("annotations") or {}).get(
                 VERSION_ANNOTATION, ""
             )
             for d in listed
         }
+
+    def kube_requests(self) -> Requests:
+        """The Deployment requests since the world started (before the manager did), as
+        the API server counts them: the manager's, plus any other client's with a counted
+        verb (bench/cluster.py)."""
+        return ApiserverRequests.between(self.requests_at_start, self.requests.settled_snapshot())
 
 
 def _seed(key: Ed25519PrivateKey) -> str:
@@ -150,10 +159,12 @@ def started(workloads: int, config: ManagerConfig) -> Iterator[World]:
         key = Ed25519PrivateKey.generate()
         backend = LocalBackend(NODE, key.public_key())
         server = stack.enter_context(backend.serve())
-        emulator = KubeEmulator(rollout_delay=ROLLOUT_DELAY, progress_deadline=PROGRESS_DEADLINE)
-        stack.callback(emulator.stop)
-        emulator.start()
-        kubeconfig = emulator.write_kubeconfig(workdir / "kubeconfig", NAMESPACE)
+        _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
+        plane = start(workdir / "control-plane")
+        stack.callback(plane.stop)
+        requests = ApiserverRequests(plane)
+        stack.callback(requests.close)
+        kubeconfig = write_manager_kubeconfig(plane, workdir / "kubeconfig", NAMESPACE)
 
         env = manager_env(
             workdir=workdir, pg=pg.url, nats=nats.url, backend=server.url, key=_seed(key),
@@ -168,7 +179,8 @@ def started(workloads: int, config: ManagerConfig) -> Iterator[World]:
             ready_path="/readyz",
         )
         manager = ServerProcess(spec, port=port, cpus=None, log=workdir / "manager.log")
-        world = World(workdir, pg, nats, backend, emulator, manager, server.port)
+        at_start = requests.settled_snapshot()
+        world = World(workdir, pg, nats, backend, plane, requests, at_start, manager, server.port)
         world.desire({f"soak-{i:03d}": FIRST_VERSION for i in range(workloads)})
         stack.callback(manager.stop)  # first to go: registered last
         _say(f"starting the manager on port {port}")

@@ -1,14 +1,19 @@
-"""The sync benchmark: the Syncer, built as the app builds it, against two local servers.
+"""The sync benchmark: the Syncer, built as the app builds it, against a local backend and
+a real Kubernetes control plane.
 
 N desired workloads (1,000; 100 with --quick), each with a manifest, on the local backend
-(signatures checked) and the Kubernetes API emulator: converge from empty, a second sync,
-steady-state syncs (target: exactly 2 requests) and a bump of 10% of the versions, at the
-default SYNC_CONCURRENCY and at 16. The servers run in threads of this process.
+(signatures checked) and a real kube-apiserver and deployment controller (kwok nodes, see
+bench/cluster.py): converge from empty, a second sync, steady-state syncs (target: exactly
+2 requests) and a bump of 10% of the versions, at the default SYNC_CONCURRENCY and at 16.
+The backend runs in a thread of this process, the control plane in its own processes; the
+manager uses its own ServiceAccount token. The Kubernetes requests are counted by the API
+server (its apiserver_request_total), taken before and after each timed sync.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
 import tempfile
@@ -29,14 +34,22 @@ from app.services.syncing import Syncer, SyncOutcome
 from app.settings import Settings
 from bench import Options
 from bench.checks import CheckFailed, check, say
+from bench.cluster import (
+    ApiserverRequests,
+    Key,
+    Requests,
+    cpu_seconds,
+    start,
+    write_manager_kubeconfig,
+)
 from tests.support.backend import LocalBackend
-from tests.support.kube_emulator import KubeEmulator
+from tests.support.control_plane import ControlPlane
 from tests.support.sync_world import KEY, NAMESPACE, NODE, key_seed, manifest
 
 NAME = "sync"
 DESCRIPTION = (
-    "1,000 desired workloads against the Kubernetes API emulator: converge from empty, "
-    "steady state (target: 2 requests), a 10% version bump"
+    "1,000 desired workloads against a real kube-apiserver and deployment controller "
+    "(kwok nodes): converge from empty, steady state (target: 2 requests), a 10% version bump"
 )
 
 
@@ -58,7 +71,10 @@ BUMP_EVERY = 10  # every tenth workload gets a new version
 VERSION, BUMPED = "1.0.0", "1.1.0"
 PING_TOKEN_SECRET = "bench-ping-token-secret"  # only ever sent to 127.0.0.1
 STEADY_TARGET = 2  # one GET of the desired state answered 304, one LIST of the Deployments
-LIST_PATH = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments"
+STEADY_LIST = Key("LIST", "namespace", 200)  # a LIST of the Deployments of one namespace
+ROLLOUT_TIMEOUT = 900.0  # seconds for the deployment controller and kwok to roll all out
+RESET_TIMEOUT = 900.0  # seconds for the Deployments, ReplicaSets and Pods to be gone
+POLL = 0.5
 RSS_INTERVAL = 0.01  # seconds between RSS samples
 MIB = 1024 * 1024
 CPU_BOUND = 0.8  # process CPU seconds per wall second above which a phase is CPU-bound
@@ -121,7 +137,7 @@ class RssSampler:
 
 @dataclass(frozen=True)
 class Call:
-    method: str  # LIST for a GET on the Deployments collection
+    method: str
     path: str
     status: int
 
@@ -136,15 +152,16 @@ class Phase:
     cpu: float  # user + system seconds of this whole process, servers included
     outcome: SyncOutcome
     backend: list[Call]
-    kube: list[Call]
+    kube: Requests
     rss_peak: int
+    control_plane_cpu: float  # CPU seconds of the control plane's processes meanwhile
 
     @property
     def steady_target_met(self) -> bool:
         """Exactly one 304 GET of the desired state and one LIST, nothing else."""
-        return [(c.method, c.status) for c in self.backend] == [("GET", 304)] and [
-            (c.method, c.path) for c in self.kube
-        ] == [("LIST", LIST_PATH)]
+        return [(c.method, c.status) for c in self.backend] == [("GET", 304)] and dict(
+            self.kube.counted
+        ) == {STEADY_LIST: 1}
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -157,14 +174,49 @@ class Phase:
             "outcomes": dict(Counter(r.outcome for r in self.outcome.results)),
             "backend_requests": len(self.backend),
             "backend_by_kind": _by_kind(self.backend),
-            "kube_requests": len(self.kube),
-            "kube_by_kind": _by_kind(self.kube),
+            "kube_requests": self.kube.total,
+            "kube_by_kind": self.kube.by_kind(),
+            "kube_by_scope": _by_scope(self.kube),
+            # Deployment requests of other clients (the controllers), not counted: see notes
+            "kube_not_counted": dict(self.kube.other.most_common()),
+            # the counts are the cluster's: do they match what this sync did? (None: unknown)
+            "kube_as_expected": _as_expected(self.outcome, self.kube),
+            "control_plane_cpu_seconds": round(self.control_plane_cpu, 3),
             "rss_peak_bytes": self.rss_peak,
         }
 
 
 def _by_kind(calls: Sequence[Call]) -> dict[str, int]:
     return dict(Counter(c.kind for c in calls).most_common())
+
+
+def _as_expected(outcome: SyncOutcome, requests: Requests) -> bool | None:
+    """Whether the counted requests are exactly those the Syncer's results imply: a LIST,
+    and one more after any change; per create a GET (404) and an apply (201), per update an
+    apply. None when a result has no such fixed cost (a conflict, a delete, a failure)."""
+    expected: Counter[str] = Counter({"LIST": 1})
+    for result in outcome.results:
+        if (result.action, result.outcome) == ("noop", "unchanged"):
+            continue
+        if result.outcome != "applied" or "conflict" in result.reason:
+            return None
+        if result.action == "create":
+            expected.update(["GET(404)", "PATCH(201)"])
+        elif result.action == "update":
+            expected.update(["PATCH"])
+        else:
+            return None
+    if any(r.outcome == "applied" for r in outcome.results):
+        expected.update(["LIST"])
+    return dict(expected) == requests.by_kind()
+
+
+def _by_scope(requests: Requests) -> dict[str, int]:
+    """e.g. `LIST namespace`, `GET(404) resource`: what each request was aimed at."""
+    scopes: Counter[str] = Counter()
+    for key, count in requests.counted.items():
+        scopes[f"{key.kind} {key.scope}"] += count
+    return dict(scopes.most_common())
 
 
 def _cpu_seconds() -> float:
@@ -176,34 +228,67 @@ def _cpu_seconds() -> float:
 class World:
     backend: LocalBackend
     backend_url: str
-    emulator: KubeEmulator
+    plane: ControlPlane
+    requests: ApiserverRequests
+    kubeconfig: Path
     workdir: Path
     rss: RssSampler
     names: tuple[str, ...]
-
-    def forget_requests(self) -> None:
-        self.backend.clear_records()
-        self.emulator.clear_requests()
+    rollouts: dict[str, float]  # phase -> seconds the cluster took to roll out after it
 
     def backend_calls(self) -> list[Call]:
         return [Call(r.method, r.path, r.status) for r in self.backend.requests]
 
-    def kube_calls(self) -> list[Call]:
-        return [
-            Call(
-                "LIST" if r.method == "GET" and r.path == LIST_PATH else r.method, r.path, r.status
-            )
-            for r in self.emulator.requests
-        ]
+    def managed(self) -> list[dict[str, Any]]:
+        return self.requests.list_deployments(NAMESPACE, MANAGED_SELECTOR)
 
     def managed_versions(self) -> dict[str, str]:
-        listed = self.emulator.list_deployments(NAMESPACE, label_selector=MANAGED_SELECTOR)
         return {
             d["metadata"]["name"]: (d["metadata"].get("annotations") or {}).get(
                 VERSION_ANNOTATION, ""
             )
-            for d in listed
+            for d in self.managed()
         }
+
+    async def reset(self) -> None:
+        """An empty backend and no Deployments, ReplicaSets or Pods in the namespace, so the
+        controllers' clean-up of the previous run does not overlap this one. One
+        DELETECOLLECTION, not `kubectl delete deployments --all --wait`: kubectl deletes
+        (and then reads) one object at a time, about 10 requests/s, minutes for 1,000."""
+        self.backend.reset()
+        self.requests.delete_deployments(NAMESPACE)
+        deadline = time.monotonic() + RESET_TIMEOUT
+        while True:
+            left = self.plane.kubectl(
+                "-n", NAMESPACE, "get", "deployments,replicasets,pods", "-o", "name"
+            ).stdout.split()
+            if not left:
+                return
+            _check(
+                time.monotonic() < deadline,
+                f"{len(left)} objects left in {NAMESPACE} after {RESET_TIMEOUT:.0f} s, "
+                f"e.g. {left[:2]}",
+            )
+            await asyncio.sleep(POLL)  # Ctrl-C cancels the run here
+
+    async def wait_rolled_out(self, phase: str, n: int) -> None:
+        """Every managed Deployment rolled out (outside the timed syncs): the controllers'
+        writes meanwhile would conflict with the next sync's conditional applies, and
+        their CPU would be in its wall time."""
+        started = time.monotonic()
+        deadline = started + ROLLOUT_TIMEOUT
+        while True:
+            listed = self.managed()
+            pending = [d["metadata"]["name"] for d in listed if not _rolled_out(d)]
+            if len(listed) == n and not pending:
+                self.rollouts[phase] = round(time.monotonic() - started, 1)
+                return
+            _check(
+                time.monotonic() < deadline,
+                f"{len(pending)} of {len(listed)} Deployments not rolled out after "
+                f"{ROLLOUT_TIMEOUT:.0f} s, e.g. {pending[:2]}",
+            )
+            await asyncio.sleep(POLL)  # Ctrl-C cancels the run here
 
     def desire(self, versions: Mapping[str, str]) -> None:
         for name, version in versions.items():
@@ -211,18 +296,24 @@ class World:
         self.backend.set_desired([{"name": n, "version": v} for n, v in versions.items()])
 
     async def timed_sync(self, syncer: Syncer) -> Phase:
-        self.forget_requests()
+        self.backend.clear_records()
+        before = self.requests.settled_snapshot()
+        plane_cpu = cpu_seconds(self.plane)
         self.rss.phase_peak()
         cpu, started = _cpu_seconds(), time.perf_counter()
         outcome = await syncer.sync()
         wall, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
+        plane_cpu = cpu_seconds(self.plane) - plane_cpu
+        rss_peak = self.rss.phase_peak()
+        kube = ApiserverRequests.between(before, self.requests.settled_snapshot())
         phase = Phase(
             wall=wall,
             cpu=cpu,
             outcome=outcome,
             backend=self.backend_calls(),
-            kube=self.kube_calls(),
-            rss_peak=self.rss.phase_peak(),
+            kube=kube,
+            rss_peak=rss_peak,
+            control_plane_cpu=plane_cpu,
         )
         _check(outcome.aborted is None, f"sync aborted: {outcome.aborted}")
         failed = [f"{r.name}: {r.error}" for r in outcome.results if r.outcome == "failed"]
@@ -230,21 +321,32 @@ class World:
         rejected = [f"{r.method} {r.path}: {r.rejected_reason}" for r in self.backend.rejected]
         _check(not rejected, f"the backend rejected {len(rejected)} request(s): {rejected[:2]}")
         errors = [
-            f"{c.method} {c.path} -> {c.status}"
-            for c in phase.kube
-            if c.status >= 400 and (c.method, c.status) != ("GET", 404)
+            f"{count} x {key.kind} ({key.scope})"
+            for key, count in kube.counted.items()
+            if key.code >= 400 and (key.verb, key.code) != ("GET", 404)
         ]
-        _check(not errors, f"{len(errors)} Kubernetes API error(s), e.g. {errors[:2]}")
+        _check(not errors, f"Kubernetes API errors: {', '.join(errors)}")
         return phase
+
+
+def _rolled_out(deployment: Mapping[str, Any]) -> bool:
+    """What `kubectl rollout status` waits for: the new ReplicaSet's pods all available."""
+    replicas = deployment["spec"].get("replicas", 1)
+    status = deployment.get("status") or {}
+    return bool(
+        status.get("observedGeneration", 0) >= deployment["metadata"]["generation"]
+        and status.get("updatedReplicas", 0) == replicas
+        and status.get("replicas", 0) == replicas
+        and status.get("availableReplicas", 0) == replicas
+    )
 
 
 # --- phases ------------------------------------------------------------------------------
 
 
 async def _measure(world: World, concurrency: int, repeats: int) -> dict[str, Any]:
-    """Every phase at one concurrency, on a fresh backend, emulator and runtime."""
-    world.backend.reset()
-    world.emulator.reset()
+    """Every phase at one concurrency, on a fresh backend, namespace and runtime."""
+    await world.reset()
     n = len(world.names)
     world.desire(dict.fromkeys(world.names, VERSION))
     settings = Settings(
@@ -252,7 +354,7 @@ async def _measure(world: World, concurrency: int, repeats: int) -> dict[str, An
         node_id=NODE,
         node_system_endpoint=world.backend_url,
         node_private_key=key_seed(),
-        kubeconfig=world.emulator.write_kubeconfig(world.workdir / "kubeconfig", NAMESPACE),
+        kubeconfig=world.kubeconfig,
         managed_namespace=NAMESPACE,
         embedded_services=False,
         sync_concurrency=concurrency,
@@ -281,11 +383,12 @@ async def _measure(world: World, concurrency: int, repeats: int) -> dict[str, An
             deployed = world.managed_versions()
             _check(
                 deployed == dict.fromkeys(world.names, VERSION),
-                f"the emulator holds {len(deployed)} managed Deployments, expected {n} "
-                f"at {VERSION}",
+                f"the cluster holds {len(deployed)} managed Deployments, expected {n} at {VERSION}",
             )
             reported = world.backend.versions
             _check(len(reported) == n, f"{len(reported)} versions reported, expected {n}")
+            _say(f"concurrency {concurrency}: waiting for the {n} rollouts")
+            await world.wait_rolled_out(f"{concurrency}:converge", n)
 
             current = "second"
             phase = await world.timed_sync(syncer)
@@ -321,7 +424,7 @@ async def _measure(world: World, concurrency: int, repeats: int) -> dict[str, An
                 f"expected {len(bumped)} updates, got {phase.outcome.counts()}",
             )
             deployed = world.managed_versions()
-            _check(deployed == desired, "the emulator's versions differ from the desired ones")
+            _check(deployed == desired, "the cluster's versions differ from the desired ones")
             reported = world.backend.versions
             _check(
                 sorted((name, body["version"]) for name, body in reported)
@@ -355,20 +458,30 @@ def run(options: Options) -> dict[str, Any]:
     )
     rss = RssSampler()
     rss.start()
+    rollouts: dict[str, float] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
             workdir = Path(tmp)
             (workdir / "data").mkdir()
-            emulator = KubeEmulator(rollout_delay=0.05, progress_deadline=0.3)
-            backend = LocalBackend(NODE, KEY.public_key())
-            emulator.start()
+            _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
+            plane_started = time.monotonic()
+            plane = start(workdir / "control-plane")
+            plane_seconds = round(time.monotonic() - plane_started, 1)
+            requests = ApiserverRequests(plane)
             try:
+                kubeconfig = write_manager_kubeconfig(plane, workdir / "kubeconfig", NAMESPACE)
+                backend = LocalBackend(NODE, KEY.public_key())
                 with backend.serve() as server:
-                    world = World(backend, server.url, emulator, workdir, rss, names)
+                    world = World(
+                        backend, server.url, plane, requests, kubeconfig, workdir, rss, names,
+                        rollouts,
+                    )  # fmt: skip
                     started = rss.sample()
                     runs = asyncio.run(_measure_all(world, repeats))
+                    versions = plane.kubectl("version", "-o", "json").stdout
             finally:
-                emulator.stop()
+                requests.close()
+                plane.stop()
     finally:
         rss.stop()
     setup = {
@@ -378,6 +491,9 @@ def run(options: Options) -> dict[str, Any]:
         "concurrencies": [int(c) for c in runs],
         "default_concurrency": DEFAULT_CONCURRENCY,
         "settings_from_environment": overridden,
+        "kubernetes": json.loads(versions).get("serverVersion", {}).get("gitVersion", ""),
+        "control_plane_start_seconds": plane_seconds,
+        "rollout_seconds_after": rollouts,
     }
     memory = {"baseline_rss_bytes": rss.baseline, "servers_started_rss_bytes": started}
     memory["peak_rss_bytes"] = rss.peak
@@ -474,6 +590,28 @@ def _table(run: Mapping[str, Any], n: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def _expected_note(runs: Mapping[str, Any]) -> str:
+    """Did another client's counted request land in a timed sync? Compared per sync."""
+    checked: list[bool | None] = []
+    for run in runs.values():
+        for key, phase in run["phases"].items():
+            for sync in phase["syncs"] if key == "steady" else [phase]:
+                checked.append(sync["kube_as_expected"])
+    known = [c for c in checked if c is not None]
+    if known and all(known):
+        verdict = f"The counts of all {len(known)} timed syncs"
+        unknown = len(checked) - len(known)
+        verdict += f" (and {unknown} not predictable)" if unknown else ""
+        return verdict + " match exactly what the Syncer did: no other client's request counted."
+    if not known:
+        return "No timed sync had counts to compare with what the Syncer did."
+    return (
+        f"{known.count(False)} of {len(known)} timed syncs counted other requests than the "
+        "Syncer's actions imply (kube_as_expected false in the JSON): another client's, or "
+        "a retry."
+    )
+
+
 def _mib(value: float) -> str:
     return f"{value / MIB:.0f}"
 
@@ -489,14 +627,39 @@ def _notes(
         f"{n} workloads, one plain Deployment manifest each (tests/support/sync_world.py); the "
         "Syncer is built as the app builds it (build_runtime + open_sync_only), with "
         "PING_TOKEN_SECRET set so every manifest gets its ping token injected. Before the numbers "
-        "are reported, the emulator's managed Deployments and the versions reported to the "
+        "are reported, the cluster's managed Deployments and the versions reported to the "
         "backend are checked against the desired state.",
-        "the local backend (Ed25519 signatures verified) and the Kubernetes API emulator run in "
-        "threads of this process: wall and CPU times include their work, under the same GIL.",
+        f"Kubernetes: a real kube-apiserver ({setup['kubernetes'] or 'version unknown'}) and "
+        "deployment controller (kwok nodes: pods become Ready without a kubelet), etcd, "
+        "scheduler and kwok in their own processes (bench/cluster.py; started in "
+        f"{setup['control_plane_start_seconds']:.0f} s); the manager uses its own "
+        "ServiceAccount token and RBAC (k8s/). The local backend (Ed25519 signatures verified) "
+        "runs in a thread of this process: wall and CPU times include its work, under the same "
+        "GIL; the control plane's CPU is in the JSON (control_plane_cpu_seconds).",
+        "kube requests are counted by the API server (apiserver_request_total, scraped before "
+        "and after each timed sync): Deployments only, verbs LIST, GET, PATCH (server-side "
+        "apply, counted by the API server as APPLY) and DELETE. UPDATE (PUT: the deployment "
+        "controller's writes) and WATCH (the controllers' informers) are excluded, as are "
+        "subresources (the controller's status writes); they are in the JSON as "
+        "kube_not_counted. The counter is the whole cluster's, not the manager's alone; each "
+        "run starts on a namespace emptied of Deployments, ReplicaSets and Pods, and the "
+        "syncs after a converge wait until every rollout is done. " + _expected_note(runs),
         f"requests: `GET(404) {n}` = {n} answers with status 404 (each create first reads the "
-        "name to see that it is free); LIST = GET of the Deployments collection; no status = 200. "
+        "name to see that it is free); `PATCH(201)` = a server-side apply that created the "
+        "Deployment; LIST = list of the namespace's managed Deployments; no status = 200. "
         "The steady-state row shows the requests of the sync that made the most.",
     ]
+    rollouts = setup["rollout_seconds_after"]
+    if rollouts:
+        notes.append(
+            "not timed: after each converge the syncs wait until the deployment controller and "
+            "kwok have rolled out every Deployment: "
+            + "; ".join(
+                f"SYNC_CONCURRENCY={phase.split(':')[0]}: {seconds:.0f} s"
+                for phase, seconds in rollouts.items()
+            )
+            + "."
+        )
     steady = targets["steady_state_requests"]
     observed = "; ".join(
         f"SYNC_CONCURRENCY={c}: {counts}"
@@ -518,15 +681,17 @@ def _notes(
             f"{(converge['backend_requests'] + converge['kube_requests']) / n:.2f} requests per "
             f"workload) and {converge['cpu_seconds']:.2f} s of this process's CPU"
             + (
-                ": CPU-bound, the syncer and both servers share one interpreter."
+                ": CPU-bound, the syncer and the backend share one interpreter."
                 if converge["cpu_seconds"] >= CPU_BOUND * wall
                 else "."
             )
         )
     notes.append(
-        f"RSS of this process (servers included, sampled every {RSS_INTERVAL * 1000:.0f} ms): "
+        f"RSS of this process (the backend included, the control plane not; sampled every "
+        f"{RSS_INTERVAL * 1000:.0f} ms): "
         f"{_mib(memory['baseline_rss_bytes'])} MiB before, "
-        f"{_mib(memory['servers_started_rss_bytes'])} MiB with both servers up, peak "
+        f"{_mib(memory['servers_started_rss_bytes'])} MiB with the backend and the control plane "
+        "up, peak "
         f"{_mib(memory['peak_rss_bytes'])} MiB."
     )
     failed = {c: r["failure"] for c, r in runs.items() if r["failure"] is not None}

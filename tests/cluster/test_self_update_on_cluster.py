@@ -66,6 +66,8 @@ async def updater(
         found = await open_self_update_only(rt, stack)
         assert found is not None, rt.components["self_update"].reason
         yield found
+    control_plane.kubectl("-n", OWN_NS, "delete", "deployment", "workload-manager",
+                          "--ignore-not-found", "--wait=true")  # fmt: skip
 
 
 def own(control_plane: ControlPlane) -> dict[str, Any]:

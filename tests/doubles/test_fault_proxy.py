@@ -1,8 +1,9 @@
 """The fault proxy in front of the real API server: forwards (RBAC still applies),
-records, and fails, delays or drops on demand."""
+records, and fails or holds (and releases) requests on demand."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, load_configuration
 from tests.support.control_plane import ControlPlane
 from tests.support.kube.proxy import FaultProxy
+from tests.support.polling import eventually
 from tests.support.real_cluster import MANAGER_ACCOUNT
 from tests.support.servers import ThreadedServer
 
@@ -90,3 +92,31 @@ async def test_a_held_request_times_out_and_the_next_one_goes_through(
         await kube.list_managed(SELECTOR)
     faults.clear_faults()
     assert isinstance(await kube.list_managed(SELECTOR), list)
+
+
+async def test_a_released_hold_is_forwarded_at_once_and_recorded(
+    kube: KubeDeployments, proxy: tuple[FaultProxy, ThreadedServer]
+) -> None:
+    faults, _server = proxy
+    faults.delay_next("GET", "/deployments", seconds=600)
+    listing = asyncio.create_task(kube.list_managed(SELECTOR))
+
+    async def held() -> bool:
+        return faults.delays_waiting == 0
+
+    await eventually(held, step=0.01)
+    assert not listing.done()
+    faults.release_held()
+    assert isinstance(await asyncio.wait_for(listing, timeout=30), list)
+    assert [(r.method, r.status) for r in faults.requests] == [("GET", 200)]
+
+
+async def test_request_bodies_are_recorded_parsed(
+    kube: KubeDeployments, proxy: tuple[FaultProxy, ThreadedServer]
+) -> None:
+    faults, _server = proxy
+    faults.fail_next("PATCH", "/deployments/recorded", status=503, times=10)
+    with pytest.raises(KubeError):
+        await kube.patch("recorded", {"metadata": {"annotations": {"a": "b"}}})
+    bodies = [r.body for r in faults.requests if r.method == "PATCH"]
+    assert bodies and bodies[0] == {"metadata": {"annotations": {"a": "b"}}}

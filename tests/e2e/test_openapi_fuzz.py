@@ -1,7 +1,7 @@
 """Schemathesis against the running manager's own OpenAPI document.
 
 The manager runs as a child process with every route live: the registry on a real
-PostgreSQL, sync from a local desired-state folder into the Kubernetes API emulator, the
+PostgreSQL, sync from a local desired-state folder into the real control plane, the
 operator token on. Schemathesis generates requests from the document (valid and invalid
 ones) and checks every answer: never a 5xx, and every status, content type and body as
 the document says.

@@ -1,6 +1,6 @@
 """The fault suite's rig: the real manager process syncing from the local backend into the
-Kubernetes API emulator, reporting every half second, with one Deployment it does not
-manage beside the ones it does.
+real control plane (behind the fault proxy), reporting every half second, with one
+Deployment it does not manage beside the ones it does.
 
 Every case follows one shape: converge, inject a fault and change what is desired, check
 that nothing was lost or touched while the fault lasts, lift the fault *without touching

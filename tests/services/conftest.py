@@ -1,4 +1,6 @@
-"""Fixtures for the deployment syncer against real HTTP servers."""
+"""Fixtures for the deployment syncer against real servers: the contract-enforcing local
+backend and the real control plane, which the manager reaches through the fault proxy
+with its own ServiceAccount token."""
 
 from __future__ import annotations
 
@@ -14,15 +16,14 @@ from app.services.runtime import Runtime, build_runtime, open_sync_only
 from app.services.syncing import Syncer
 from tests.conftest import SettingsFactory
 from tests.support.backend import LocalBackend
-from tests.support.kube_emulator import KubeEmulator
+from tests.support.polling import eventually
+from tests.support.real_cluster import RealCluster
 from tests.support.servers import ThreadedServer
 from tests.support.sync_world import KEY, NAMESPACE, NODE, WRITES, key_seed
 
-
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[KubeEmulator]:
-    with KubeEmulator.serve(rollout_delay=0.05, progress_deadline=0.3) as emu:
-        yield emu
+# the manager's client timeout in these tests: far above what the API server takes, even
+# on a busy machine, and short enough for the tests that make a request outlive it
+KUBE_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def backend_server() -> Iterator[tuple[LocalBackend, ThreadedServer]]:
 @dataclass
 class World:
     backend: LocalBackend
-    emulator: KubeEmulator
+    cluster: RealCluster
     runtime: Runtime
     syncer: Syncer
 
@@ -50,35 +51,50 @@ class World:
         )
 
     def deployments(self) -> dict[str, dict[str, Any]]:
-        return {d["metadata"]["name"]: d for d in self.emulator.list_deployments(NAMESPACE)}
+        return {d["metadata"]["name"]: d for d in self.cluster.list_deployments(NAMESPACE)}
+
+    async def settled(self, name: str) -> None:
+        """Wait until the deployment controller is done with `name` (it writes status, so
+        a new resourceVersion, until the rollout is complete)."""
+
+        async def complete() -> bool:
+            found = self.cluster.get_deployment(NAMESPACE, name) or {}
+            status = found.get("status", {})
+            reasons = {c.get("reason") for c in status.get("conditions", [])}
+            return (
+                status.get("observedGeneration") == found["metadata"]["generation"]
+                and status.get("availableReplicas") == status.get("replicas") == 1
+                and "NewReplicaSetAvailable" in reasons
+            )
+
+        await eventually(complete, within=30.0, step=0.1)
 
     def kube_writes(self) -> list[str]:
-        return [f"{r.method} {r.path}" for r in self.emulator.requests if r.method in WRITES]
+        return [f"{r.method} {r.path}" for r in self.cluster.requests if r.method in WRITES]
 
     def forget_requests(self) -> None:
-        self.emulator.clear_requests()
+        self.cluster.clear_requests()
         self.backend.clear_records()
 
 
 @pytest.fixture
 async def world(
-    emulator: KubeEmulator,
+    cluster: RealCluster,
     backend_server: tuple[LocalBackend, ThreadedServer],
     make_settings: SettingsFactory,
     tmp_path: Path,
 ) -> AsyncIterator[World]:
     backend, server = backend_server
-    emulator.reset()
     backend.reset()
     settings = make_settings(
         node_id=NODE,
         node_system_endpoint=server.url,
         node_private_key=key_seed(),
-        kubeconfig=emulator.write_kubeconfig(tmp_path / "kubeconfig", NAMESPACE),
+        kubeconfig=cluster.write_kubeconfig(tmp_path / "kubeconfig", NAMESPACE),
         managed_namespace=NAMESPACE,
         backend_retry_attempts=1,
         backend_timeout_seconds=1.0,
-        kube_timeout_seconds=1.0,
+        kube_timeout_seconds=KUBE_TIMEOUT,
         ping_token_secret="sync-ping-secret",
         sync_max_deletes=2,
         sync_max_delete_percent=100,
@@ -87,4 +103,4 @@ async def world(
     async with AsyncExitStack() as stack:
         syncer = runtime.syncer = await open_sync_only(runtime, stack)
         assert syncer is not None, runtime.components["sync"].reason
-        yield World(backend=backend, emulator=emulator, runtime=runtime, syncer=syncer)
+        yield World(backend=backend, cluster=cluster, runtime=runtime, syncer=syncer)

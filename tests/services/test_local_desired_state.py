@@ -8,21 +8,20 @@ from pathlib import Path
 
 from app.services.runtime import build_runtime, open_sync_only
 from tests.conftest import SettingsFactory
-from tests.support.kube_emulator import KubeEmulator
+from tests.support.real_cluster import RealCluster
 from tests.support.sync_world import NAMESPACE
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "desired-state"
 
 
 async def test_the_example_folder_syncs_into_the_cluster(
-    emulator: KubeEmulator, make_settings: SettingsFactory, tmp_path: Path
+    cluster: RealCluster, make_settings: SettingsFactory, tmp_path: Path
 ) -> None:
-    emulator.reset()
     folder = tmp_path / "desired"
     shutil.copytree(EXAMPLE, folder)
     settings = make_settings(
         desired_state_dir=folder,
-        kubeconfig=emulator.write_kubeconfig(tmp_path / "kc", NAMESPACE),
+        kubeconfig=cluster.write_kubeconfig(tmp_path / "kc", NAMESPACE),
         managed_namespace=NAMESPACE,
     )
     rt = build_runtime(settings)
@@ -32,7 +31,7 @@ async def test_the_example_folder_syncs_into_the_cluster(
         assert "local folder" in rt.components["sync"].reason
         outcome = await syncer.sync()
         assert outcome.ok, outcome.as_dict()
-        assert sorted(d["metadata"]["name"] for d in emulator.list_deployments(NAMESPACE)) == [
+        assert sorted(d["metadata"]["name"] for d in cluster.list_deployments(NAMESPACE)) == [
             "echo",
             "hello",
         ]
@@ -45,10 +44,10 @@ async def test_the_example_folder_syncs_into_the_cluster(
         assert bumped == {"echo": ("noop", "unchanged"), "hello": ("update", "applied")}
         # a broken file aborts the sync and changes nothing
         (folder / "workloads.yaml").write_text("workloads: [unclosed")
-        emulator.clear_requests()
+        cluster.clear_requests()
         broken = await syncer.sync()
         assert broken.aborted is not None and "not valid YAML" in broken.aborted
-        assert [r for r in emulator.requests if r.method != "GET"] == []
+        assert [r for r in cluster.requests if r.method != "GET"] == []
 
 
 async def test_without_a_cluster_sync_is_off_and_says_why(

@@ -1,4 +1,6 @@
-"""Self-update against the Kubernetes emulator's rollout simulator and a local version file."""
+"""Self-update against the real API server and deployment controller (kwok makes pods
+Ready, or never for a never-ready image), through the fault proxy with the manager's own
+token, and a local version file."""
 
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ from app.services.runtime import Runtime, build_runtime, open_self_update_only, 
 from app.services.syncing import SyncBusy
 from app.services.updating import SelfUpdateBusy, SelfUpdater
 from tests.conftest import SettingsFactory
-from tests.support.kube_emulator import KubeEmulator
+from tests.support.control_plane import NEVER_READY_VERSION
 from tests.support.polling import eventually
+from tests.support.real_cluster import RealCluster
 from tests.support.servers import ThreadedServer, serve
 from tests.support.version_file import OWN_NS, REPO, VersionFileServer, own_deployment
 
@@ -41,8 +44,11 @@ TARGET_IMAGE = "workload-manager.io/update-image"
 STARTED = "workload-manager.io/update-started"
 CONFIRMED = "workload-manager.io/update-confirmed"
 FAILED_VERSIONS = "workload-manager.io/failed-versions"
-DEADLINE = 2.0
+DEADLINE = 10.0  # the updater's own bound on a rollout, and on retrying its rollback
+PROGRESS_DEADLINE = 2  # the own Deployment's progressDeadlineSeconds
 POLL = 0.05
+BAD = NEVER_READY_VERSION  # kwok never makes a pod of this image Ready
+WORSE = "0.4.0rc666"  # the same, for a second bad version
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +58,7 @@ def version_file() -> Iterator[tuple[VersionFileServer, ThreadedServer]]:
         yield files, server
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[KubeEmulator]:
-    with KubeEmulator.serve(rollout_delay=0.1, progress_deadline=0.6) as emu:
-        yield emu
-
-
-def image_of(cluster: KubeEmulator) -> str:
+def image_of(cluster: RealCluster) -> str:
     own = cluster.get_deployment(OWN_NS, "workload-manager")
     assert own is not None
     image: str = own["spec"]["template"]["spec"]["containers"][0]["image"]
@@ -67,15 +67,19 @@ def image_of(cluster: KubeEmulator) -> str:
 
 @pytest.fixture
 async def runtime(
-    cluster: KubeEmulator,
+    cluster: RealCluster,
     version_file: tuple[VersionFileServer, ThreadedServer],
     make_settings: SettingsFactory,
     tmp_path: Path,
 ) -> AsyncIterator[Runtime]:
     files, server = version_file
-    cluster.reset()
     files.set(body=b"0.1.0")
-    cluster.add_deployment(own_deployment(f"{REPO}:0.1.0"))
+    plane = cluster.plane
+    plane.kubectl("-n", OWN_NS, "delete", "deployment", "workload-manager",
+                  "--ignore-not-found", "--wait=true")  # fmt: skip
+    cluster.add_deployment(own_deployment(f"{REPO}:0.1.0", progress_deadline=PROGRESS_DEADLINE))
+    plane.kubectl("-n", OWN_NS, "rollout", "status", "deployment/workload-manager",
+                  "--timeout=60s")  # fmt: skip
     settings = make_settings(
         self_update_url=f"{server.url}/version",
         pod_namespace=OWN_NS,
@@ -84,6 +88,8 @@ async def runtime(
         self_update_deadline_seconds=DEADLINE,
         self_update_poll_seconds=POLL,
         self_update_timeout_seconds=0.5,
+        self_update_allow_prerelease=True,
+        kube_timeout_seconds=3.0,
         desired_state_dir=tmp_path,  # sync on, for the lock test
         managed_namespace="workloads",
     )
@@ -93,6 +99,9 @@ async def runtime(
         assert rt.updater is not None, rt.components["self_update"].reason
         rt.syncer = await open_sync_only(rt, stack)
         yield rt
+    # the own Deployment is this module's; other tests create theirs from scratch
+    plane.kubectl("-n", OWN_NS, "delete", "deployment", "workload-manager",
+                  "--ignore-not-found", "--wait=true")  # fmt: skip
 
 
 def updater(rt: Runtime) -> SelfUpdater:
@@ -108,7 +117,7 @@ async def fresh_updater(runtime: Runtime) -> AsyncIterator[SelfUpdater]:
     settings = runtime.settings
     assert settings.self_update_url is not None
     configuration, _source = await load_configuration(settings.kubeconfig)
-    kube = KubeDeployments(configuration, namespace=OWN_NS, timeout=1.0, attempts=1)
+    kube = KubeDeployments(configuration, namespace=OWN_NS, timeout=3.0, attempts=1)
     source = VersionFile(settings.self_update_url, timeout=0.5)
     try:
         yield SelfUpdater(
@@ -116,7 +125,7 @@ async def fresh_updater(runtime: Runtime) -> AsyncIterator[SelfUpdater]:
             kube=kube,
             deployment=settings.self_deployment_name,
             container=settings.self_container_name,
-            policy=UpdatePolicy(repository=REPO),
+            policy=UpdatePolicy(repository=REPO, allow_prerelease=True),
             deadline=DEADLINE,
             poll_interval=POLL,
             component=runtime.components["self_update"],
@@ -129,7 +138,7 @@ async def fresh_updater(runtime: Runtime) -> AsyncIterator[SelfUpdater]:
         await kube.aclose()
 
 
-def annotations_of(cluster: KubeEmulator) -> dict[str, str]:
+def annotations_of(cluster: RealCluster) -> dict[str, str]:
     own = cluster.get_deployment(OWN_NS, "workload-manager")
     assert own is not None
     annotations: dict[str, str] = own["metadata"].get("annotations") or {}
@@ -141,7 +150,7 @@ def stamp(at: datetime) -> str:
 
 
 def as_left_by_an_update(
-    cluster: KubeEmulator, *, image: str, target: str, started: datetime, **extra: str
+    cluster: RealCluster, *, image: str, target: str, started: datetime, **extra: str
 ) -> None:
     """Put the own Deployment in the state an update patch leaves (as if another manager
     instance had applied it): the new image and the update's annotations."""
@@ -156,19 +165,19 @@ def as_left_by_an_update(
     cluster.edit_deployment(OWN_NS, "workload-manager", edit)
 
 
-async def update_applied(cluster: KubeEmulator, image: str) -> None:
+async def update_applied(cluster: RealCluster, image: str) -> None:
     async def applied() -> bool:
         return image_of(cluster) == image
 
     await eventually(applied, within=5.0, step=0.01)
 
 
-def patch_statuses(cluster: KubeEmulator) -> list[int]:
+def patch_statuses(cluster: RealCluster) -> list[int]:
     return [r.status for r in cluster.requests if r.method == "PATCH"]
 
 
 async def test_a_newer_version_is_applied_and_becomes_available(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:
     version_file[0].set(body=b'{"version": "0.2.0"}')
     await updater(runtime).run_scheduled()
@@ -186,7 +195,7 @@ async def test_a_newer_version_is_applied_and_becomes_available(
 
 @pytest.mark.parametrize("published", [b"0.1.0", b"0.0.9", b'{"version": "0.1.0"}'])
 async def test_the_same_or_an_older_version_changes_nothing(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any],
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
     published: bytes,
 ) -> None:  # fmt: skip
     version_file[0].set(body=published)
@@ -208,7 +217,7 @@ async def test_the_same_or_an_older_version_changes_nothing(
     ],
 )
 async def test_unreadable_version_files_change_nothing_and_say_why(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any],
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
     status: int, body: bytes, delay: float, says: str,
 ) -> None:  # fmt: skip
     version_file[0].set(status=status, body=body, delay=delay)
@@ -221,15 +230,14 @@ async def test_unreadable_version_files_change_nothing_and_say_why(
 
 
 async def test_an_image_that_never_gets_ready_is_rolled_back_and_skipped_after(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:
-    cluster.mark_bad_image(f"{REPO}:0.3.0")
-    version_file[0].set(body=b"0.3.0")
+    version_file[0].set(body=BAD.encode())
     await updater(runtime).run_scheduled()
     assert image_of(cluster) == f"{REPO}:0.1.0"
     own = cluster.get_deployment(OWN_NS, "workload-manager")
     assert own is not None
-    assert own["metadata"]["annotations"][FAILED_VERSIONS] == "0.3.0"
+    assert own["metadata"]["annotations"][FAILED_VERSIONS] == BAD
     assert "rolled back" in (runtime.components["self_update"].last_error or "")
     assert any("rolled back" in a.text for a in runtime.alerts.recent)
     cluster.clear_requests()
@@ -240,7 +248,7 @@ async def test_an_image_that_never_gets_ready_is_rolled_back_and_skipped_after(
 
 
 async def test_only_the_configured_repository_is_taken(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:
     version_file[0].set(body=b'{"version": "9.9.9", "image": "evil.example/wm:9.9.9"}')
     cluster.clear_requests()
@@ -250,12 +258,12 @@ async def test_only_the_configured_repository_is_taken(
 
 
 async def test_sync_and_self_update_never_overlap(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:
-    cluster.mark_bad_image(f"{REPO}:0.4.0")  # keeps the update watching until its deadline
-    version_file[0].set(body=b"0.4.0")
+    # an image that never gets ready keeps the update watching until its deadline
+    version_file[0].set(body=WORSE.encode())
     update = asyncio.create_task(updater(runtime).run_scheduled())
-    await update_applied(cluster, f"{REPO}:0.4.0")
+    await update_applied(cluster, f"{REPO}:{WORSE}")
     assert runtime.syncer is not None
     with pytest.raises(SyncBusy):
         await runtime.syncer.sync()
@@ -267,21 +275,20 @@ async def test_sync_and_self_update_never_overlap(
 
 
 async def test_a_rollback_that_fails_transiently_is_retried_with_backoff_until_it_lands(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any],
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
     fresh_updater: SelfUpdater, caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
     caplog.set_level(logging.WARNING, logger="app.services.updating")
-    cluster.mark_bad_image(f"{REPO}:0.3.0")
-    version_file[0].set(body=b"0.3.0")
+    version_file[0].set(body=BAD.encode())
     run = asyncio.create_task(fresh_updater.run_scheduled())
-    await update_applied(cluster, f"{REPO}:0.3.0")
+    await update_applied(cluster, f"{REPO}:{BAD}")
     cluster.clear_requests()
     cluster.fail_next("PATCH", OWN, status=503, times=3, message="etcdserver: leader changed")
     await run
     assert patch_statuses(cluster) == [503, 503, 503, 200]
     assert image_of(cluster) == f"{REPO}:0.1.0"
     annotations = annotations_of(cluster)
-    assert annotations[FAILED_VERSIONS] == "0.3.0" and TARGET not in annotations
+    assert annotations[FAILED_VERSIONS] == BAD and TARGET not in annotations
     # each failed attempt was followed by a longer (exponential) wait before the next one
     waits = [r.next_wait for r in caplog.records if hasattr(r, "next_wait")]
     assert len(waits) == 3 and 0 < waits[0] < waits[1] < waits[2], waits
@@ -289,28 +296,28 @@ async def test_a_rollback_that_fails_transiently_is_retried_with_backoff_until_i
 
 
 async def fail_every_rollback(
-    cluster: KubeEmulator, versions: VersionFileServer, updater: SelfUpdater
+    cluster: RealCluster, versions: VersionFileServer, updater: SelfUpdater
 ) -> None:
-    """Publish 0.3.0 (an image that never becomes ready), and let every rollback patch
+    """Publish BAD (an image that never becomes ready), and let every rollback patch
     fail; returns when the scheduled run gave up (it does not raise)."""
-    cluster.mark_bad_image(f"{REPO}:0.3.0")
-    versions.set(body=b"0.3.0")
+    versions.set(body=BAD.encode())
     run = asyncio.create_task(updater.run_scheduled())
-    await update_applied(cluster, f"{REPO}:0.3.0")
+    await update_applied(cluster, f"{REPO}:{BAD}")
     cluster.clear_requests()
     cluster.fail_next("PATCH", OWN, status=503, times=10_000)
     await run
 
 
 async def test_a_rollback_that_keeps_failing_is_bounded_shown_and_alerted(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any],
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
     fresh_updater: SelfUpdater,
 ) -> None:  # fmt: skip
     started = time.monotonic()
     await fail_every_rollback(cluster, version_file[0], fresh_updater)  # nor forever
-    assert time.monotonic() - started < DEADLINE + 3.0
+    # the controller's verdict (progressDeadlineSeconds), then retries for up to DEADLINE
+    assert time.monotonic() - started < PROGRESS_DEADLINE + 2 * DEADLINE
     assert len(patch_statuses(cluster)) > 2 and set(patch_statuses(cluster)) == {503}
-    assert image_of(cluster) == f"{REPO}:0.3.0"
+    assert image_of(cluster) == f"{REPO}:{BAD}"
     # what /v1/status shows for the component
     shown = ComponentInfo(**runtime.components["self_update"].as_dict())
     assert shown.state == "failing"
@@ -318,18 +325,18 @@ async def test_a_rollback_that_keeps_failing_is_bounded_shown_and_alerted(
     assert "failed" in shown.last_error and f"{REPO}:0.1.0" in shown.last_error
     assert shown.detail.get("owed") == "rollback"
     assert any(
-        a.key == "self-update:rollback-failed:0.3.0" and "rollback" in a.text
+        a.key == f"self-update:rollback-failed:{BAD}" and "rollback" in a.text
         for a in runtime.alerts.recent
     )
     assert runtime.metrics.self_updates.labels("rollback-failed")._value.get() == 1
 
 
 async def test_the_check_after_a_failed_rollback_performs_it(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any],
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
     fresh_updater: SelfUpdater,
 ) -> None:  # fmt: skip
     await fail_every_rollback(cluster, version_file[0], fresh_updater)
-    assert image_of(cluster) == f"{REPO}:0.3.0"  # the rollback did not land
+    assert image_of(cluster) == f"{REPO}:{BAD}"  # the rollback did not land
     cluster.clear_faults()
     cluster.clear_requests()
     await fresh_updater.run_scheduled()
@@ -337,7 +344,7 @@ async def test_the_check_after_a_failed_rollback_performs_it(
     assert last is not None and last["decision"] == "rollback", last
     assert image_of(cluster) == f"{REPO}:0.1.0"
     annotations = annotations_of(cluster)
-    assert annotations[FAILED_VERSIONS] == "0.3.0" and TARGET not in annotations
+    assert annotations[FAILED_VERSIONS] == BAD and TARGET not in annotations
     assert "rolled back" in (runtime.components["self_update"].last_error or "")
     # and from then on the failed version is skipped
     await fresh_updater.run_scheduled()
@@ -346,14 +353,10 @@ async def test_the_check_after_a_failed_rollback_performs_it(
 
 
 async def test_a_starting_manager_resumes_watching_an_update_and_confirms_it(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:
-    cluster.rollout_delay = 0.5
     version_file[0].set(body=b"0.2.0")
     as_left_by_an_update(cluster, image=f"{REPO}:0.2.0", target="0.2.0", started=datetime.now(UTC))
-    assert rollout_of(cluster.get_deployment(OWN_NS, "workload-manager") or {}).phase is (
-        RolloutPhase.ROLLING_OUT
-    )
     cluster.clear_requests()
     await updater(runtime).run_scheduled()  # the first run of a freshly started manager
     last = updater(runtime).last
@@ -371,33 +374,31 @@ async def test_a_starting_manager_resumes_watching_an_update_and_confirms_it(
 
 
 async def test_a_starting_manager_resumes_watching_an_update_and_rolls_it_back(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:
-    cluster.mark_bad_image(f"{REPO}:0.3.0")
-    version_file[0].set(body=b"0.3.0")
+    version_file[0].set(body=BAD.encode())
     # a second ahead: the annotation has whole seconds, and the watch should get its whole
     # deadline (a start in the future counts as now), so it is the Deployment that says why
     as_left_by_an_update(
-        cluster, image=f"{REPO}:0.3.0", target="0.3.0",
+        cluster, image=f"{REPO}:{BAD}", target=BAD,
         started=datetime.now(UTC) + timedelta(seconds=1),
     )  # fmt: skip
     assert await updater(runtime).resume() == "rolled-back"
     assert image_of(cluster) == f"{REPO}:0.1.0"
     annotations = annotations_of(cluster)
-    assert annotations[FAILED_VERSIONS] == "0.3.0" and TARGET not in annotations
+    assert annotations[FAILED_VERSIONS] == BAD and TARGET not in annotations
     assert "ProgressDeadlineExceeded" in (runtime.components["self_update"].last_error or "")
     assert any("rolled back" in a.text for a in runtime.alerts.recent)
 
 
 async def test_a_starting_manager_finishes_an_interrupted_rollback(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:
     # the update's deadline passed while no manager was watching (the one that owed the
     # rollback died); the version file is unreadable, which must not matter
-    cluster.mark_bad_image(f"{REPO}:0.3.0")
     version_file[0].set(status=500)
     as_left_by_an_update(
-        cluster, image=f"{REPO}:0.3.0", target="0.3.0",
+        cluster, image=f"{REPO}:{BAD}", target=BAD,
         started=datetime.now(UTC) - timedelta(hours=1),
     )  # fmt: skip
     cluster.clear_requests()
@@ -406,17 +407,17 @@ async def test_a_starting_manager_finishes_an_interrupted_rollback(
     assert last is not None and last["decision"] == "rollback", last
     assert image_of(cluster) == f"{REPO}:0.1.0"
     annotations = annotations_of(cluster)
-    assert annotations[FAILED_VERSIONS] == "0.3.0" and TARGET not in annotations
+    assert annotations[FAILED_VERSIONS] == BAD and TARGET not in annotations
     assert f"within {DEADLINE:.0f} s" in (runtime.components["self_update"].last_error or "")
 
 
 async def test_a_starting_manager_records_a_rollback_done_outside_it(
-    runtime: Runtime, cluster: KubeEmulator, version_file: tuple[VersionFileServer, Any]
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:
     # the image is back at the previous one (`kubectl rollout undo`, or a rollback whose
     # bookkeeping was lost) but the annotations still say an update is in flight
-    version_file[0].set(body=b"0.3.0")
-    as_left_by_an_update(cluster, image=f"{REPO}:0.3.0", target="0.3.0", started=datetime.now(UTC))
+    version_file[0].set(body=BAD.encode())
+    as_left_by_an_update(cluster, image=f"{REPO}:{BAD}", target=BAD, started=datetime.now(UTC))
     cluster.edit_deployment(
         OWN_NS,
         "workload-manager",
@@ -427,7 +428,7 @@ async def test_a_starting_manager_records_a_rollback_done_outside_it(
     patches = [r for r in cluster.requests if r.method == "PATCH"]
     assert len(patches) == 1 and "spec" not in patches[0].body  # bookkeeping only
     annotations = annotations_of(cluster)
-    assert annotations[FAILED_VERSIONS] == "0.3.0" and TARGET not in annotations
+    assert annotations[FAILED_VERSIONS] == BAD and TARGET not in annotations
     await updater(runtime).run_scheduled()
     last = updater(runtime).last
     assert last is not None and last["decision"] == "skip" and "failed before" in last["reason"]

@@ -1,4 +1,5 @@
-"""The syncer over real HTTP: local backend (signatures checked) and the Kubernetes emulator."""
+"""The syncer over real HTTP: the local backend (signatures checked) and the real API server
+and deployment controller, behind the fault proxy, with the manager's own token."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ async def test_steady_state_costs_one_backend_request_and_one_list(world: World)
     outcome = await world.syncer.sync()
     assert {r.outcome for r in outcome.results} == {"unchanged"}
     assert [(r.method, r.status) for r in world.backend.requests] == [("GET", 304)]
-    assert [(r.method, r.path) for r in world.emulator.requests] == [
+    assert [(r.method, r.path) for r in world.cluster.requests] == [
         ("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments")
     ]
 
@@ -70,7 +71,7 @@ async def test_a_version_bump_is_rolled_out_and_reported(world: World) -> None:
     world.desire(("api", "1.0.0"), ("worker", "2.3.0"))
     await world.syncer.sync()
     # someone scaled the workload; the manifest does not set replicas
-    world.emulator.edit_deployment(NAMESPACE, "api", lambda d: d["spec"].update(replicas=3))
+    world.cluster.edit_deployment(NAMESPACE, "api", lambda d: d["spec"].update(replicas=3))
     world.desire(("api", "1.1.0"), ("worker", "2.3.0"))
     world.forget_requests()
     outcome = await world.syncer.sync()
@@ -103,7 +104,7 @@ async def test_drift_made_by_hand_is_repaired(world: World) -> None:
     def tamper(d: dict[str, Any]) -> None:
         d["spec"]["template"]["spec"]["containers"][0]["image"] = "evil/api:6.6.6"
 
-    world.emulator.edit_deployment(NAMESPACE, "api", tamper)
+    world.cluster.edit_deployment(NAMESPACE, "api", tamper)
     outcome = await world.syncer.sync()
     (result,) = outcome.results
     assert (result.action, result.outcome) == ("update", "applied")
@@ -115,10 +116,10 @@ async def test_drift_made_by_hand_is_repaired(world: World) -> None:
 async def test_unmanaged_deployments_survive_every_sync(world: World) -> None:
     theirs = manifest("theirs", "1")
     theirs["metadata"]["namespace"] = NAMESPACE
-    world.emulator.add_deployment(theirs)
+    world.cluster.add_deployment(theirs)
     clash = manifest("api", "0.1")
     clash["metadata"]["namespace"] = NAMESPACE
-    world.emulator.add_deployment(clash)
+    world.cluster.add_deployment(clash)
     before = {n: d["metadata"]["resourceVersion"] for n, d in world.deployments().items()}
     world.desire(("api", "1.0.0"), allow_empty=True)
     outcome = await world.syncer.sync()
@@ -150,7 +151,7 @@ async def test_a_failing_backend_changes_nothing(world: World, mode: str) -> Non
 async def test_one_failing_workload_does_not_block_the_others(world: World) -> None:
     world.desire(("api", "1.0.0"), ("worker", "1.0.0"), ("web", "1.0.0"))
     world.backend.fail("manifest", "500", times=1)  # the first manifest fetched fails
-    world.emulator.fail_next("PATCH", "/deployments/web", status=500, times=10)
+    world.cluster.fail_next("PATCH", "/deployments/web", status=500, times=10)
     outcome = await world.syncer.sync()
     outcomes = sorted((r.name, r.outcome) for r in outcome.results)
     assert outcomes.count(("web", "failed")) == 1
@@ -158,7 +159,7 @@ async def test_one_failing_workload_does_not_block_the_others(world: World) -> N
     assert sum(o == "applied" for _, o in outcomes) == 1
     assert not outcome.ok
     assert world.runtime.components["sync"].state == "failing"
-    world.emulator.clear_faults()
+    world.cluster.clear_faults()
     again = await world.syncer.sync()
     assert again.ok, again.as_dict()
     assert set(world.deployments()) == {"api", "worker", "web"}
@@ -168,7 +169,7 @@ async def test_a_conflict_re_reads_and_plans_again(world: World) -> None:
     world.desire(("api", "1.0.0"))
     await world.syncer.sync()
     world.desire(("api", "1.1.0"))
-    world.emulator.fail_next("PATCH", "/deployments/api", status=409, times=1)
+    world.cluster.fail_next("PATCH", "/deployments/api", status=409, times=1)
     outcome = await world.syncer.sync()
     (result,) = outcome.results
     assert result.outcome == "applied"
@@ -224,11 +225,14 @@ async def test_a_lost_version_report_is_sent_by_the_next_sync(world: World) -> N
 async def test_an_update_that_timed_out_but_landed_is_still_reported(world: World) -> None:
     world.desire(("api", "1.0.0"))
     await world.syncer.sync()
+    await world.settled("api")  # so that the held apply's resourceVersion still holds
     world.desire(("api", "1.1.0"))
-    # the server applies the patch after the client (1 s timeout) has given up on it
-    world.emulator.delay_next("PATCH", "/deployments/api", seconds=1.5, times=3)
+    # the server applies the patch after the client has given up on it (every attempt)
+    world.cluster.delay_next("PATCH", "/deployments/api", seconds=60, times=3)
     first = await world.syncer.sync()
     assert [(r.name, r.outcome) for r in first.results] == [("api", "failed")]
+    assert "timed out" in (first.results[0].error or first.results[0].reason)
+    world.cluster.release_held()
 
     async def landed() -> bool:
         return image_of(world.deployments()["api"]) == "registry.example/api:1.1.0"
@@ -270,19 +274,20 @@ async def test_syncs_never_overlap(world: World) -> None:
 
 
 async def test_rollout_state_feeds_workload_status(world: World) -> None:
-    world.emulator.mark_bad_image("registry.example/broken:1")
+    broken = manifest("broken", "1", image="registry.example/broken:never-ready")
+    broken["spec"]["progressDeadlineSeconds"] = 2  # kwok never makes this image's pod Ready
     world.desire(
         ("api", "1.0.0"),
         ("broken", "1"),
         ("blocked", "1"),
-        broken=manifest("broken", "1", image="registry.example/broken:1"),
+        broken=broken,
         blocked={**manifest("blocked", "1"), "kind": "StatefulSet"},
     )
     await world.syncer.sync()
     book = world.runtime.book
     expected = {"api": "unknown", "broken": "failed", "blocked": "missing"}
 
-    async def rolled_out() -> bool:  # past the emulator's rollout delay and progress deadline
+    async def rolled_out() -> bool:  # the controller's view: Ready, ProgressDeadlineExceeded
         await world.syncer.refresh_view()
         return {v.name: v.status for v in book.views()} == expected
 
@@ -303,20 +308,27 @@ async def test_applied_spec_is_recorded_for_drift_checks(world: World) -> None:
 async def test_an_edit_between_plan_and_apply_is_a_real_conflict(world: World) -> None:
     world.desire(("api", "1.0.0"))
     await world.syncer.sync()
+    await world.settled("api")  # no status write of the controller's in between
     world.desire(("api", "1.1.0"))
     # hold the apply at the server while someone edits the Deployment
-    world.emulator.delay_next("PATCH", "/deployments/api", seconds=0.6, times=1)
+    world.cluster.delay_next("PATCH", "/deployments/api", seconds=60, times=1)
     world.forget_requests()
     task = asyncio.create_task(world.syncer.sync())
 
     async def patch_held() -> bool:
-        return world.emulator.delays_waiting == 0
+        return world.cluster.delays_waiting == 0
 
     await eventually(patch_held, step=0.01)
-    world.emulator.edit_deployment(NAMESPACE, "api", lambda d: d["spec"].update(replicas=2))
+    # one quick write by another field manager, well within the manager's client timeout
+    await asyncio.to_thread(
+        world.cluster.plane.kubectl, "-n", NAMESPACE, "patch", "deployment", "api",
+        "--type=merge", "-p", json.dumps({"spec": {"replicas": 2}}),
+    )  # fmt: skip
+    world.cluster.release_held()
     outcome = await task
-    patches = [r.status for r in world.emulator.requests if r.method == "PATCH"]
-    assert patches == [409, 200]
+    patches = [r.status for r in world.cluster.requests if r.method == "PATCH"]
+    # the held apply met the edit; the scale-up's status writes may conflict once more
+    assert patches[0] == 409 and patches[-1] == 200 and set(patches[1:-1]) <= {409}, patches
     (result,) = outcome.results
     assert result.outcome == "applied" and "after a conflict" in result.reason
     api = world.deployments()["api"]
@@ -371,7 +383,7 @@ async def test_conflicts_from_a_busy_controller_are_re_read_a_few_times(world: W
     world.desire(("api", "1.0.0"))
     await world.syncer.sync()
     world.desire(("api", "1.1.0"))
-    world.emulator.fail_next("PATCH", "/deployments/api", status=409, times=2)
+    world.cluster.fail_next("PATCH", "/deployments/api", status=409, times=2)
     outcome = await world.syncer.sync()
     (result,) = outcome.results
     assert result.outcome == "applied", result
@@ -382,7 +394,7 @@ async def test_a_delete_that_meets_repeated_conflicts_is_re_read_and_done(world:
     world.desire(("api", "1.0.0"), ("old", "1.0.0"))
     await world.syncer.sync()
     world.desire(("api", "1.0.0"))
-    world.emulator.fail_next("DELETE", "/deployments/old", status=409, times=2)
+    world.cluster.fail_next("DELETE", "/deployments/old", status=409, times=2)
     outcome = await world.syncer.sync()
     by_name = {r.name: r for r in outcome.results}
     assert by_name["old"].outcome == "applied", by_name["old"]

@@ -5,6 +5,7 @@ the admin, beside it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,25 @@ class RealCluster:
     def list_deployments(self, namespace: str) -> list[dict[str, Any]]:
         return self.plane.list("deployments", namespace)
 
+    def edit_deployment(
+        self, namespace: str, name: str, edit: Callable[[dict[str, Any]], None]
+    ) -> dict[str, Any]:
+        """What `kubectl edit` does: read, change, replace with the read resourceVersion
+        (another field manager than the manager's). The deployment controller writes status
+        meanwhile, so a conflict is read again, a few times."""
+        for _attempt in range(10):
+            current = self.get_deployment(namespace, name)
+            assert current is not None, f"no deployment {namespace}/{name}"
+            edit(current)
+            done = self.plane.kubectl("replace", "-f", "-", input=json.dumps(current), check=False)
+            if done.returncode == 0:
+                edited = self.get_deployment(namespace, name)
+                assert edited is not None
+                return edited
+            if "modified" not in done.stderr:
+                raise AssertionError(f"kubectl replace failed: {done.stderr}")
+        raise AssertionError(f"kubectl replace of {namespace}/{name} kept conflicting")
+
     # -- faults and records (the proxy's) ----------------------------------------------
 
     def fail_next(
@@ -71,6 +91,9 @@ class RealCluster:
         self, method: str | None = None, path_contains: str = "", *, seconds: float, times: int = 1
     ) -> None:
         self.proxy.delay_next(method, path_contains, seconds=seconds, times=times)
+
+    def release_held(self) -> None:
+        self.proxy.release_held()
 
     @property
     def delays_waiting(self) -> int:

@@ -1,6 +1,6 @@
 """Run an ASGI app on a free loopback port in a background thread.
 
-Test doubles (the local backend, the Kubernetes API emulator, receivers) are
+Test doubles (the local backend, the Kubernetes fault proxy, receivers) are
 served this way so that both async tests and blocking subprocess calls
 (`kubectl`, the manager process) can talk to them over real HTTP.
 """

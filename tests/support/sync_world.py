@@ -1,8 +1,5 @@
-"""A local backend and a Kubernetes API emulator, served once per module, plus manifests.
-
-Sync tests share these (starting servers costs more than the tests) and reset them
-before each test.
-"""
+"""What the sync tests share: the node, its key, the managed namespace, and the manifests
+the local backend serves."""
 
 from __future__ import annotations
 
@@ -53,7 +50,7 @@ def manifest(
 
 
 def sync_env(backend_url: str, kubeconfig: Path) -> dict[str, str]:
-    """Environment for a manager process that syncs from the backend into the emulator."""
+    """Environment for a manager process that syncs from the backend into the cluster."""
     return {
         "NODE_ID": NODE,
         "NODE_SYSTEM_ENDPOINT": backend_url,

@@ -14,7 +14,7 @@ class RecordedRequest:
     query: dict[str, str]
     content_type: str | None  # without parameters, e.g. application/strategic-merge-patch+json
     status: int
-    body: Any  # parsed JSON (or YAML for apply patches), raw text otherwise, None if empty
+    body: Any  # parsed JSON, raw text otherwise, None if empty
 
 
 @dataclass
@@ -39,15 +39,21 @@ class Control:
         self._requests: list[RecordedRequest] = []
         self._faults: list[Rule] = []
         self._delays: list[Rule] = []
-        self.closing = threading.Event()  # ends watches on shutdown
         # Requests started before a reset neither wait out their delay nor get recorded after it.
         self._epoch = 0
         self._interrupt = threading.Event()
+        self._release = threading.Event()  # ends the holds under way early, forwarding them
 
-    def begin(self) -> tuple[int, threading.Event]:
-        """Epoch and interrupt event for a request that is starting."""
+    def begin(self) -> tuple[int, threading.Event, threading.Event]:
+        """Epoch, interrupt and release events for a request that is starting."""
         with self._lock:
-            return self._epoch, self._interrupt
+            return self._epoch, self._interrupt, self._release
+
+    def release(self) -> None:
+        """Requests held now are forwarded at once; later holds are not affected."""
+        with self._lock:
+            self._release.set()
+            self._release = threading.Event()
 
     def reset(self) -> None:
         with self._lock:
@@ -57,16 +63,6 @@ class Control:
             self._requests.clear()
             self._faults.clear()
             self._delays.clear()
-
-    def reopen(self) -> None:
-        with self._lock:
-            self.closing.clear()
-            self._interrupt = threading.Event()
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self.closing.set()
-            self._interrupt.set()
 
     def add_fault(self, rule: Rule) -> None:
         with self._lock:

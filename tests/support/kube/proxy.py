@@ -16,6 +16,7 @@ import asyncio
 import json
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,6 +61,10 @@ class FaultProxy:
         """Hold the next `times` matching requests for `seconds`, then forward them."""
         self._control.add_delay(Rule(method, path_contains, times, seconds=seconds))
 
+    def release_held(self) -> None:
+        """Forward every request held by a delay now (the hold was a gate, not a time)."""
+        self._control.release()
+
     @property
     def delays_waiting(self) -> int:
         return self._control.delays_waiting
@@ -82,12 +87,12 @@ class FaultProxy:
 
     async def _forward(self, request: Request) -> Response:
         method, path = request.method, request.url.path
-        epoch, interrupt = self._control.begin()
+        epoch, interrupt, release = self._control.begin()
         query = dict(request.query_params)
         content_type = (request.headers.get("content-type") or "").split(";")[0] or None
         body = await request.body()
         delay = self._control.take_delay(method, path)
-        if delay and not await asyncio.to_thread(_held, interrupt, delay):
+        if delay and not await asyncio.to_thread(_held, interrupt, release, delay):
             # reset while held: a request of an earlier test never reaches the server
             return Response(status_code=503)
         fault = self._control.take_fault(method, path)
@@ -96,8 +101,9 @@ class FaultProxy:
         else:
             response = await self._send(request, body)
         self._control.record(
-            RecordedRequest(method, path, query, content_type, response.status_code, None), epoch
-        )
+            RecordedRequest(method, path, query, content_type, response.status_code,
+                            _parsed(body)), epoch
+        )  # fmt: skip
         return response
 
     async def _send(self, request: Request, body: bytes) -> Response:
@@ -124,9 +130,26 @@ class FaultProxy:
             server.stop()
 
 
-def _held(interrupt: threading.Event, seconds: float) -> bool:
-    """Hold a request (the fault: a slow API server); False when a reset ended the hold."""
-    return not interrupt.wait(seconds)
+def _held(interrupt: threading.Event, release: threading.Event, seconds: float) -> bool:
+    """Hold a request (the fault: a slow API server) for `seconds` or until released;
+    False when a reset ended the hold (the request is then abandoned)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if interrupt.wait(min(left, 0.01)):
+            return False
+        if release.is_set():
+            return True
+    return not interrupt.is_set()
+
+
+def _parsed(body: bytes) -> Any:
+    """A request body as tests read it: JSON parsed, other text as it is, None if empty."""
+    if not body:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")
 
 
 def _status(rule: Rule) -> Response:
