@@ -224,6 +224,15 @@ def _cpu_seconds() -> float:
     return float(times.user + times.system)
 
 
+async def _until(unmet: Callable[[], str | None], limit: float) -> None:
+    """Poll until `unmet()` says nothing is left (None); fail the run with what it said
+    after `limit` seconds. Ctrl-C cancels the run at the sleep."""
+    deadline = time.monotonic() + limit
+    while (left := unmet()) is not None:
+        _check(time.monotonic() < deadline, f"{left} after {limit:.0f} s")
+        await asyncio.sleep(POLL)
+
+
 @dataclass
 class World:
     backend: LocalBackend
@@ -257,38 +266,30 @@ class World:
         (and then reads) one object at a time, about 10 requests/s, minutes for 1,000."""
         self.backend.reset()
         self.requests.delete_deployments(NAMESPACE)
-        deadline = time.monotonic() + RESET_TIMEOUT
-        while True:
+
+        def still_there() -> str | None:
             left = self.plane.kubectl(
                 "-n", NAMESPACE, "get", "deployments,replicasets,pods", "-o", "name"
             ).stdout.split()
-            if not left:
-                return
-            _check(
-                time.monotonic() < deadline,
-                f"{len(left)} objects left in {NAMESPACE} after {RESET_TIMEOUT:.0f} s, "
-                f"e.g. {left[:2]}",
-            )
-            await asyncio.sleep(POLL)  # Ctrl-C cancels the run here
+            return f"{len(left)} objects left in {NAMESPACE}, e.g. {left[:2]}" if left else None
+
+        await _until(still_there, RESET_TIMEOUT)
 
     async def wait_rolled_out(self, phase: str, n: int) -> None:
         """Every managed Deployment rolled out (outside the timed syncs): the controllers'
         writes meanwhile would conflict with the next sync's conditional applies, and
         their CPU would be in its wall time."""
         started = time.monotonic()
-        deadline = started + ROLLOUT_TIMEOUT
-        while True:
+
+        def pending() -> str | None:
             listed = self.managed()
-            pending = [d["metadata"]["name"] for d in listed if not _rolled_out(d)]
-            if len(listed) == n and not pending:
-                self.rollouts[phase] = round(time.monotonic() - started, 1)
-                return
-            _check(
-                time.monotonic() < deadline,
-                f"{len(pending)} of {len(listed)} Deployments not rolled out after "
-                f"{ROLLOUT_TIMEOUT:.0f} s, e.g. {pending[:2]}",
-            )
-            await asyncio.sleep(POLL)  # Ctrl-C cancels the run here
+            waiting = [d["metadata"]["name"] for d in listed if not _rolled_out(d)]
+            if len(listed) == n and not waiting:
+                return None
+            return f"{len(waiting)} of {len(listed)} Deployments not rolled out, e.g. {waiting[:2]}"
+
+        await _until(pending, ROLLOUT_TIMEOUT)
+        self.rollouts[phase] = round(time.monotonic() - started, 1)
 
     def desire(self, versions: Mapping[str, str]) -> None:
         for name, version in versions.items():
