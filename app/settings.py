@@ -145,6 +145,12 @@ class Settings(BaseSettings):
     job_held_delay_seconds: float = _ranged(10.0, 0.1, 3_600.0)
     job_timeout_seconds: float = _ranged(600.0, 0.1, 86_400.0)
     job_stream_retention: str = Field(default="workqueue", pattern="^(workqueue|limits)$")
+    # where the idempotency ledger lives: PostgreSQL when there is a database (auto), else
+    # the JOB_LEDGER bucket of JetStream; every node sharing a tier must use the same one
+    job_ledger: str = Field(default="auto", pattern="^(auto|postgres|jetstream)$")
+    # how long the JetStream ledger remembers a finished key (default: the streams' max age,
+    # after which no delivery of the job can come)
+    job_ledger_ttl_seconds: float | None = Field(default=None, ge=60.0, le=365 * 86_400.0)
     nats_stream_replicas: int | None = Field(default=None, ge=1, le=5)
     nats_stream_max_age_seconds: float = _ranged(7 * 86_400.0, 60.0, 365 * 86_400.0)
     nats_duplicate_window_seconds: float = _ranged(120.0, 1.0, 86_400.0)
@@ -281,19 +287,36 @@ class Settings(BaseSettings):
             return not self.is_production
         return self.migrate_on_start
 
+    @property
+    def ledger_ttl_seconds(self) -> float:
+        return self.job_ledger_ttl_seconds or self.nats_stream_max_age_seconds
+
+    @property
+    def worker_only(self) -> bool:
+        """A node that neither syncs nor reports: no backend endpoint, no desired-state
+        folder. It needs no API_TOKEN (its protected routes stay closed without one), no
+        ping secret and no database (the ledger lives in JetStream)."""
+        return self.node_system_endpoint is None and self.desired_state_dir is None
+
     def check_production(self) -> None:
         """Refuse to run in production with a missing or placeholder required setting."""
         if not self.is_production:
             return
-        required: list[tuple[str, str | None]] = [
-            ("API_TOKEN", _reveal(self.api_token)),
-            ("PING_TOKEN_SECRET", _reveal(self.ping_token_secret)),
-        ]
-        if self.registry_enabled:
-            required.append(("DATABASE_URL", _reveal(self.database_url)))
+        runs_jobs = self.worker_enabled and self.nats_url is not None
+        if self.worker_only and not runs_jobs:
+            raise SettingsError(
+                "nothing to run when APP_ENV=production: set NODE_SYSTEM_ENDPOINT (or "
+                "DESIRED_STATE_DIR) to sync and report, or NATS_URL for a worker-only node"
+            )
+        required: list[tuple[str, str | None]] = []
+        if not self.worker_only:
+            required.append(("API_TOKEN", _reveal(self.api_token)))
+            required.append(("PING_TOKEN_SECRET", _reveal(self.ping_token_secret)))
+        if runs_jobs or (self.registry_enabled and self.database_url is not None):
             required.append(("NODE_TIER", self.node_tier.value if self.node_tier else None))
-        if self.report_enabled:
-            required.append(("NODE_SYSTEM_ENDPOINT", self.node_system_endpoint))
+        if self.job_ledger == "postgres" and runs_jobs:
+            required.append(("DATABASE_URL", _reveal(self.database_url)))
+        if self.report_enabled and self.node_system_endpoint is not None:
             if self.node_private_key_file is None:
                 required.append(("NODE_PRIVATE_KEY", _reveal(self.node_private_key)))
         for name, value in required:

@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 BusError = (nats.errors.Error, TimeoutError, OSError)
 
 
+class BucketMissing(Exception):
+    """A key-value bucket the manager needs does not exist (an operator's step to take)."""
+
+
 async def _log_quietly(exc: Exception) -> None:
     log.debug("nats: %s", exc)
 
@@ -242,6 +246,33 @@ class JetStreamBus:
         # Creating with the same durable name updates a consumer's mutable settings.
         await self._js.add_consumer(spec.stream, config)
         return "updated"
+
+    async def ensure_key_value(self, bucket: str, *, ttl_seconds: float, replicas: int) -> str:
+        """Create the key-value bucket (history 1, entries expire `ttl_seconds` after their
+        last write, file storage) unless it exists; returns created | unchanged. An
+        existing bucket is left as it is."""
+        try:
+            await self._js.key_value(bucket)
+            return "unchanged"
+        except nats.js.errors.BucketNotFoundError:
+            await self._js.create_key_value(
+                api.KeyValueConfig(
+                    bucket=bucket, history=1, ttl=ttl_seconds, replicas=replicas,
+                    storage=api.StorageType.FILE,
+                    description="workload manager: job idempotency ledger",
+                )
+            )  # fmt: skip
+            return "created"
+
+    async def key_value(self, bucket: str) -> Any:
+        """The existing bucket `bucket`; BucketMissing names the command that makes it."""
+        try:
+            return await self._js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            raise BucketMissing(
+                f"the JetStream key-value bucket {bucket} does not exist: "
+                "run `workload-manager init-streams` (or set NATS_AUTO_INIT_STREAMS=true)"
+            ) from None
 
     async def consumer_state(self, stream: str, durable: str) -> dict[str, int]:
         info = await self._js.consumer_info(stream, durable)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from enum import StrEnum
 from typing import Any
 
 import asyncpg
 
+from app.domain.ledger import Claim
 from app.domain.migrations import Applied, Migration, pending
 from app.domain.requirements import NodeProfile, Requirements
 
@@ -200,13 +200,6 @@ class AsyncpgRegistry:
                     migration.checksum,
                 )
             return todo
-
-
-class Claim(StrEnum):
-    CLAIMED = "claimed"  # this node runs it now
-    COMPLETED = "completed"  # done before: acknowledge without running
-    DEAD = "dead"  # dead-lettered before: terminate
-    HELD = "held"  # another node holds a live lease: try again later
 
 
 _CLAIM = """

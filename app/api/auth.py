@@ -48,7 +48,10 @@ _BASIC = HTTPBasic(
     description="Any user name, the operator token as password",
 )
 UNAUTHORIZED: dict[int | str, dict[str, str]] = {
-    401: {"description": "Missing or invalid operator token (only when API_TOKEN is set)"}
+    401: {
+        "description": "Missing or invalid operator token; in production also when the "
+        "node has no API_TOKEN (a worker-only node): the route is closed"
+    }
 }
 
 
@@ -59,8 +62,11 @@ BasicCredentials = Annotated[HTTPBasicCredentials | None, Depends(_BASIC)]
 def _check_operator(
     request: Request, basic: HTTPBasicCredentials | None, challenge: str, what: str
 ) -> None:
-    expected = runtime(request).settings.api_token
+    settings = runtime(request).settings
+    expected = settings.api_token
     if expected is None:
+        if settings.is_production:  # a worker-only node may run without one: closed
+            raise _unauthorized("no API_TOKEN is set on this node: this route is closed", challenge)
         return
     given = bearer(request) or (basic.password if basic is not None else None)
     if given is None:
@@ -70,8 +76,9 @@ def _check_operator(
 
 
 def require_api_token(request: Request, _: BearerScheme, basic: BasicCredentials) -> None:
-    """Dependency for status and admin routes; open when API_TOKEN is not set. The token
-    comes as a bearer token, or as the Basic password a browser cached for the page."""
+    """Dependency for status and admin routes. Without API_TOKEN they are open in
+    development and closed (401) in production. The token comes as a bearer token, or as
+    the Basic password a browser cached for the page."""
     _check_operator(request, basic, "Bearer", "bearer token")
 
 
@@ -85,8 +92,11 @@ def require_page_token(request: Request, _: BearerScheme, basic: BasicCredential
 
 
 def check_ping_token(request: Request, name: str) -> None:
-    secret = runtime(request).settings.ping_token_secret
+    settings = runtime(request).settings
+    secret = settings.ping_token_secret
     if secret is None:
+        if settings.is_production:  # a node that syncs nothing has no workloads to ping
+            raise _unauthorized("no PING_TOKEN_SECRET is set on this node: pings are closed")
         return
     given = bearer(request)
     if given is None:

@@ -35,6 +35,8 @@ class PingFastPath:
         self._limit = limit
         secret = runtime.settings.ping_token_secret
         self._secret = secret.get_secret_value() if secret else None
+        # production without a secret refuses pings: the framework route says why (401)
+        self._closed = secret is None and runtime.settings.is_production
         self._tokens: dict[str, bytes] = {}
         self._cache_bound = 4 * runtime.settings.max_tracked_workloads
         self._ids = itertools.count()
@@ -85,7 +87,7 @@ class PingFastPath:
 
     def _authorised(self, name: str, header: bytes | None) -> bool:
         if self._secret is None:
-            return True
+            return not self._closed
         if header is None or not header[:7].lower() == b"bearer ":
             return False
         expected = self._tokens.get(name)

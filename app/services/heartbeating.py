@@ -32,17 +32,52 @@ log = logging.getLogger(__name__)
 FINGERPRINT_EVERY_SECONDS = 600.0
 
 
-class Heartbeat:
+class LocalProfile:
+    """This node's profile, as jobs are matched against it and the registry stores it:
+    the settings' tier, region, trust zone and capabilities, and a hardware fingerprint
+    refreshed every 10 minutes. A node without a registry matches jobs against it too."""
+
     def __init__(
         self,
         *,
-        registry: AsyncpgRegistry,
         node_id: str,
         tier: Tier,
         region: str | None,
         trust_zone: str | None,
         capabilities: list[str],
         fingerprint: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> None:
+        self.node_id = node_id
+        self.tier = tier
+        self._region = region
+        self._trust_zone = trust_zone
+        self._capabilities = capabilities
+        self._fingerprint = fingerprint
+        self._profile: NodeProfile | None = None
+        self._profile_at = 0.0
+
+    async def __call__(self) -> NodeProfile:
+        if self._profile is None or time.monotonic() - self._profile_at > FINGERPRINT_EVERY_SECONDS:
+            hardware = await self._fingerprint()
+            derived = {"gpu"} if hardware.get("gpu") else set()
+            self._profile = NodeProfile(
+                node_id=self.node_id,
+                tier=self.tier,
+                region=self._region,
+                trust_zone=self._trust_zone,
+                hardware=hardware,
+                capabilities=sorted(set(self._capabilities) | derived),
+            )
+            self._profile_at = time.monotonic()
+        return self._profile
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        *,
+        registry: AsyncpgRegistry,
+        profile: LocalProfile,
         interval_seconds: float,
         component: Component,
         metrics: Metrics,
@@ -52,12 +87,9 @@ class Heartbeat:
         retry_max_wait: float = 5.0,
     ) -> None:
         self.registry = registry
-        self._node_id = node_id
-        self._tier = tier
-        self._region = region
-        self._trust_zone = trust_zone
-        self._capabilities = capabilities
-        self._fingerprint = fingerprint
+        self._local = profile
+        self._node_id = profile.node_id
+        self._tier = profile.tier
         self._interval = max(1, round(interval_seconds))
         self._component = component
         self._metrics = metrics
@@ -65,8 +97,6 @@ class Heartbeat:
         self._max_wait = retry_max_wait
         self._prepare = prepare
         self._alerts = alerts
-        self._profile: NodeProfile | None = None
-        self._profile_at = 0.0
         self._written: NodeProfile | None = None
         self.status = "online"
         self._marked: str | None = None  # the last status `mark` wrote
@@ -75,19 +105,7 @@ class Heartbeat:
 
     async def profile(self) -> NodeProfile:
         """The node's profile, with the hardware fingerprint refreshed every 10 minutes."""
-        if self._profile is None or time.monotonic() - self._profile_at > FINGERPRINT_EVERY_SECONDS:
-            hardware = await self._fingerprint()
-            derived = {"gpu"} if hardware.get("gpu") else set()
-            self._profile = NodeProfile(
-                node_id=self._node_id,
-                tier=self._tier,
-                region=self._region,
-                trust_zone=self._trust_zone,
-                hardware=hardware,
-                capabilities=sorted(set(self._capabilities) | derived),
-            )
-            self._profile_at = time.monotonic()
-        return self._profile
+        return await self._local()
 
     async def beat(self) -> bool:
         """One heartbeat (registering when needed); True when the registry has it."""

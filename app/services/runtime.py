@@ -154,7 +154,11 @@ def _registry_component(settings: Settings, database: str | None, embedded: bool
     if not settings.registry_enabled:
         return Component("registry", False, "switched off by REGISTRY_ENABLED=false")
     if database is None and not embedded:
-        return Component("registry", False, "no DATABASE_URL (or CAPABILITY_REGISTRY) set")
+        return Component(
+            "registry", False,
+            "no DATABASE_URL (or CAPABILITY_REGISTRY) set: capabilities are not registered; "
+            "jobs are matched against this node's own profile",
+        )  # fmt: skip
     tier = settings.node_tier or DEVELOPMENT_TIER
     reason = f"tier {tier.value} in worker_capabilities, heartbeat every "
     reason += f"{settings.heartbeat_interval_seconds:g} s"
@@ -168,16 +172,17 @@ def _worker_component(settings: Settings, database: str | None, embedded: bool) 
         return Component("worker", False, "switched off by WORKER_ENABLED=false")
     if settings.nats_url is None and not embedded:
         return Component("worker", False, "no NATS_URL set")
-    if not settings.registry_enabled or (database is None and not embedded):
-        return Component(
-            "worker", False, "needs the registry's database for its idempotency ledger"
-        )
+    has_database = settings.registry_enabled and (database is not None or embedded)
+    if settings.job_ledger == "postgres" and not has_database:
+        return Component("worker", False, "JOB_LEDGER=postgres but there is no registry database")
+    on_postgres = has_database and settings.job_ledger != "jetstream"
+    ledger = "ledger in PostgreSQL" if on_postgres else "ledger in the JetStream bucket JOB_LEDGER"
     tier = (settings.node_tier or DEVELOPMENT_TIER).value
     return Component(
         "worker",
         True,
         f"consumer wm-{tier} on MM_ONLINE, MM_OFFLINE, MM_WRITE; "
-        f"{settings.worker_concurrency} job(s) at a time",
+        f"{settings.worker_concurrency} job(s) at a time; {ledger}",
     )
 
 
@@ -291,6 +296,7 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
     opened = await open_worker(
         settings, components["worker"], stack, nats_url=rt.nats_url, heartbeat=rt.heartbeat,
         node_id=rt.node_id, metrics=rt.metrics, alerts=rt.alerts,
+        cluster_version=rt.syncer.kube.server_version if rt.syncer is not None else None,
     )  # fmt: skip
     if opened is not None:
         rt.worker, rt.bus = opened
@@ -324,6 +330,14 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
         settings.app_env.value,
         ", ".join(n for n, c in components.items() if c.enabled),
     )
+    if settings.worker_only:
+        log.info(
+            "worker-only node: no NODE_SYSTEM_ENDPOINT and no DESIRED_STATE_DIR, so no sync "
+            "and no report to a backend; the status routes are %s",
+            "behind API_TOKEN" if settings.api_token is not None
+            else "closed (401: no API_TOKEN is set)" if settings.is_production
+            else "open (development, no API_TOKEN)",
+        )  # fmt: skip
 
 
 def _add_loops(rt: Runtime) -> None:

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app.adapters.bus import ConsumerSpec, JetStreamBus, StreamSpec
+from app.adapters.kv_ledger import BUCKET as LEDGER_BUCKET
 from app.domain.jobs import (
     EVENTS_STREAM,
     STREAMS,
@@ -80,6 +81,11 @@ async def init_streams(
     for consumer in consumer_specs(settings, tiers):
         what = f"consumer {consumer.stream}/{consumer.durable}"
         changes.append((what, await bus.ensure_consumer(consumer)))
+    # the idempotency ledger of nodes without PostgreSQL (adapters/kv_ledger.py)
+    made = await bus.ensure_key_value(
+        LEDGER_BUCKET, ttl_seconds=settings.ledger_ttl_seconds, replicas=settings.stream_replicas
+    )
+    changes.append((f"bucket {LEDGER_BUCKET}", made))
     return changes
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.domain.components import Component
-from app.domain.requirements import Tier
+from app.domain.requirements import NodeProfile, Tier
 from app.metrics import Metrics
 from app.services.alerting import Alerter
 from app.services.workloads import WorkloadBook
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from app.adapters.kube import KubeDeployments
     from app.adapters.matrix import MatrixRoom
     from app.adapters.signing import NodeSigner
-    from app.services.heartbeating import Heartbeat
+    from app.services.heartbeating import Heartbeat, LocalProfile
     from app.services.syncing import Syncer
     from app.services.updating import SelfUpdater
     from app.services.working import Worker
@@ -169,6 +169,42 @@ async def open_syncer(
     return syncer
 
 
+def _local_profile(
+    settings: Settings, node_id: str, cluster_version: Callable[[], Awaitable[str]] | None
+) -> LocalProfile:
+    """The node's own profile: its settings and its hardware fingerprint (and the
+    cluster's version, when there is one)."""
+    from app.services.heartbeating import LocalProfile
+
+    return LocalProfile(
+        node_id=node_id, tier=settings.node_tier or DEVELOPMENT_TIER,
+        region=settings.node_region, trust_zone=settings.node_trust_zone,
+        capabilities=settings.node_capabilities,
+        fingerprint=_fingerprint(settings, cluster_version),
+    )  # fmt: skip
+
+
+def _fingerprint(
+    settings: Settings, cluster_version: Callable[[], Awaitable[str]] | None
+) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """The node's hardware fingerprint (and the cluster's version, when there is one)."""
+    from app.adapters import system
+    from app.adapters.kube import KubeError
+
+    disk = settings.data_dir if settings.data_dir.exists() else Path.cwd()
+
+    async def fingerprint() -> dict[str, Any]:
+        hardware = await asyncio.to_thread(system.fingerprint, disk)
+        if cluster_version is not None:
+            try:
+                hardware["k3s_version"] = await cluster_version()
+            except KubeError as exc:
+                log.info("K3S version not in the fingerprint this time: %s", exc)
+        return hardware
+
+    return fingerprint
+
+
 async def open_registry(
     settings: Settings,
     component: Component,
@@ -186,8 +222,6 @@ async def open_registry(
     which orders them around the other steps."""
     if not component.enabled or database_url is None:
         return None
-    from app.adapters import system
-    from app.adapters.kube import KubeError
     from app.adapters.registry import AsyncpgRegistry
     from app.domain.migrations import MigrationError
     from app.services import migrating
@@ -213,25 +247,9 @@ async def open_registry(
                 raise
             component.detail["migrations_applied_at_start"] = [m.filename for m in applied]
 
-    disk = settings.data_dir if settings.data_dir.exists() else Path.cwd()
-
-    async def fingerprint() -> dict[str, Any]:
-        hardware = await asyncio.to_thread(system.fingerprint, disk)
-        if cluster_version is not None:
-            try:
-                hardware["k3s_version"] = await cluster_version()
-            except KubeError as exc:
-                log.info("K3S version not in the fingerprint this time: %s", exc)
-        return hardware
-
     return Heartbeat(
         registry=registry,
-        node_id=node_id,
-        tier=settings.node_tier or DEVELOPMENT_TIER,
-        region=settings.node_region,
-        trust_zone=settings.node_trust_zone,
-        capabilities=settings.node_capabilities,
-        fingerprint=fingerprint,
+        profile=_local_profile(settings, node_id, cluster_version),
         interval_seconds=settings.heartbeat_interval_seconds,
         component=component,
         metrics=metrics,
@@ -251,21 +269,28 @@ async def open_worker(
     node_id: str,
     metrics: Metrics,
     alerts: Alerter,
+    cluster_version: Callable[[], Awaitable[str]] | None = None,
 ) -> tuple[Worker, JetStreamBus] | None:
     """The job worker and its bus, not yet running: the runtime starts `worker.run` as a
     supervised task (it connects inside it, so a NATS outage at start delays the worker,
-    never the manager) and drains it on shutdown."""
+    never the manager) and drains it on shutdown.
+
+    The idempotency ledger is PostgreSQL's when the registry runs (JOB_LEDGER=auto or
+    postgres), else the JetStream bucket's; without a registry the node matches jobs
+    against its own profile and cannot tell whether another node could run a job."""
     if not component.enabled or nats_url is None:
         return None
-    if heartbeat is None:
-        component.switch_off("the registry is not running: no idempotency ledger")
+    on_postgres = heartbeat is not None and settings.job_ledger != "jetstream"
+    if settings.job_ledger == "postgres" and heartbeat is None:
+        component.switch_off("JOB_LEDGER=postgres but the registry is not running")
         return None
     from app.adapters.bus import JetStreamBus
+    from app.adapters.kv_ledger import BUCKET, JetStreamLedger
     from app.adapters.registry import AsyncpgLedger
     from app.adapters.workload_http import WorkloadHttp
     from app.services.handlers import load_handlers
     from app.services.streams import consumer_specs, init_streams
-    from app.services.working import Worker, WorkerConfig
+    from app.services.working import Ledger, Worker, WorkerConfig
 
     tier = (settings.node_tier or DEVELOPMENT_TIER).value
     bus = JetStreamBus(
@@ -289,14 +314,34 @@ async def open_worker(
             for consumer in consumer_specs(settings, (tier,)):
                 changes.append((consumer.durable, await bus.ensure_consumer(consumer)))
         component.detail["topology"] = dict(changes)
-        await heartbeat.registered.wait()
+        if kv_ledger is not None:  # made by init_streams (above, or by the operator)
+            kv_ledger.bind(await bus.key_value(BUCKET))
+
+        if heartbeat is not None:
+            await heartbeat.registered.wait()
         component.succeeded(datetime.now(UTC), connected=True)
+
+    claimant = uuid.uuid4().hex
+    ledger: Ledger
+    kv_ledger: JetStreamLedger | None = None
+    if on_postgres:
+        assert heartbeat is not None
+        ledger = AsyncpgLedger(heartbeat.registry, node_id=node_id, claimant=claimant)
+    else:
+        ledger = kv_ledger = JetStreamLedger(
+            node_id=node_id, claimant=claimant, timeout=settings.backend_timeout_seconds
+        )
+    component.detail["ledger"] = "postgres" if on_postgres else f"jetstream bucket {BUCKET}"
+    if heartbeat is not None:
+        profile: Callable[[], Awaitable[NodeProfile]] = heartbeat.profile
+    else:
+        profile = _local_profile(settings, node_id, cluster_version)
 
     worker = Worker(
         bus=bus,
-        ledger=AsyncpgLedger(heartbeat.registry, node_id=node_id, claimant=uuid.uuid4().hex),
-        registry=heartbeat.registry,
-        node=heartbeat.profile,
+        ledger=ledger,
+        registry=heartbeat.registry if heartbeat is not None else None,
+        node=profile,
         handlers=load_handlers(),
         http=http,
         config=WorkerConfig(

@@ -2,10 +2,11 @@
 
 For each job stream (MM_ONLINE, MM_OFFLINE, MM_WRITE) one loop fetches from the tier's
 shared durable consumer, within `concurrency` jobs in flight across all three. A job is
-parsed and admitted (pure `admit`), claimed in the Postgres ledger by its idempotency
-key, run by its handler while `in_progress()` and a lease renewal keep it ours, and
-answered: ack after success, nak with the backoff delay for a retryable failure, term
-plus a dead-letter event otherwise. Every outcome is also an event on MM_EVENTS.
+parsed and admitted (pure `admit`), claimed in the idempotency ledger (PostgreSQL, or a
+JetStream key-value bucket on nodes without a database) by its idempotency key, run by
+its handler while `in_progress()` and a lease renewal keep it ours, and answered: ack
+after success, nak with the backoff delay for a retryable failure, term plus a
+dead-letter event otherwise. Every outcome is also an event on MM_EVENTS.
 
 The loops re-create their pull subscription after every reconnect (a pull subscription
 can go silent after a server restart) and back off on errors instead of spinning.
@@ -20,12 +21,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import stamina
 
 from app.adapters.bus import BusError, Delivery, JetStreamBus, PullSubscription
-from app.adapters.registry import AsyncpgLedger, AsyncpgRegistry, Claim, RegistryUnavailable
+from app.adapters.kv_ledger import LedgerUnavailable
+from app.adapters.registry import AsyncpgRegistry, RegistryUnavailable
 from app.adapters.workload_http import WorkloadHttp
 from app.domain.components import Component
 from app.domain.jobs import (
@@ -42,6 +44,7 @@ from app.domain.jobs import (
     event_subject,
     parse_job,
 )
+from app.domain.ledger import Claim
 from app.domain.requirements import NodeProfile
 from app.metrics import Metrics
 from app.services.handlers import Handler, HandlerContext
@@ -53,6 +56,25 @@ log = logging.getLogger(__name__)
 
 # kept at the end of a drain for releasing and handing back the jobs that did not finish
 HAND_BACK_SECONDS = 1.0
+# what a ledger raises when its store cannot be reached (PostgreSQL or JetStream)
+LEDGER_ERRORS = (*RegistryUnavailable, LedgerUnavailable)
+
+
+class Ledger(Protocol):
+    """The idempotency ledger (app/domain/ledger.py has its rules): PostgreSQL's
+    `AsyncpgLedger` or the JetStream bucket's `JetStreamLedger`, one contract suite."""
+
+    async def claim(
+        self, *, key: str, job_id: str, job_type: str, lease_seconds: float
+    ) -> tuple[Claim, float]: ...
+
+    async def renew(self, *, key: str, lease_seconds: float) -> bool: ...
+
+    async def complete(self, *, key: str, result: Any) -> bool: ...
+
+    async def fail(self, *, key: str, error: str, dead: bool) -> bool: ...
+
+    async def release(self, *, key: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -74,8 +96,8 @@ class Worker:
         self,
         *,
         bus: JetStreamBus,
-        ledger: AsyncpgLedger,
-        registry: AsyncpgRegistry,
+        ledger: Ledger,
+        registry: AsyncpgRegistry | None,
         node: Callable[[], Awaitable[NodeProfile]],
         handlers: dict[str, Handler],
         http: WorkloadHttp,
@@ -324,11 +346,12 @@ class Worker:
             spent = f"{reason}; no node ran it after {delivery.delivered} deliveries"
             dead = await self._terminate(delivery, EventKind.DEAD, job, reason=spent)
             return "dead" if dead else "event-unsent"
+        eligible = None  # without a registry nobody can say whether another node could
         try:
-            eligible = await self._registry.eligible(job.requirements)
+            if self._registry is not None:
+                eligible = await self._registry.eligible(job.requirements)
         except RegistryUnavailable as exc:
             log.warning("cannot ask the registry who could run job %s: %s", job.job_id, exc)
-            eligible = None
         if eligible == []:
             await self._event(
                 EventKind.UNROUTABLE, job, reason=f"no live node can run it: {reason}",
@@ -347,7 +370,7 @@ class Worker:
             claim, number = await self._ledger.claim(
                 key=key, job_id=str(job.job_id), job_type=job.type, lease_seconds=self._lease
             )
-        except RegistryUnavailable as exc:
+        except LEDGER_ERRORS as exc:
             log.warning("ledger unavailable, job %s handed back: %s", job.job_id, exc)
             await delivery.nak(self._config.held_delay)
             return "ledger-error"
@@ -474,7 +497,7 @@ class Worker:
             try:
                 await delivery.in_progress()
                 await self._ledger.renew(key=key, lease_seconds=self._lease)
-            except (*BusError, *RegistryUnavailable) as exc:
+            except (*BusError, *LEDGER_ERRORS) as exc:
                 log.warning("keep-alive for job %s failed: %s", key, exc)
 
     async def _write(self, operation: Callable[[], Awaitable[bool]]) -> None:
@@ -485,11 +508,11 @@ class Worker:
         """
         try:
             async for attempt in stamina.retry_context(
-                on=RegistryUnavailable, attempts=3, wait_initial=0.1, wait_max=1.0, timeout=None
+                on=LEDGER_ERRORS, attempts=3, wait_initial=0.1, wait_max=1.0, timeout=None
             ):
                 with attempt:
                     await operation()
-        except RegistryUnavailable as exc:
+        except LEDGER_ERRORS as exc:
             log.error("ledger write failed after the job ran: %s", exc)
 
     async def _event(self, kind: EventKind, job: Job | Rejection, **fields: Any) -> bool:

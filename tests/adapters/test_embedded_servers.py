@@ -78,10 +78,11 @@ def _alive(pid: int) -> bool:
 
 
 async def test_production_never_starts_embedded_servers(make_settings: SettingsFactory) -> None:
-    settings = make_settings(embedded_services=True, app_env="production")
+    settings = make_settings(embedded_services=True, app_env="production", api_token="op")
     app = create_app(settings)
     async with running(app) as client:
-        components = (await client.get("/v1/status")).json()["components"]
+        answer = await client.get("/v1/status", headers={"Authorization": "Bearer op"})
+        components = answer.json()["components"]
     assert components["postgres"]["enabled"] is False
     assert components["nats"]["enabled"] is False
     assert not (settings.data_dir / "postgres").exists()

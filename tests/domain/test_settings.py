@@ -70,10 +70,8 @@ def test_production_with_everything_set_loads(monkeypatch: pytest.MonkeyPatch) -
         ("API_TOKEN", "changeme", "API_TOKEN is required when APP_ENV=production (placeholder"),
         ("PING_TOKEN_SECRET", None, "PING_TOKEN_SECRET is required"),
         ("PING_TOKEN_SECRET", "placeholder", "PING_TOKEN_SECRET is required"),
-        ("NODE_SYSTEM_ENDPOINT", None, "NODE_SYSTEM_ENDPOINT is required"),
         ("NODE_PRIVATE_KEY", None, "NODE_PRIVATE_KEY is required"),
         ("NODE_PRIVATE_KEY", "change-me", "NODE_PRIVATE_KEY is required"),
-        ("DATABASE_URL", None, "DATABASE_URL is required"),
         ("NODE_TIER", None, "NODE_TIER is required"),
     ],
 )
@@ -89,6 +87,43 @@ def test_production_refuses_missing_or_placeholder(
         load_settings(_env_file=None)
     assert says in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+WORKER_ONLY = {"APP_ENV": "production", "NODE_ID": "node-2", "TIER": "C",
+               "NATS_URL": "nats://nats.example:4222"}  # fmt: skip
+
+
+def test_a_worker_only_node_needs_three_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fleet's worker specification: NODE_ID, TIER and NATS_URL, nothing else."""
+    set_env(monkeypatch, WORKER_ONLY)
+    settings = load_settings(_env_file=None)
+    assert settings.worker_only and settings.node_tier is not None
+    assert (settings.node_id, settings.node_tier.value) == ("node-2", "C")
+    assert settings.api_token is None and settings.database_url is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"TIER": None}, "NODE_TIER is required"),
+        ({"NATS_URL": None}, "nothing to run when APP_ENV=production"),
+        ({"JOB_LEDGER": "postgres"}, "DATABASE_URL is required"),
+        ({"NODE_SYSTEM_ENDPOINT": "https://backend.example.net"}, "API_TOKEN is required"),
+        ({"DESIRED_STATE_DIR": "/srv/desired"}, "API_TOKEN is required"),
+        ({"JOB_LEDGER": "redis"}, "JOB_LEDGER"),
+    ],
+)
+def test_a_worker_only_node_still_refuses_what_it_cannot_run_with(
+    monkeypatch: pytest.MonkeyPatch, changes: dict[str, str | None], says: str
+) -> None:
+    set_env(monkeypatch, WORKER_ONLY)
+    for variable, value in changes.items():
+        if value is None:
+            monkeypatch.delenv(variable)
+        else:
+            monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError, match=says):
+        load_settings(_env_file=None)
 
 
 def test_production_accepts_a_key_file_instead(

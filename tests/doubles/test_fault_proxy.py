@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,19 +27,25 @@ def proxy(control_plane: ControlPlane) -> Iterator[tuple[FaultProxy, ThreadedSer
         yield faults, server
 
 
-@pytest.fixture
-async def kube(
-    control_plane: ControlPlane, proxy: tuple[FaultProxy, ThreadedServer], tmp_path: Path
-) -> AsyncIterator[KubeDeployments]:
-    faults, server = proxy
-    faults.clear_faults()
-    faults.clear_requests()
+async def through_proxy(
+    control_plane: ControlPlane, server: ThreadedServer, tmp_path: Path, **options: Any
+) -> KubeDeployments:
+    """The manager's client (its own token) pointed at the proxy."""
     token = control_plane.token_for(*MANAGER_ACCOUNT)
     path = control_plane.write_kubeconfig(
         tmp_path / "kc", token=token, namespace="workloads", server=server.url
     )
     configuration, _source = await load_configuration(path)
-    client = KubeDeployments(configuration, namespace="workloads", timeout=2.0)
+    return KubeDeployments(configuration, namespace="workloads", **options)
+
+
+@pytest.fixture
+async def kube(
+    control_plane: ControlPlane, proxy: tuple[FaultProxy, ThreadedServer], tmp_path: Path
+) -> AsyncIterator[KubeDeployments]:
+    faults, server = proxy
+    faults.reset()  # requests an earlier test left held are abandoned, never recorded here
+    client = await through_proxy(control_plane, server, tmp_path, timeout=2.0)
     yield client
     await client.aclose()
 
@@ -95,11 +102,15 @@ async def test_a_held_request_times_out_and_the_next_one_goes_through(
 
 
 async def test_a_released_hold_is_forwarded_at_once_and_recorded(
-    kube: KubeDeployments, proxy: tuple[FaultProxy, ThreadedServer]
+    control_plane: ControlPlane, proxy: tuple[FaultProxy, ThreadedServer], tmp_path: Path
 ) -> None:
-    faults, _server = proxy
+    faults, server = proxy
+    faults.reset()  # requests an earlier test left held are abandoned, never recorded here
+    # one attempt, and a timeout no hold in this test comes near: a second request would
+    # be the client's retry, not the proxy's doing
+    patient = await through_proxy(control_plane, server, tmp_path, timeout=60.0, attempts=1)
     faults.delay_next("GET", "/deployments", seconds=600)
-    listing = asyncio.create_task(kube.list_managed(SELECTOR))
+    listing = asyncio.create_task(patient.list_managed(SELECTOR))
 
     async def held() -> bool:
         return faults.delays_waiting == 0
@@ -107,7 +118,10 @@ async def test_a_released_hold_is_forwarded_at_once_and_recorded(
     await eventually(held, step=0.01)
     assert not listing.done()
     faults.release_held()
-    assert isinstance(await asyncio.wait_for(listing, timeout=30), list)
+    try:
+        assert isinstance(await asyncio.wait_for(listing, timeout=30), list)
+    finally:
+        await patient.aclose()
     assert [(r.method, r.status) for r in faults.requests] == [("GET", 200)]
 
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
+import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
+import httpx
+import nats
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -27,6 +33,7 @@ from tests.support.jobs_world import (
     manager_env,
     publish,
     publisher,
+    watching_events,
 )
 from tests.support.polling import eventually
 from tests.support.process import ManagerProcess
@@ -171,3 +178,52 @@ async def test_two_processes_on_one_node_id_run_each_key_once(
     assert {k: (rows[k]["status"], rows[k]["attempts"]) for k in keys} == dict.fromkeys(
         keys, ("completed", 1)
     )
+
+
+async def test_a_worker_only_node_runs_on_three_variables(tmp_path: Path) -> None:
+    """The fleet's worker specification, `docker run -e NODE_ID -e TIER -e NATS_URL`, in
+    production mode: no database (the ledger is the JetStream bucket), no API token (the
+    status routes are closed), no backend. A job runs once; the same key again does not."""
+    server = EmbeddedNats(tmp_path / "nats").start()
+    try:
+        # the operator's step in production: the topology, the ledger's bucket included
+        made = cli(["init-streams"], {"NATS_URL": server.url}, tmp_path)
+        assert made.returncode == 0, made.stderr
+        assert "bucket JOB_LEDGER" in made.stdout
+        (tmp_path / "node").mkdir()
+        env = {"APP_ENV": "production", "NODE_ID": "node-2", "TIER": "C", "NATS_URL": server.url}
+        node = ManagerProcess(env=env, workdir=tmp_path / "node").start()
+        try:
+            async with httpx.AsyncClient(base_url=node.url, timeout=5) as http:
+                closed = await http.get("/v1/status")
+                assert closed.status_code == 401 and "API_TOKEN" in closed.json()["detail"]
+                assert (await http.get("/healthz")).status_code == 200
+            async with watching_events(server.url) as events, publisher(server.url) as bus:
+                await eventually(
+                    lambda: consumer_bound(server.url, "MM_WRITE", 1, "wm-C"), within=30
+                )
+                await publish(bus, tier="C", kind="write", idempotency_key="only-once")
+                await events.wait_for(lambda: "job.completed" in events.kinds("only-once"))
+                await publish(bus, tier="C", kind="write", idempotency_key="only-once")
+                await eventually(lambda: consumer_settled(server.url, "MM_WRITE", "wm-C"))
+            assert events.kinds("only-once").count("job.completed") == 1, events.events
+            record = await kv_record(server.url, "only-once")
+            assert (record["status"], record["node_id"]) == ("completed", "node-2")
+        finally:
+            assert node.stop() in (0, -signal.SIGTERM), node.log()
+        assert "worker-only node" in node.log()
+        assert "closed (401: no API_TOKEN is set)" in node.log()
+    finally:
+        server.stop()
+
+
+async def kv_record(url: str, key: str) -> dict[str, Any]:
+    """The JetStream ledger's record of `key`, as another client reads it."""
+    nc = await nats.connect(url)
+    try:
+        bucket = await nc.jetstream().key_value("JOB_LEDGER")
+        entry = await bucket.get(base64.urlsafe_b64encode(key.encode()).decode())
+        record: dict[str, Any] = json.loads(entry.value or b"{}")
+        return record
+    finally:
+        await nc.close()

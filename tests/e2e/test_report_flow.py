@@ -137,6 +137,7 @@ def test_production_without_required_settings_exits_with_one_line(tmp_path: Path
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines == [
-        "workload-manager: configuration error: "
-        "API_TOKEN is required when APP_ENV=production (missing)"
+        "workload-manager: configuration error: nothing to run when APP_ENV=production: "
+        "set NODE_SYSTEM_ENDPOINT (or DESIRED_STATE_DIR) to sync and report, or NATS_URL "
+        "for a worker-only node"
     ]
