@@ -183,14 +183,20 @@ def _nats_settings() -> Settings | None:
 def _init_streams(args: argparse.Namespace) -> int:
     import asyncio
 
-    from app.adapters.bus import BusError, JetStreamBus
+    from app.adapters.bus import BusError, JetStreamBus, NatsRefused
     from app.services.streams import TIERS, init_streams
+    from app.services.wiring import nats_auth
 
     settings = _nats_settings()
     if settings is None:
         return 2
     assert settings.nats_url is not None
-    bus = JetStreamBus(settings.nats_url, name="workload-manager/init-streams", timeout=10)
+    bus = JetStreamBus(
+        settings.nats_url,
+        name="workload-manager/init-streams",
+        timeout=10,
+        auth=nats_auth(settings),
+    )
 
     async def run() -> None:
         await asyncio.wait_for(bus.connect(), timeout=15)
@@ -203,7 +209,7 @@ def _init_streams(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(run())
-    except (*BusError, TimeoutError) as exc:
+    except (*BusError, TimeoutError, NatsRefused) as exc:
         print(f"workload-manager: NATS: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -216,8 +222,9 @@ def _publish(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from app.adapters.bus import BusError, JetStreamBus
+    from app.adapters.bus import BusError, JetStreamBus, NatsRefused
     from app.services.streams import new_job, publish_job
+    from app.services.wiring import nats_auth
 
     settings = _nats_settings()
     if settings is None:
@@ -234,7 +241,9 @@ def _publish(args: argparse.Namespace) -> int:
     except (ValueError, ValidationError) as exc:
         print(f"workload-manager: invalid job: {exc}", file=sys.stderr)
         return 2
-    bus = JetStreamBus(settings.nats_url, name="workload-manager/publish", timeout=10)
+    bus = JetStreamBus(
+        settings.nats_url, name="workload-manager/publish", timeout=10, auth=nats_auth(settings)
+    )
 
     async def run() -> int:
         await asyncio.wait_for(bus.connect(), timeout=15)
@@ -245,7 +254,7 @@ def _publish(args: argparse.Namespace) -> int:
 
     try:
         sequence = asyncio.run(run())
-    except (*BusError, TimeoutError) as exc:
+    except (*BusError, TimeoutError, NatsRefused) as exc:
         print(f"workload-manager: NATS: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(f"published job {job.job_id} (key {job.idempotency_key}) as stream sequence {sequence}")

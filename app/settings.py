@@ -129,6 +129,13 @@ class Settings(BaseSettings):
     migrate_on_start: bool | None = None
     migrations_dir: Path | None = None
     nats_url: str | None = None
+    # NATS credentials besides a user:password or token in NATS_URL: a creds file (JWT and
+    # nkey seed), an nkey seed file, and TLS (a CA to trust, a client certificate and key)
+    nats_creds_file: Path | None = None
+    nats_nkey_seed_file: Path | None = None
+    nats_tls_ca_file: Path | None = None
+    nats_tls_cert_file: Path | None = None
+    nats_tls_key_file: Path | None = None
     embedded_services: bool = True
 
     # --- job worker (NATS JetStream)
@@ -244,6 +251,22 @@ class Settings(BaseSettings):
             raise ValueError("JOB_MAX_DELIVER must be more than the number of JOB_BACKOFF_SECONDS")
         return self
 
+    @field_validator(
+        "nats_creds_file", "nats_nkey_seed_file", "nats_tls_ca_file", "nats_tls_cert_file",
+        "nats_tls_key_file",
+    )  # fmt: skip
+    @classmethod
+    def _readable_file(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"{value} is not a file")
+        return value
+
+    @model_validator(mode="after")
+    def _client_certificate_pairs(self) -> Settings:
+        if (self.nats_tls_cert_file is None) != (self.nats_tls_key_file is None):
+            raise ValueError("NATS_TLS_CERT_FILE and NATS_TLS_KEY_FILE go together")
+        return self
+
     @field_validator("log_level")
     @classmethod
     def _log_level(cls, value: str) -> str:
@@ -336,10 +359,16 @@ def _reveal(secret: SecretStr | None) -> str | None:
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, for status pages and logs."""
+    """The URL without its password (or a token given as its user name, as NATS takes
+    it), for status pages and logs."""
     parts = urlsplit(url)
     if parts.password is None:
-        return url
+        if parts.username is None:
+            return url
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+        return urlunsplit((parts.scheme, "***@" + host, parts.path, parts.query, parts.fragment))
     host = parts.hostname or ""
     if parts.port is not None:
         host = f"{host}:{parts.port}"

@@ -15,37 +15,97 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import nats
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client
 from nats.js import api
 
 log = logging.getLogger(__name__)
 
 BusError = (nats.errors.Error, TimeoutError, OSError)
+REFUSAL_POLL_SECONDS = 0.1  # how often a first connection looks for a refusal
 
 
 class BucketMissing(Exception):
     """A key-value bucket the manager needs does not exist (an operator's step to take)."""
 
 
+class NatsRefused(Exception):
+    """NATS refused this node: its credentials (authorization) or a subject it needs
+    (permissions). Not a fault to retry quickly: an operator has to change something."""
+
+
+@dataclass(frozen=True)
+class NatsAuth:
+    """How the manager proves who it is to NATS, besides a user:password or token in the
+    URL (nats-py reads those from it): a creds file (a user JWT and its nkey seed), an
+    nkey seed file, and TLS. Paths only; the secrets stay in their files."""
+
+    creds_file: Path | None = None
+    nkey_seed_file: Path | None = None
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+
+    def options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.creds_file is not None:
+            options["user_credentials"] = str(self.creds_file)
+        if self.nkey_seed_file is not None:
+            options["nkeys_seed"] = str(self.nkey_seed_file)
+        if self.tls_ca_file is not None or self.tls_cert_file is not None:
+            context = ssl.create_default_context(
+                cafile=str(self.tls_ca_file) if self.tls_ca_file is not None else None
+            )
+            if self.tls_cert_file is not None and self.tls_key_file is not None:
+                context.load_cert_chain(str(self.tls_cert_file), str(self.tls_key_file))
+            options["tls"] = context
+        return options
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """The server's words when `exc` is an authorization or permissions refusal."""
+    text = str(exc)
+    lowered = text.lower()
+    if "authorization violation" in lowered or "authentication" in lowered:
+        return f"NATS refused this node's credentials ({text.strip()})"
+    if "permissions violation" in lowered:
+        return f"NATS denied this node a subject ({text.strip()})"
+    return None
+
+
 async def _log_quietly(exc: Exception) -> None:
     log.debug("nats: %s", exc)
 
 
-async def server_info(url: str, *, connect_timeout: float) -> dict[str, object]:
-    """Connect once, read the server's version, ask JetStream, close; raises on failure."""
-    nc = await nats.connect(
-        url,
-        connect_timeout=connect_timeout,
-        allow_reconnect=False,
-        max_reconnect_attempts=1,
-        reconnect_time_wait=0.1,
-        error_cb=_log_quietly,
-    )
+async def server_info(
+    url: str, *, connect_timeout: float, auth: NatsAuth | None = None
+) -> dict[str, object]:
+    """Connect once, read the server's version, ask JetStream, close; raises on failure
+    (NatsRefused when the server refused the credentials)."""
+    nc: Any = Client()
+    try:
+        await nc.connect(
+            url,
+            connect_timeout=connect_timeout,
+            allow_reconnect=False,
+            max_reconnect_attempts=1,
+            reconnect_time_wait=0.1,
+            error_cb=_log_quietly,
+            **(auth or NatsAuth()).options(),
+        )
+    except BaseException as exc:
+        await nc.close()  # a failed first connection leaves its socket open otherwise
+        refused = _refusal(exc)
+        if refused is not None:
+            raise NatsRefused(refused) from None
+        raise
     try:
         server = nc.connected_server_version
         version = f"{server.major}.{server.minor}.{server.patch}"
@@ -138,14 +198,39 @@ class PullSubscription:
 class JetStreamBus:
     """The manager's long-lived connection: reconnects forever, reports its state."""
 
-    def __init__(self, url: str, *, name: str, timeout: float) -> None:
+    def __init__(
+        self, url: str, *, name: str, timeout: float, auth: NatsAuth | None = None
+    ) -> None:
         self._url = url
         self._name = name
         self._timeout = timeout
+        self._auth = auth or NatsAuth()
         self._nc: Any = None
         self.reconnects = 0
         self.connected = False
         self._closing = False
+        # the server's last refusal (credentials or a subject), for a clear error instead of
+        # the bare timeout a denied request ends in
+        self.refusal: str | None = None
+
+    async def _on_error(self, exc: Exception) -> None:
+        refused = _refusal(exc)
+        if refused is None:
+            log.debug("nats: %s", exc)
+            return
+        if refused != self.refusal:  # once per distinct refusal, not per retry
+            log.error("%s", refused)
+        self.refusal = refused
+
+    def _refused(self) -> str | None:
+        return self.refusal
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """`exc` as NatsRefused when the server refused something just before it (a denied
+        subject makes a request time out); else `exc` itself."""
+        if self.refusal is not None and isinstance(exc, (*BusError,)):
+            return NatsRefused(self.refusal)
+        return exc
 
     async def connect(self) -> None:
         async def disconnected() -> None:
@@ -158,17 +243,46 @@ class JetStreamBus:
             self.connected = True
             log.info("NATS reconnected (%d)", self.reconnects)
 
-        self._nc = await nats.connect(
-            self._url,
-            name=self._name,
-            connect_timeout=self._timeout,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=1,
-            allow_reconnect=True,
-            error_cb=_log_quietly,
-            disconnected_cb=disconnected,
-            reconnected_cb=reconnected,
+        # The client retries a first connection forever (a server that is not up yet is
+        # waited for), also when the server refuses the credentials: that refusal, seen
+        # by the error callback, ends the attempt with NatsRefused instead.
+        self.refusal = None
+        client: Any = Client()
+        connecting = asyncio.create_task(
+            client.connect(
+                self._url,
+                name=self._name,
+                connect_timeout=self._timeout,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=1,
+                allow_reconnect=True,
+                error_cb=self._on_error,
+                disconnected_cb=disconnected,
+                reconnected_cb=reconnected,
+                **self._auth.options(),
+            )
         )
+        try:
+            while not connecting.done():
+                await asyncio.wait({connecting}, timeout=REFUSAL_POLL_SECONDS)
+                refused = self._refused()  # set by the error callback meanwhile
+                if refused is not None and not connecting.done():
+                    connecting.cancel()
+                    await client.close()
+                    raise NatsRefused(refused)
+        except asyncio.CancelledError:
+            connecting.cancel()
+            await client.close()
+            raise
+        try:
+            connecting.result()
+        except nats.errors.Error as exc:
+            refused = _refusal(exc)
+            if refused is not None:
+                self.refusal = refused
+                raise NatsRefused(refused) from None
+            raise
+        self._nc = client
         self.connected = True
 
     @property

@@ -239,7 +239,10 @@ class EmbeddedPostgres(_ChildServer):
 
 @dataclass
 class EmbeddedNats(_ChildServer):
-    """A nats-server with JetStream storing under `data_dir`, on 127.0.0.1:`port`."""
+    """A nats-server with JetStream storing under `data_dir`, on 127.0.0.1:`port`; with
+    `config`, that configuration file too (accounts, users, TLS), the flags winning."""
+
+    config: Path | None = None
 
     @property
     def url(self) -> str:
@@ -262,7 +265,8 @@ class EmbeddedNats(_ChildServer):
         self._launch(
             "nats-server",
             [self.binary(), "--jetstream", "--store_dir", str(self.data_dir),
-             "--addr", self.host, "--port", str(self._claim_port()), "--pid", str(pid_file)],
+             "--addr", self.host, "--port", str(self._claim_port()), "--pid", str(pid_file),
+             *(["--config", str(self.config)] if self.config is not None else [])],
         )  # fmt: skip
         return self
 

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
 from app.api.auth import UNAUTHORIZED, require_api_token, runtime
+from app.api.params import single_valued
 
 router = APIRouter(
     tags=["admin"], dependencies=[Depends(require_api_token)], responses=UNAUTHORIZED
@@ -20,6 +21,7 @@ router = APIRouter(
         409: {"description": "A sync or a self-update is already running"},
         503: {"description": "Sync is off; the detail says why"},
     },
+    dependencies=[Depends(single_valued("dry_run"))],
 )
 async def post_sync(
     request: Request, dry_run: Annotated[bool, Query(description="plan only")] = False

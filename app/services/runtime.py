@@ -500,11 +500,14 @@ async def _postgres_version(url: str) -> dict[str, object]:
 async def _probe_nats(rt: Runtime) -> None:
     if rt.nats_url is not None:
         from app.adapters import bus
+        from app.services.wiring import nats_auth
 
         url = rt.nats_url
+        auth = nats_auth(rt.settings)
         await _probe(
-            rt.components["nats"], url, bus.server_info(url, connect_timeout=PROBE_TIMEOUT)
-        )
+            rt.components["nats"], url,
+            bus.server_info(url, connect_timeout=PROBE_TIMEOUT, auth=auth),
+        )  # fmt: skip
 
 
 async def _probe(component: Component, url: str, check: Awaitable[dict[str, object]]) -> None:

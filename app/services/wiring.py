@@ -28,7 +28,7 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from app.adapters.backend import BackendClient
-    from app.adapters.bus import JetStreamBus
+    from app.adapters.bus import JetStreamBus, NatsAuth
     from app.adapters.kube import KubeDeployments
     from app.adapters.matrix import MatrixRoom
     from app.adapters.signing import NodeSigner
@@ -169,6 +169,17 @@ async def open_syncer(
     return syncer
 
 
+def nats_auth(settings: Settings) -> NatsAuth:
+    """The NATS credentials the settings name (files only: the secrets stay in them)."""
+    from app.adapters.bus import NatsAuth
+
+    return NatsAuth(
+        creds_file=settings.nats_creds_file, nkey_seed_file=settings.nats_nkey_seed_file,
+        tls_ca_file=settings.nats_tls_ca_file, tls_cert_file=settings.nats_tls_cert_file,
+        tls_key_file=settings.nats_tls_key_file,
+    )  # fmt: skip
+
+
 def _local_profile(
     settings: Settings, node_id: str, cluster_version: Callable[[], Awaitable[str]] | None
 ) -> LocalProfile:
@@ -284,7 +295,7 @@ async def open_worker(
     if settings.job_ledger == "postgres" and heartbeat is None:
         component.switch_off("JOB_LEDGER=postgres but the registry is not running")
         return None
-    from app.adapters.bus import JetStreamBus
+    from app.adapters.bus import BusError, JetStreamBus
     from app.adapters.kv_ledger import BUCKET, JetStreamLedger
     from app.adapters.registry import AsyncpgLedger
     from app.adapters.workload_http import WorkloadHttp
@@ -294,8 +305,9 @@ async def open_worker(
 
     tier = (settings.node_tier or DEVELOPMENT_TIER).value
     bus = JetStreamBus(
-        nats_url, name=f"workload-manager/{node_id}", timeout=settings.backend_timeout_seconds
-    )
+        nats_url, name=f"workload-manager/{node_id}", timeout=settings.backend_timeout_seconds,
+        auth=nats_auth(settings),
+    )  # fmt: skip
     http = WorkloadHttp(
         timeout=settings.http_job_timeout_seconds,
         allowed_suffixes=tuple(settings.http_job_allowed_suffixes),
@@ -304,15 +316,19 @@ async def open_worker(
 
     async def prepare() -> None:
         """Connect, make sure the topology exists, and wait for the node's registration
-        (the ledger's schema exists by then)."""
+        (the ledger's schema exists by then). A subject NATS denies this node's
+        credentials ends in NatsRefused naming it (the supervisor retries with backoff)."""
         if not bus.connected:
             await bus.connect()
-        if settings.auto_init_streams:
-            changes = await init_streams(bus, settings)
-        else:
-            changes = []
-            for consumer in consumer_specs(settings, (tier,)):
-                changes.append((consumer.durable, await bus.ensure_consumer(consumer)))
+        try:
+            if settings.auto_init_streams:
+                changes = await init_streams(bus, settings)
+            else:
+                changes = []
+                for consumer in consumer_specs(settings, (tier,)):
+                    changes.append((consumer.durable, await bus.ensure_consumer(consumer)))
+        except BusError as exc:
+            raise bus.explain(exc) from exc
         component.detail["topology"] = dict(changes)
         if kv_ledger is not None:  # made by init_streams (above, or by the operator)
             kv_ledger.bind(await bus.key_value(BUCKET))

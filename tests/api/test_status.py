@@ -167,3 +167,24 @@ async def test_a_fleet_query_with_a_bad_capability_is_a_422_naming_it(
     response = await client.get("/v1/fleet/nodes", params={"capability": capability})
     assert response.status_code == 422, response.text
     assert response.json()["detail"][0]["loc"] == ["query", "capability"]
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "name"),
+    [
+        ("/v1/fleet/nodes", "capability=gpu&capability=ssd", "capability"),
+        ("/v1/fleet/nodes", "tier=A&tier=B", "tier"),
+        ("/v1/fleet/nodes", "limit=1&limit=2", "limit"),
+        ("/v1/sync", "dry_run=true&dry_run=false", "dry_run"),
+    ],
+)
+async def test_a_single_valued_query_parameter_given_twice_is_a_422_naming_it(
+    client: httpx.AsyncClient, path: str, query: str, name: str
+) -> None:
+    """Which of two values was meant cannot be known: neither is taken (schemathesis found
+    the last one taken silently)."""
+    method = client.post if path == "/v1/sync" else client.get
+    response = await method(f"{path}?{query}")
+    assert response.status_code == 422, response.text
+    (error,) = response.json()["detail"]
+    assert error["loc"] == ["query", name] and "more than once" in error["msg"]

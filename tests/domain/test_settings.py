@@ -182,7 +182,9 @@ def test_secrets_are_masked_in_repr_and_dumps(monkeypatch: pytest.MonkeyPatch) -
     ("url", "expected"),
     [
         ("postgresql://u:pw@db:5432/x", "postgresql://u:***@db:5432/x"),
-        ("postgresql://u@db/x", "postgresql://u@db/x"),
+        # a bare user name is hidden too: NATS reads it as a token
+        ("postgresql://u@db/x", "postgresql://***@db/x"),
+        ("nats://t0k3n@nats:4222", "nats://***@nats:4222"),
         ("nats://tok:en@nats:4222", "nats://tok:***@nats:4222"),
     ],
 )
@@ -203,3 +205,21 @@ def test_worker_daemonset_names_are_accepted(monkeypatch: pytest.MonkeyPatch) ->
     s = load_settings(_env_file=None)
     assert s.node_tier == "B"
     assert s.database_url is not None
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("NATS_CREDS_FILE", "/nonexistent/user.creds", "NATS_CREDS_FILE"),
+        ("NATS_NKEY_SEED_FILE", "/nonexistent/seed.nk", "is not a file"),
+        ("NATS_TLS_CERT_FILE", "{file}", "NATS_TLS_CERT_FILE and NATS_TLS_KEY_FILE go together"),
+    ],
+)
+def test_nats_credential_files_must_exist_and_pair(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str, value: str, says: str
+) -> None:
+    present = tmp_path / "present"
+    present.write_text("x")
+    monkeypatch.setenv(variable, value.format(file=present))
+    with pytest.raises(SettingsError, match=says):
+        load_settings(_env_file=None)

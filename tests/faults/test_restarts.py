@@ -60,6 +60,8 @@ async def test_a_postgres_restart_under_load_loses_no_job_and_heartbeats_resume(
     manager = ManagerProcess(env=env, workdir=tmp_path / "m")
     try:
         manager.start()
+        # the worker has made the streams: a job published before would have nowhere to go
+        await eventually(lambda: _ok(manager.url, "worker"), within=60, step=0.1)
         async with publisher(nats.url) as bus:
 
             async def feed() -> None:
