@@ -31,11 +31,21 @@ TOKEN = "page-operator-token"
 GREEN, RED = "rgb(26, 127, 55)", "rgb(207, 34, 46)"
 HOSTILE = "<script>document.title='owned'</script> disk full"
 
-ROWS = """[...document.querySelectorAll('#workloads tr[data-workload]')].map(r => ({
-  name: r.dataset.workload,
-  cells: [...r.cells].map(c => c.innerText),
-  colour: getComputedStyle(r.querySelector('.badge')).backgroundColor,
-}))"""
+# Everything the test reads from the page, in one evaluation: the page reloads itself every
+# second, so separate reads could come from two documents (or none, mid-reload: null).
+SNAPSHOT = """(document.readyState !== 'complete' || !document.body) ? null : ({
+  text: document.body.innerText,
+  title: document.title,
+  rows: [...document.querySelectorAll('#workloads tr[data-workload]')].map(r => ({
+    name: r.dataset.workload,
+    cells: [...r.cells].map(c => c.innerText),
+    colour: getComputedStyle(r.querySelector('.badge')).backgroundColor,
+  })),
+  components: Object.fromEntries([...document.querySelectorAll('tr[data-component]')]
+    .map(r => [r.dataset.component, r.cells[1].innerText])),
+  results: [...document.querySelectorAll('#sync-results tr[data-result]')]
+    .map(r => [...r.cells].map(c => c.innerText)),
+})"""
 
 
 async def ping(client: httpx.AsyncClient, name: str, body: dict[str, Any]) -> None:
@@ -83,31 +93,30 @@ async def test_a_person_sees_workloads_sync_and_alerts(
                     "Network.setExtraHTTPHeaders", headers={"Authorization": f"Basic {basic}"}
                 )
                 await page.goto(m.url + "/")
-                text = await page.text()
                 (tmp_path / "status-page.png").write_bytes(await page.screenshot())
+                shown: dict[str, Any] = {}
 
+                async def loaded() -> bool:
+                    shown.update(await page.evaluate(SNAPSHOT) or {})
+                    return bool(shown)
+
+                await eventually(loaded, within=15, step=0.1)
+                text = shown["text"]
                 assert "Node node-sync" in text
-                assert await page.evaluate("document.title") == "node-sync · workload manager"
-                rows = {r["name"]: r for r in await page.evaluate(ROWS)}
+                assert shown["title"] == "node-sync · workload manager"
+                rows = {r["name"]: r for r in shown["rows"]}
                 assert rows["api"]["cells"][1] == "healthy"
                 assert rows["api"]["colour"] == GREEN
                 assert rows["api"]["cells"][2].endswith("s ago")
                 assert rows["worker"]["cells"][1] == "unhealthy"
                 assert rows["worker"]["colour"] == RED
                 assert rows["worker"]["cells"][5] == HOSTILE  # shown as text, never run
-                components = await page.evaluate(
-                    "Object.fromEntries([...document.querySelectorAll('tr[data-component]')]"
-                    ".map(r => [r.dataset.component, r.cells[1].innerText]))"
-                )
+                components = shown["components"]
                 assert components["sync"] == "ok"
                 assert components["report"] == "ok"
                 assert "Last sync at" in text
                 assert "Last change at" in text  # syncs every second: the last one changed nothing
-                results = await page.evaluate(
-                    "[...document.querySelectorAll('#sync-results tr[data-result]')]"
-                    ".map(r => [...r.cells].map(c => c.innerText))"
-                )
-                assert sorted(results) == [
+                assert sorted(shown["results"]) == [
                     ["api", "create", "applied", "→ 1.0.0", "missing"],
                     ["worker", "create", "applied", "→ 1.0.0", "missing"],
                 ]
@@ -117,7 +126,7 @@ async def test_a_person_sees_workloads_sync_and_alerts(
                 await ping(client, "cache", {"status": "degraded", "message": "warming up"})
 
                 async def reloaded() -> bool:
-                    return "warming up" in await page.text()
+                    text = await page.text()  # one read: one document
+                    return "warming up" in text and "Workloads (3)" in text
 
                 await eventually(reloaded, within=15, step=0.2)
-                assert "Workloads (3)" in await page.text()

@@ -96,7 +96,8 @@ class Page:
 
     async def text(self) -> str:
         """What a person can read: the rendered, visible text of the page."""
-        value = await self.evaluate("document.body.innerText")
+        # empty while the page reloads itself (between two documents there is no body)
+        value = await self.evaluate("document.body ? document.body.innerText : ''")
         return str(value)
 
     async def screenshot(self) -> bytes:
