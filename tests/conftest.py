@@ -187,6 +187,15 @@ def cluster(
     proxy.reset()
 
 
+@pytest.fixture(scope="module")
+def backend_server() -> Iterator[tuple[LocalBackend, ThreadedServer]]:
+    """The same backend shared by a module's tests (they reset it); starting one per test
+    costs more than the sync tests themselves."""
+    local = LocalBackend(NODE, KEY.public_key())
+    with local.serve() as server:
+        yield local, server
+
+
 @pytest.fixture
 def backend() -> Iterator[tuple[LocalBackend, ThreadedServer]]:
     """The contract-enforcing node-system backend for node `NODE`, signed with `KEY`."""

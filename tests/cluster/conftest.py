@@ -3,7 +3,7 @@ contract-enforcing local backend, and a clean `workloads` namespace for each tes
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,14 +17,7 @@ from tests.conftest import SettingsFactory
 from tests.support.backend import LocalBackend
 from tests.support.control_plane import ControlPlane
 from tests.support.servers import ThreadedServer
-from tests.support.sync_world import KEY, NAMESPACE, NODE, key_seed, manifest
-
-
-@pytest.fixture(scope="module")
-def backend_server() -> Iterator[tuple[LocalBackend, ThreadedServer]]:
-    backend = LocalBackend(NODE, KEY.public_key())
-    with backend.serve() as server:
-        yield backend, server
+from tests.support.sync_world import NAMESPACE, NODE, key_seed, manifest
 
 
 @dataclass

@@ -4,7 +4,7 @@ with its own ServiceAccount token."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +19,11 @@ from tests.support.backend import LocalBackend
 from tests.support.polling import eventually
 from tests.support.real_cluster import RealCluster
 from tests.support.servers import ThreadedServer
-from tests.support.sync_world import KEY, NAMESPACE, NODE, WRITES, key_seed
+from tests.support.sync_world import NAMESPACE, NODE, WRITES, key_seed
 
 # the manager's client timeout in these tests: far above what the API server takes, even
 # on a busy machine, and short enough for the tests that make a request outlive it
 KUBE_TIMEOUT = 3.0
-
-
-@pytest.fixture(scope="module")
-def backend_server() -> Iterator[tuple[LocalBackend, ThreadedServer]]:
-    backend = LocalBackend(NODE, KEY.public_key())
-    with backend.serve() as server:
-        yield backend, server
 
 
 @dataclass
