@@ -17,7 +17,7 @@ from tests.conftest import SettingsFactory
 from tests.support.backend import LocalBackend
 from tests.support.control_plane import ControlPlane
 from tests.support.servers import ThreadedServer
-from tests.support.sync_world import NAMESPACE, NODE, key_seed, manifest
+from tests.support.sync_world import NAMESPACE, NODE, key_seed, manifest, owned_state
 
 
 @dataclass
@@ -38,8 +38,10 @@ class ClusterWorld:
     def deployments(self) -> dict[str, dict[str, Any]]:
         return {d["metadata"]["name"]: d for d in self.cluster.list("deployments", NAMESPACE)}
 
-    def versions(self) -> dict[str, str]:
-        return {name: d["metadata"]["resourceVersion"] for name, d in self.deployments().items()}
+    def versions(self) -> dict[str, dict[str, Any]]:
+        """What an owner set on each Deployment (not its resourceVersion, which the
+        deployment controller changes with every status write)."""
+        return {name: owned_state(d) for name, d in self.deployments().items()}
 
 
 @pytest.fixture

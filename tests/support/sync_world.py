@@ -49,6 +49,28 @@ def manifest(
     }
 
 
+CONTROLLER = "kube-controller-manager"
+REVISION = "deployment.kubernetes.io/revision"
+
+
+def owned_state(deployment: dict[str, Any]) -> dict[str, Any]:
+    """What the owners of a Deployment set on it, without what the deployment controller
+    writes while a rollout runs (status, the revision annotation). The resourceVersion
+    changes with those, so comparing it races with the controller."""
+    meta = deployment["metadata"]
+    return {
+        "generation": meta["generation"],
+        "labels": meta.get("labels"),
+        "annotations": {k: v for k, v in meta.get("annotations", {}).items() if k != REVISION},
+        "spec": deployment["spec"],
+        "managers": sorted(
+            (f["manager"], f["operation"], f.get("time", ""))
+            for f in meta.get("managedFields", [])
+            if f.get("subresource") != "status" and f["manager"] != CONTROLLER
+        ),
+    }
+
+
 def sync_env(backend_url: str, kubeconfig: Path) -> dict[str, str]:
     """Environment for a manager process that syncs from the backend into the cluster."""
     return {
