@@ -3,22 +3,15 @@ and deployment controller, behind the fault proxy, with the manager's own token.
 
 from __future__ import annotations
 
-import asyncio
-import json
 from typing import Any
 
-import pytest
-
 from app.domain.manifests import (
-    APPLIED_ANNOTATION,
     MANAGED_BY_LABEL,
     VERSION_ANNOTATION,
     WORKLOAD_LABEL,
 )
 from app.domain.tokens import ping_token
-from app.services.syncing import SyncBusy
 from tests.services.conftest import World
-from tests.support.polling import eventually
 from tests.support.sync_world import NAMESPACE, manifest, owned_state
 
 
@@ -131,4 +124,3 @@ async def test_unmanaged_deployments_survive_every_sync(world: World) -> None:
     after = {n: owned_state(d) for n, d in world.deployments().items()}
     assert after == before
     assert world.kube_writes() == []
-
