@@ -236,6 +236,27 @@ class Settings(BaseSettings):
                 raise ValueError("must be a JSON list or comma-separated values") from None
         return [part.strip() for part in text.split(",") if part.strip()]
 
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        servers = nats_servers(value)
+        if not servers:
+            raise ValueError("no server given (nats://host:port, comma-separated for several)")
+        for server in servers:
+            parts = urlsplit(server)
+            try:
+                parts.port  # noqa: B018 - parsing it is the check
+            except ValueError:
+                parts = parts._replace(netloc="")
+            if parts.scheme not in NATS_SCHEMES or not parts.hostname:
+                raise ValueError(
+                    f"{redact_url(server)!r} is not a NATS server URL "
+                    f"({'|'.join(NATS_SCHEMES)}://host:port, comma-separated for several)"
+                )
+        return value
+
     @field_validator("job_backoff_seconds")
     @classmethod
     def _backoff(cls, value: list[float]) -> list[float]:
@@ -358,9 +379,24 @@ def _reveal(secret: SecretStr | None) -> str | None:
     return None if secret is None else secret.get_secret_value()
 
 
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def nats_servers(url: str) -> list[str]:
+    """The servers of NATS_URL: one URL, or several comma-separated (as the nats CLI
+    takes them) so that the first connection survives one server being down."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
 def redact_url(url: str) -> str:
     """The URL without its password (or a token given as its user name, as NATS takes
-    it), for status pages and logs."""
+    it), for status pages and logs; each of several comma-separated NATS servers."""
+    if "," in url and urlsplit(url).scheme in NATS_SCHEMES:
+        return ",".join(_redact_one(part) for part in nats_servers(url))
+    return _redact_one(url)
+
+
+def _redact_one(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         if parts.username is None:

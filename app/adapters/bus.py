@@ -26,6 +26,8 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js import api
 
+from app.settings import nats_servers
+
 log = logging.getLogger(__name__)
 
 BusError = (nats.errors.Error, TimeoutError, OSError)
@@ -92,7 +94,7 @@ async def server_info(
     nc: Any = Client()
     try:
         await nc.connect(
-            url,
+            nats_servers(url),
             connect_timeout=connect_timeout,
             allow_reconnect=False,
             max_reconnect_attempts=1,
@@ -250,7 +252,7 @@ class JetStreamBus:
         client: Any = Client()
         connecting = asyncio.create_task(
             client.connect(
-                self._url,
+                nats_servers(self._url),
                 name=self._name,
                 connect_timeout=self._timeout,
                 max_reconnect_attempts=-1,
@@ -400,11 +402,19 @@ class JetStreamBus:
         return PullSubscription(sub)
 
     async def publish(
-        self, subject: str, body: dict[str, Any], *, msg_id: str | None = None
+        self,
+        subject: str,
+        body: dict[str, Any],
+        *,
+        msg_id: str | None = None,
+        within: float | None = None,
     ) -> int:
-        """Publish to a stream and wait for its ack; `msg_id` deduplicates within the window."""
+        """Publish to a stream and wait for its ack, at most `within` seconds (never more
+        than the bus's own timeout); `msg_id` deduplicates within the window."""
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        wait = self._timeout if within is None else min(within, self._timeout)
         ack = await self._js.publish(
-            subject, json.dumps(body, separators=(",", ":")).encode(), headers=headers
-        )
+            subject, json.dumps(body, separators=(",", ":")).encode(), headers=headers,
+            timeout=wait,
+        )  # fmt: skip
         return int(ack.seq)

@@ -198,15 +198,19 @@ def _local_profile(
 def _fingerprint(
     settings: Settings, cluster_version: Callable[[], Awaitable[str]] | None
 ) -> Callable[[], Awaitable[dict[str, Any]]]:
-    """The node's hardware fingerprint (and the cluster's version, when there is one)."""
+    """The node's hardware fingerprint (and the cluster's version, when there is one).
+
+    The cluster's client is imported only when there is a cluster: kubernetes-asyncio
+    costs some 45 MiB, which a node without sync would pay for one exception class."""
     from app.adapters import system
-    from app.adapters.kube import KubeError
 
     disk = settings.data_dir if settings.data_dir.exists() else Path.cwd()
 
     async def fingerprint() -> dict[str, Any]:
         hardware = await asyncio.to_thread(system.fingerprint, disk)
         if cluster_version is not None:
+            from app.adapters.kube import KubeError  # imported already: the cluster is on
+
             try:
                 hardware["k3s_version"] = await cluster_version()
             except KubeError as exc:
@@ -301,7 +305,7 @@ async def open_worker(
     from app.adapters.workload_http import WorkloadHttp
     from app.services.handlers import load_handlers
     from app.services.streams import consumer_specs, init_streams
-    from app.services.working import Ledger, Worker, WorkerConfig
+    from app.services.working import LEASE_TRIES, Ledger, Worker, WorkerConfig
 
     tier = (settings.node_tier or DEVELOPMENT_TIER).value
     bus = JetStreamBus(
@@ -344,9 +348,13 @@ async def open_worker(
         assert heartbeat is not None
         ledger = AsyncpgLedger(heartbeat.registry, node_id=node_id, claimant=claimant)
     else:
+        # a lease (2 x ack wait) holds several tries of renewing it: else a failover of
+        # the bucket's leader outlasts the lease and another node runs the job again
+        lease = 2 * settings.job_ack_wait_seconds
         ledger = kv_ledger = JetStreamLedger(
-            node_id=node_id, claimant=claimant, timeout=settings.backend_timeout_seconds
-        )
+            node_id=node_id, claimant=claimant,
+            timeout=min(settings.backend_timeout_seconds, lease / LEASE_TRIES),
+        )  # fmt: skip
     component.detail["ledger"] = "postgres" if on_postgres else f"jetstream bucket {BUCKET}"
     if heartbeat is not None:
         profile: Callable[[], Awaitable[NodeProfile]] = heartbeat.profile
@@ -381,13 +389,18 @@ async def open_worker(
 
 
 def consumer_stats(bus: JetStreamBus, metrics: Metrics, tier: str) -> Callable[[], Awaitable[None]]:
+    from app.adapters.bus import BusError
     from app.domain.jobs import STREAMS, consumer_name
 
     async def collect() -> None:
         if not bus.connected:
             return
         for stream in STREAMS.values():
-            state = await bus.consumer_state(stream, consumer_name(tier))
+            try:
+                state = await bus.consumer_state(stream, consumer_name(tier))
+            except BusError as exc:  # a leader election, a reconnect: the next tick sees it
+                log.warning("consumer state of %s not read: %s", stream, exc or type(exc).__name__)
+                return
             metrics.consumer_pending.labels(stream).set(state["pending"])
             metrics.consumer_ack_pending.labels(stream).set(state["ack_pending"])
 

@@ -56,8 +56,16 @@ log = logging.getLogger(__name__)
 
 # kept at the end of a drain for releasing and handing back the jobs that did not finish
 HAND_BACK_SECONDS = 1.0
+# tries of a ledger write or an event publish that fit in one lease: a request to a stream
+# whose leader just died gets no answer until it times out, so each try gets a quarter of
+# the lease, and the keep-alive's renewals get through as soon as a new leader answers
+LEASE_TRIES = 4
 # what a ledger raises when its store cannot be reached (PostgreSQL or JetStream)
 LEDGER_ERRORS = (*RegistryUnavailable, LedgerUnavailable)
+
+
+class EventUnsent(Exception):
+    """A job event the stream did not acknowledge (retried, then the job is handed back)."""
 
 
 class Ledger(Protocol):
@@ -412,8 +420,19 @@ class Worker:
         return self._config.ack_wait * 2
 
     async def _run(self, delivery: Delivery, job: Job) -> str:
+        """Run the handler and answer. The keep-alive lasts until the answer is sent, not
+        only while the handler runs: while the ledger cannot record the outcome (its
+        store is electing a leader, say) the job stays ours, and neither JetStream's
+        redelivery nor an expired lease lets another node run it a second time."""
         key = job.idempotency_key
         keep_alive = asyncio.create_task(self._keep_alive(delivery, key))
+        try:
+            return await self._run_and_answer(delivery, job)
+        finally:
+            keep_alive.cancel()
+
+    async def _run_and_answer(self, delivery: Delivery, job: Job) -> str:
+        key = job.idempotency_key
         context = HandlerContext(
             node_id=self.node_id, delivered=delivery.delivered, http=self._http
         )
@@ -423,15 +442,18 @@ class Worker:
             )
         except asyncio.CancelledError:
             # shutdown ran out of grace: hand the job back for someone else, now
-            await self._write(lambda: self._ledger.release(key=key))
+            await self._write(lambda: self._ledger.release(key=key), within=HAND_BACK_SECONDS)
             await delivery.nak(1.0)
             raise
         except Exception as exc:
             return await self._failed(delivery, job, exc)
-        finally:
-            keep_alive.cancel()
         await self._write(lambda: self._ledger.complete(key=key, result=result))
-        await self._event(EventKind.COMPLETED, job, result=result)
+        if not await self._event_retried(EventKind.COMPLETED, job, result=result):
+            # the job is done (the ledger says so); its next delivery is acked as a
+            # duplicate. Acking now would lose the event for good.
+            self._metrics.job_events_unsent.inc()
+            await delivery.nak(self._config.held_delay)
+            return "event-unsent"
         await delivery.ack()
         return "completed"
 
@@ -500,20 +522,40 @@ class Worker:
             except (*BusError, *LEDGER_ERRORS) as exc:
                 log.warning("keep-alive for job %s failed: %s", key, exc)
 
-    async def _write(self, operation: Callable[[], Awaitable[bool]]) -> None:
-        """A ledger write after the work is done: retried briefly; failure is logged.
+    async def _write(
+        self, operation: Callable[[], Awaitable[bool]], *, within: float | None = None
+    ) -> None:
+        """A ledger write after the work is done, retried with jitter for up to `within`
+        seconds (default: one lease, which the keep-alive renews meanwhile); then logged.
 
         The answer to JetStream is sent either way: holding it back would let the job
         run a second time, which is worse than a ledger row left `running`.
         """
         try:
             async for attempt in stamina.retry_context(
-                on=LEDGER_ERRORS, attempts=3, wait_initial=0.1, wait_max=1.0, timeout=None
-            ):
+                on=LEDGER_ERRORS, attempts=None, wait_initial=0.1, wait_max=1.0,
+                timeout=self._lease if within is None else within,
+            ):  # fmt: skip
                 with attempt:
                     await operation()
         except LEDGER_ERRORS as exc:
             log.error("ledger write failed after the job ran: %s", exc)
+
+    async def _event_retried(self, kind: EventKind, job: Job, **fields: Any) -> bool:
+        """A job's final event, retried with jitter for up to one lease while the
+        keep-alive holds the job (a stream electing a new leader answers nothing for a
+        few seconds); its message id makes a copy that did get stored harmless."""
+        try:
+            async for attempt in stamina.retry_context(
+                on=EventUnsent, attempts=None, wait_initial=0.1, wait_max=1.0,
+                timeout=self._lease,
+            ):  # fmt: skip
+                with attempt:
+                    if not await self._event(kind, job, **fields):
+                        raise EventUnsent(kind.value)
+        except EventUnsent:
+            return False
+        return True
 
     async def _event(self, kind: EventKind, job: Job | Rejection, **fields: Any) -> bool:
         """Publish a job event; True once the stream acknowledged it."""
@@ -529,7 +571,10 @@ class Worker:
         if kind in (EventKind.FAILED, EventKind.UNROUTABLE):
             msg_id += f":{fields.get('delivered', 0)}"
         try:
-            await self._bus.publish(event_subject(self.node_id, kind), body, msg_id=msg_id)
+            await self._bus.publish(
+                event_subject(self.node_id, kind), body, msg_id=msg_id,
+                within=self._lease / LEASE_TRIES,
+            )  # fmt: skip
         except BusError as exc:
             log.warning("event %s for job %s not published: %s", kind.value, job_id, exc)
             return False

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings, SettingsError, load_settings, redact_url
+from app.settings import Settings, SettingsError, load_settings, nats_servers, redact_url
 
 PRODUCTION_OK = {
     "APP_ENV": "production",
@@ -151,6 +151,9 @@ def test_production_accepts_a_key_file_instead(
         ("NODE_TIER", "D", "NODE_TIER"),
         ("NODE_CAPABILITIES", "not json", "NODE_CAPABILITIES"),
         ("NODE_CAPABILITIES", '["ok", "bad name"]', "NODE_CAPABILITIES"),
+        ("NATS_URL", "nats://a:4222,http://b:4222", "NATS_URL"),
+        ("NATS_URL", "nats://a:port", "NATS_URL"),
+        ("NATS_URL", " , ", "NATS_URL"),
     ],
 )
 def test_invalid_values_name_the_variable(
@@ -186,10 +189,26 @@ def test_secrets_are_masked_in_repr_and_dumps(monkeypatch: pytest.MonkeyPatch) -
         ("postgresql://u@db/x", "postgresql://***@db/x"),
         ("nats://t0k3n@nats:4222", "nats://***@nats:4222"),
         ("nats://tok:en@nats:4222", "nats://tok:***@nats:4222"),
+        # several NATS servers, each redacted
+        ("nats://t@a:4222,nats://u:p@b:4222", "nats://***@a:4222,nats://u:***@b:4222"),
     ],
 )
 def test_redact_url(url: str, expected: str) -> None:
     assert redact_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "servers"),
+    [
+        ("nats://a:4222", ["nats://a:4222"]),
+        ("nats://a:4222, tls://b:4222,nats://c", ["nats://a:4222", "tls://b:4222", "nats://c"]),
+    ],
+)
+def test_nats_url_takes_several_servers(
+    monkeypatch: pytest.MonkeyPatch, value: str, servers: list[str]
+) -> None:
+    monkeypatch.setenv("NATS_URL", value)
+    assert nats_servers(load_settings(_env_file=None).nats_url or "") == servers
 
 
 def test_registry_can_be_switched_off_in_production(monkeypatch: pytest.MonkeyPatch) -> None:

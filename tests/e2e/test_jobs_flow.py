@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import functools
 import json
@@ -17,15 +16,12 @@ from typing import Any
 import httpx
 import nats
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from app.adapters.embedded import EmbeddedNats
 from app.domain.jobs import job_subject
 from app.services.streams import new_job, publish_job
 from tests.support.jobs_world import (
+    EffectCounter,
     at_least_completed,
     consumer_bound,
     consumer_settled,
@@ -109,27 +105,6 @@ def test_init_streams_is_idempotent_and_publish_reaches_the_stream(tmp_path: Pat
         assert bad.returncode == 2 and "invalid job" in bad.stderr
     finally:
         server.stop()
-
-
-class EffectCounter:
-    """A workload that counts the calls it gets per idempotency key (the job's effect),
-    holding each call long enough that two copies of one job overlap."""
-
-    def __init__(self, hold: float) -> None:
-        self.calls: dict[str, int] = {}
-        self._hold = hold
-
-    def app(self) -> Starlette:
-        async def effect(request: Request) -> JSONResponse:
-            key = request.headers.get("idempotency-key", "")
-            self.calls[key] = self.calls.get(key, 0) + 1
-            await asyncio.sleep(self._hold)  # the workload's own work time
-            return JSONResponse({"stored": key})
-
-        return Starlette(routes=[Route("/effect", effect, methods=["POST"])])
-
-    async def started(self, key: str) -> bool:
-        return key in self.calls
 
 
 async def test_two_processes_on_one_node_id_run_each_key_once(

@@ -24,6 +24,8 @@ from app.settings import Settings
 K8S = Path(__file__).resolve().parents[2] / "k8s"
 WORKER = K8S / "overlays" / "worker"
 MONITORING = K8S / "monitoring"
+# the fleet's NATS: its own namespace and kustomizations, checked by test_nats_manifests.py
+NATS = K8S / "nats"
 # Custom resources the bundled Kubernetes schemas do not know; checked by test_monitoring.py
 CUSTOM_API_GROUPS = ("monitoring.coreos.com/",)
 KUBERNETES_VERSION = "1.31"
@@ -69,12 +71,14 @@ def manifest_files() -> list[Path]:
     return sorted(
         path
         for path in K8S.rglob("*")
-        if path.suffix in MANIFEST_SUFFIXES and path.name != KUSTOMIZATION
+        if path.suffix in MANIFEST_SUFFIXES
+        and path.name != KUSTOMIZATION
+        and not path.is_relative_to(NATS)
     )
 
 
 def kustomizations() -> list[Path]:
-    return sorted(K8S.rglob(KUSTOMIZATION))
+    return sorted(path for path in K8S.rglob(KUSTOMIZATION) if not path.is_relative_to(NATS))
 
 
 def label(doc: Doc) -> str:

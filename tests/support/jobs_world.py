@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -11,6 +12,10 @@ from typing import Any
 
 import asyncpg
 import nats
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from app.adapters.bus import JetStreamBus
 from app.domain.jobs import Job
@@ -120,7 +125,7 @@ def manager_env(database: str, nats_url: str, node: str, tier: str) -> dict[str,
     }
 
 
-async def _consumer_info(url: str, stream: str, durable: str) -> Any:
+async def _consumer_info(url: str | list[str], stream: str, durable: str) -> Any:
     nc = await nats.connect(url)
     try:
         return await nc.jetstream().consumer_info(stream, durable)
@@ -128,7 +133,9 @@ async def _consumer_info(url: str, stream: str, durable: str) -> Any:
         await nc.close()
 
 
-async def consumer_bound(url: str, stream: str, pullers: int, durable: str = "wm-A") -> bool:
+async def consumer_bound(
+    url: str | list[str], stream: str, pullers: int, durable: str = "wm-A"
+) -> bool:
     """True once `pullers` pull requests wait on the durable (its workers are up)."""
     try:
         info = await _consumer_info(url, stream, durable)
@@ -137,13 +144,13 @@ async def consumer_bound(url: str, stream: str, pullers: int, durable: str = "wm
     return int(info.num_waiting or 0) >= pullers
 
 
-async def consumer_settled(url: str, stream: str, durable: str = "wm-A") -> bool:
+async def consumer_settled(url: str | list[str], stream: str, durable: str = "wm-A") -> bool:
     """True when every message on the durable has been answered for good."""
     info = await _consumer_info(url, stream, durable)
     return bool(info.num_pending == 0 and info.num_ack_pending == 0)
 
 
-async def stored_events(url: str) -> list[tuple[str, dict[str, Any]]]:
+async def stored_events(url: str | list[str]) -> list[tuple[str, dict[str, Any]]]:
     """The events MM_EVENTS holds (what was acknowledged), as (subject, body)."""
     nc = await nats.connect(url)
     try:
@@ -162,3 +169,32 @@ async def stored_events(url: str) -> list[tuple[str, dict[str, Any]]]:
         return found
     finally:
         await nc.close()
+
+
+class EffectCounter:
+    """A workload that counts the calls it gets per idempotency key (the job's effect),
+    holding each call long enough that two copies of one job overlap. While `paused`,
+    calls are counted and then wait for `resume()` (it serves from another thread)."""
+
+    def __init__(self, hold: float, *, paused: bool = False) -> None:
+        self.calls: dict[str, int] = {}
+        self._hold = hold
+        self._running = threading.Event()
+        if not paused:
+            self._running.set()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def app(self) -> Starlette:
+        async def effect(request: Request) -> JSONResponse:
+            key = request.headers.get("idempotency-key", "")
+            self.calls[key] = self.calls.get(key, 0) + 1
+            await asyncio.to_thread(self._running.wait)
+            await asyncio.sleep(self._hold)  # the workload's own work time
+            return JSONResponse({"stored": key})
+
+        return Starlette(routes=[Route("/effect", effect, methods=["POST"])])
+
+    async def started(self, key: str) -> bool:
+        return key in self.calls

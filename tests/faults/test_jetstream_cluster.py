@@ -1,0 +1,114 @@
+"""The job data plane on a three-server JetStream cluster whose stream leader dies.
+
+Three nats-server processes clustered over loopback routes; the job, event and ledger
+streams with three replicas; two manager processes (two node ids, one tier) sharing the
+tier's durable consumer, their idempotency ledger in the replicated key-value bucket (no
+database). 1,000 jobs are published, and while they run the server leading the job
+stream is killed, then started again. Each job's effect is counted by the workload it
+calls, outside the managers: every one happens exactly once, each job has its one
+`job.completed` event, and the restarted server catches up with the others.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import nats.errors
+
+from app.adapters.kv_ledger import BUCKET as LEDGER_BUCKET
+from app.domain.jobs import STREAMS
+from app.services.streams import new_job, publish_job
+from tests.support.jobs_world import (
+    EffectCounter,
+    consumer_bound,
+    consumer_settled,
+    publisher,
+    stored_events,
+)
+from tests.support.nats_cluster import has_meta_leader, running_cluster, stream_cluster
+from tests.support.polling import eventually
+from tests.support.process import ManagerProcess
+from tests.support.servers import serve
+
+JOBS = 1000
+KILL_AFTER = 300  # effects seen before the leader is killed
+RESTART_AFTER = 700  # ... and before it is started again
+STREAM = STREAMS["write"]
+
+
+async def _effects(counter: EffectCounter, at_least: int) -> bool:
+    return len(counter.calls) >= at_least
+
+
+async def _caught_up(urls: list[str], stream: str, name: str) -> bool:
+    try:
+        group = await stream_cluster(urls, stream)
+    except (nats.errors.Error, TimeoutError):  # electing a leader: ask again
+        return False
+    replica = group["replicas"].get(name)
+    if group["leader"] == name:
+        return all(r["current"] and r["lag"] == 0 for r in group["replicas"].values())
+    return bool(replica and replica["current"] and replica["lag"] == 0)
+
+
+async def test_no_job_is_lost_or_run_twice_when_the_stream_leader_dies(tmp_path: Path) -> None:
+    # paused while the jobs are published, so that the leader dies with most of them to run
+    counter = EffectCounter(hold=0.02, paused=True)
+    keys = [f"clustered-{i:04d}" for i in range(JOBS)]
+    with running_cluster(tmp_path / "nats") as cluster, serve(counter.app()) as workload:
+        await eventually(functools.partial(has_meta_leader, cluster.urls), within=60)
+        managers = []
+        for node in ("node-c1", "node-c2"):
+            (tmp_path / node).mkdir()
+            env = {
+                "NATS_URL": cluster.url,
+                "NATS_STREAM_REPLICAS": "3",
+                "NODE_ID": node,
+                "NODE_TIER": "A",
+                "REPORT_ENABLED": "false",
+                "HTTP_JOB_ALLOWED_SUFFIXES": "127.0.0.1",
+                "WORKER_CONCURRENCY": "8",
+                "JOB_ACK_WAIT_SECONDS": "10",
+                "JOB_HELD_DELAY_SECONDS": "0.5",
+                "SHUTDOWN_GRACE_SECONDS": "10",
+            }
+            managers.append(ManagerProcess(env=env, workdir=tmp_path / node))
+        try:
+            for proc in managers:
+                proc.start(timeout=60)
+            await eventually(lambda: consumer_bound(cluster.urls, STREAM, 2), within=60, step=0.2)
+            async with publisher(cluster.url) as bus:
+                effect = {"url": f"{workload.url}/effect", "body": {}}
+                for key in keys:
+                    job = new_job("http", idempotency_key=key, payload=effect)
+                    await publish_job(bus, job, kind="write", tier="A")
+            counter.resume()
+            await eventually(lambda: _effects(counter, KILL_AFTER), within=120, step=0.05)
+            leader = (await stream_cluster(cluster.urls, STREAM))["leader"]
+            cluster.kill(leader)
+            at_kill = len(counter.calls)
+            survivors = [m.url for m in cluster.members if m.name != leader]
+            await eventually(lambda: _effects(counter, RESTART_AFTER), within=180, step=0.1)
+            at_restart = len(counter.calls)
+            cluster.restart(leader)
+            await eventually(lambda: consumer_settled(survivors, STREAM), within=180, step=0.5)
+            for stream in (STREAM, "MM_EVENTS", f"KV_{LEDGER_BUCKET}"):
+                await eventually(
+                    functools.partial(_caught_up, cluster.urls, stream, leader),
+                    within=120, step=0.5,
+                )  # fmt: skip
+            events = await stored_events(cluster.urls)
+        finally:
+            logs = "".join(proc.log()[-20000:] for proc in managers)
+            for proc in managers:
+                proc.stop()
+    when = f"leader {leader} killed at {at_kill} effects, restarted at {at_restart}"
+    assert at_kill < JOBS, f"{when}: the leader died after the run; make the workload slower"
+    assert len(counter.calls) == JOBS, f"{when}\n{logs}"
+    twice = {k: n for k, n in counter.calls.items() if n != 1}
+    assert twice == {}, f"{when}: {twice}\n{logs}"
+    completed = [
+        body["idempotency_key"] for subject, body in events if subject.endswith(".completed")
+    ]
+    assert sorted(completed) == keys, logs
