@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import asyncpg
 
+from app.adapters.coalesce import Coalescer, distinct_runs
 from app.domain.ledger import Claim
 from app.domain.migrations import Applied, Migration, pending
 from app.domain.requirements import NodeProfile, Requirements
@@ -202,17 +203,41 @@ class AsyncpgRegistry:
             return todo
 
 
-_CLAIM = """
-INSERT INTO job_ledger AS l (idempotency_key, job_id, job_type, node_id, claimant, status,
-                             attempts, lease_until)
-VALUES ($1, $2, $3, $4, $5, 'running', 1, now() + make_interval(secs => $6))
-ON CONFLICT (idempotency_key) DO UPDATE SET
-  node_id = EXCLUDED.node_id, claimant = EXCLUDED.claimant, status = 'running',
-  attempts = l.attempts + 1, lease_until = EXCLUDED.lease_until, updated_at = now(),
-  error = NULL
-WHERE l.status = 'retrying'
-   OR (l.status = 'running' AND (l.lease_until IS NULL OR l.lease_until < now()))
-RETURNING attempts
+# The claim of a batch of distinct keys, one statement (group commit): a new key is
+# inserted; a key `retrying`, or `running` with a lease that ran out, is taken over.
+# `before` is the statement's snapshot, taken before the insert: for a key not claimed,
+# the row that stopped it.
+_CLAIM_MANY = """
+WITH input AS (
+  SELECT * FROM unnest($1::varchar[], $2::uuid[], $3::varchar[]) AS t(key, job_id, job_type)
+), claimed AS (
+  INSERT INTO job_ledger AS l (idempotency_key, job_id, job_type, node_id, claimant, status,
+                               attempts, lease_until)
+  SELECT key, job_id, job_type, $4, $5, 'running', 1, now() + make_interval(secs => $6)
+  FROM input
+  ON CONFLICT (idempotency_key) DO UPDATE SET
+    node_id = EXCLUDED.node_id, claimant = EXCLUDED.claimant, status = 'running',
+    attempts = l.attempts + 1, lease_until = EXCLUDED.lease_until, updated_at = now(),
+    error = NULL
+  WHERE l.status = 'retrying'
+     OR (l.status = 'running' AND (l.lease_until IS NULL OR l.lease_until < now()))
+  RETURNING l.idempotency_key, l.attempts
+)
+SELECT i.key, c.attempts, before.status,
+       greatest(EXTRACT(EPOCH FROM before.lease_until - now()), 0)::float8 AS left
+FROM input i
+LEFT JOIN claimed c ON c.idempotency_key = i.key
+LEFT JOIN job_ledger before ON before.idempotency_key = i.key
+"""
+
+# Completion for a batch of distinct keys this claimant holds (group commit).
+_COMPLETE_MANY = """
+UPDATE job_ledger l
+SET status = 'completed', result = t.result, error = NULL, lease_until = NULL,
+    updated_at = now(), completed_at = now()
+FROM unnest($1::varchar[], $2::jsonb[]) AS t(key, result)
+WHERE l.idempotency_key = t.key AND l.claimant = $3 AND l.status = 'running'
+RETURNING l.idempotency_key
 """
 
 _FINISH = """
@@ -236,6 +261,10 @@ class AsyncpgLedger:
         self._registry = registry
         self.node_id = node_id
         self.claimant = claimant
+        # group commit: the claims and completions of jobs fetched together (or finishing
+        # together) go to PostgreSQL as one statement each; every caller gets its own answer
+        self._claims: Coalescer[_ClaimCall, tuple[Claim, float]] = Coalescer(self._claim_many)
+        self._completions: Coalescer[tuple[str, Any], bool] = Coalescer(self._complete_many)
 
     @property
     def _timeout(self) -> float:
@@ -246,27 +275,21 @@ class AsyncpgLedger:
     ) -> tuple[Claim, float]:
         """The claim, with the number of this claim (1 for the first) for CLAIMED and the
         seconds left on the holder's lease for HELD."""
-        pool = self._registry.pool
-        attempts = await pool.fetchval(
-            _CLAIM, key, job_id, job_type, self.node_id, self.claimant, lease_seconds,
-            timeout=self._timeout,
-        )  # fmt: skip
-        if attempts is not None:
-            return Claim.CLAIMED, float(attempts)
-        row = await pool.fetchrow(
-            """SELECT status,
-                      greatest(EXTRACT(EPOCH FROM lease_until - now()), 0)::float8 AS left
-               FROM job_ledger WHERE idempotency_key = $1""",
-            key,
-            timeout=self._timeout,
-        )
-        if row is None:  # released between the two statements: let the next delivery claim it
-            return Claim.HELD, 0.0
-        if row["status"] == "completed":
-            return Claim.COMPLETED, 0.0
-        if row["status"] == "dead":
-            return Claim.DEAD, 0.0
-        return Claim.HELD, float(row["left"] or 0.0)
+        return await self._claims.submit(_ClaimCall(key, job_id, job_type, lease_seconds))
+
+    async def _claim_many(self, calls: Sequence[_ClaimCall]) -> list[tuple[Claim, float]]:
+        answers: list[tuple[Claim, float]] = []
+        for batch in distinct_runs(
+            calls, name=lambda call: call.key, same=lambda call: call.lease_seconds
+        ):
+            rows = await self._registry.pool.fetch(
+                _CLAIM_MANY, [c.key for c in batch], [c.job_id for c in batch],
+                [c.job_type for c in batch], self.node_id, self.claimant,
+                batch[0].lease_seconds, timeout=self._timeout,
+            )  # fmt: skip
+            by_key = {row["key"]: row for row in rows}
+            answers += [_claim_answer(by_key[c.key]) for c in batch]
+        return answers
 
     async def renew(self, *, key: str, lease_seconds: float) -> bool:
         renewed = await self._registry.pool.fetchval(
@@ -279,10 +302,18 @@ class AsyncpgLedger:
         return renewed is not None
 
     async def complete(self, *, key: str, result: Any) -> bool:
-        done = await self._registry.pool.fetchval(
-            _FINISH, key, self.claimant, "completed", result, None, timeout=self._timeout
-        )
-        return done is not None
+        return await self._completions.submit((key, result))
+
+    async def _complete_many(self, calls: Sequence[tuple[str, Any]]) -> list[bool]:
+        done: list[bool] = []
+        for batch in distinct_runs(calls, name=lambda call: call[0]):
+            rows = await self._registry.pool.fetch(
+                _COMPLETE_MANY, [key for key, _ in batch], [result for _, result in batch],
+                self.claimant, timeout=self._timeout,
+            )  # fmt: skip
+            stored = {row["idempotency_key"] for row in rows}
+            done += [key in stored for key, _ in batch]
+        return done
 
     async def fail(self, *, key: str, error: str, dead: bool) -> bool:
         status = "dead" if dead else "retrying"
@@ -294,3 +325,23 @@ class AsyncpgLedger:
     async def release(self, *, key: str) -> bool:
         """Give a claimed job back (shutdown): the next delivery may run it at once."""
         return await self.fail(key=key, error="released on shutdown", dead=False)
+
+
+class _ClaimCall(NamedTuple):
+    key: str
+    job_id: str
+    job_type: str
+    lease_seconds: float
+
+
+def _claim_answer(row: asyncpg.Record) -> tuple[Claim, float]:
+    """A key's answer from `_CLAIM_MANY`: claimed, or what the row that stopped it says."""
+    if row["attempts"] is not None:
+        return Claim.CLAIMED, float(row["attempts"])
+    if row["status"] is None:  # inserted by another claim meanwhile: look again later
+        return Claim.HELD, 0.0
+    if row["status"] == "completed":
+        return Claim.COMPLETED, 0.0
+    if row["status"] == "dead":
+        return Claim.DEAD, 0.0
+    return Claim.HELD, float(row["left"] or 0.0)

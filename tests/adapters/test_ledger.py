@@ -78,6 +78,29 @@ async def test_concurrent_claims_of_one_key_have_one_winner(
         assert sorted(results) == sorted([Claim.CLAIMED, Claim.HELD]), (key, results)
 
 
+async def test_claims_and_completions_made_together_each_get_their_own_answer(
+    make_ledger: MakeLedger,
+) -> None:
+    """What a fetch of many jobs does at once (PostgreSQL sends them as one statement):
+    every key answered for itself, a key given twice in the same turn claimed once, a
+    finished key and a held one in the same batch as new ones."""
+    ledger, other = make_ledger("batch"), make_ledger("other")
+    assert await claim(other, "held-by-other") is Claim.CLAIMED
+    assert await claim(ledger, "done-before") is Claim.CLAIMED
+    assert await ledger.complete(key="done-before", result={"n": 0})
+    fresh = [f"fresh-{i}" for i in range(30)]
+    keys = [*fresh, "fresh-0", "held-by-other", "done-before"]
+    results = await asyncio.gather(*(claim(ledger, key) for key in keys))
+    assert results[:30] == [Claim.CLAIMED] * 30
+    assert results[30:] == [Claim.HELD, Claim.HELD, Claim.COMPLETED], "fresh-0 claimed once"
+    done = await asyncio.gather(
+        *(ledger.complete(key=key, result={"key": key}) for key in [*fresh, "held-by-other"])
+    )
+    assert done == [True] * 30 + [False], "only the claimant finishes"
+    again = await asyncio.gather(*(claim(other, key) for key in fresh))
+    assert again == [Claim.COMPLETED] * 30
+
+
 async def test_the_first_claim_is_number_one_and_a_held_key_says_how_long(
     make_ledger: MakeLedger,
 ) -> None:
