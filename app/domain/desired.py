@@ -25,6 +25,16 @@ class DesiredWorkload(BaseModel):
 
     name: str
     version: Version
+    # what the backend last recorded as running here (its answer to the version PUTs);
+    # advisory: a value that is not a version is read as unknown, never as an error
+    reported_version: str | None = None
+
+    @field_validator("reported_version", mode="before")
+    @classmethod
+    def _advisory(cls, value: Any) -> str | None:
+        if isinstance(value, str) and 0 < len(value) <= 128:
+            return value
+        return None
 
     @field_validator("name")
     @classmethod

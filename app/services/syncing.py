@@ -182,6 +182,8 @@ class Syncer:
         # versions owed to the backend, and the last one it confirmed, per workload
         self._unreported: dict[str, str] = {}
         self._reported: dict[str, str] = {}
+        # the backend's `reported_version`s as last learned
+        self._backend_view: dict[str, str] = {}
         self.last: SyncOutcome | None = None
         # the last sync that wrote to the cluster or failed: after it, syncs are usually
         # no-ops, and an operator asking "what changed?" needs this one
@@ -227,6 +229,7 @@ class Syncer:
             outcome.aborted = f"desired state unavailable, nothing changed: {exc}"
             return
         outcome.revision = desired.revision
+        self._learn_reported(desired)
         try:
             objects = await self.kube.list_managed(MANAGED_SELECTOR)
         except KubeError as exc:
@@ -394,6 +397,24 @@ class Syncer:
         version = action.version
         if version is not None and self._reported.get(action.name) != version:
             self._unreported[action.name] = version
+
+    def _learn_reported(self, desired: DesiredState) -> None:
+        """What the backend says it recorded (`reported_version`) counts as confirmed: a
+        sync after a restart PUTs only where that differs from what is applied, instead
+        of once per workload (nodes x workloads PUTs after a fleet-wide self-update).
+        Without the field nothing is learned and unconfirmed versions are PUT as before.
+        The same answer is learned once: a desired state served again (304) is older than
+        the PUTs made since it was read."""
+        view = {
+            w.name: w.reported_version for w in desired.workloads if w.reported_version is not None
+        }
+        if view == self._backend_view:
+            return
+        self._backend_view = view
+        for name, known in view.items():
+            self._reported[name] = known
+            if self._unreported.get(name) == known:
+                del self._unreported[name]
 
     async def _report_pending(self, name: str) -> None:
         """Tell the backend an applied version; kept and retried by later syncs on failure."""

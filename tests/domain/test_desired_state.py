@@ -47,3 +47,24 @@ def test_malformed_answers_name_the_field(body: Any, where: str) -> None:
     with pytest.raises(DesiredStateError) as caught:
         parse_desired(body)
     assert where in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "read"),
+    [
+        ("1.4.2", "1.4.2"),
+        (None, None),
+        ("", None),  # advisory: what is not a version is unknown, never an error
+        (42, None),
+        ("x" * 129, None),
+    ],
+)
+def test_reported_version_is_advisory(given: Any, read: str | None) -> None:
+    workload = {"name": "api", "version": "1.0.0", "reported_version": given}
+    desired = parse_desired({"workloads": [workload]})
+    assert desired.workloads[0].reported_version == read
+
+
+def test_reported_version_may_be_absent() -> None:
+    desired = parse_desired({"workloads": [{"name": "api", "version": "1.0.0"}]})
+    assert desired.workloads[0].reported_version is None

@@ -3,7 +3,10 @@ and deployment controller, behind the fault proxy, with the manager's own token.
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from typing import Any
+
+import pytest
 
 from app.domain.manifests import (
     MANAGED_BY_LABEL,
@@ -11,6 +14,7 @@ from app.domain.manifests import (
     WORKLOAD_LABEL,
 )
 from app.domain.tokens import ping_token
+from app.services.runtime import build_runtime, open_sync_only
 from tests.services.conftest import World
 from tests.support.sync_world import NAMESPACE, manifest, owned_state
 
@@ -124,3 +128,34 @@ async def test_unmanaged_deployments_survive_every_sync(world: World) -> None:
     after = {n: owned_state(d) for n, d in world.deployments().items()}
     assert after == before
     assert world.kube_writes() == []
+
+
+@pytest.mark.parametrize("served", [True, False], ids=["reported_version", "without-it"])
+async def test_a_restarted_manager_puts_only_what_the_backend_does_not_know(
+    world: World, served: bool
+) -> None:
+    """After a restart the manager knows nothing of its earlier PUTs. With the desired
+    state's `reported_version` it PUTs nothing in steady state; a backend without the
+    field gets today's one PUT per workload; a version the backend has wrong is put
+    right."""
+    world.desire(("api", "1.0.0"), ("worker", "1.0.0"))
+    await world.syncer.sync()
+    world.backend.serve_reported = served
+    world.forget_requests()
+    async with AsyncExitStack() as stack:
+        restarted = await open_sync_only(build_runtime(world.runtime.settings), stack)
+        assert restarted is not None
+        outcome = await restarted.sync()
+        assert {(r.name, r.outcome) for r in outcome.results} == {
+            ("api", "unchanged"), ("worker", "unchanged"),
+        }  # fmt: skip
+        puts = sorted(n for n, _ in world.backend.versions)
+        assert puts == ([] if served else ["api", "worker"])
+        if served:
+            # the backend lost its record of api: told again, once
+            world.backend.record_version("api", "0.9.0")
+            world.desire(("api", "1.0.0"), ("worker", "1.0.0"))  # a new revision to read
+            world.forget_requests()
+            await restarted.sync()
+            await restarted.sync()
+            assert [(n, b["version"]) for n, b in world.backend.versions] == [("api", "1.0.0")]

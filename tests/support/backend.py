@@ -164,6 +164,9 @@ class LocalBackend:
         self._revision = "r0"
         self._allow_empty = False
         self._desired: list[dict[str, Any]] = []
+        # the desired state carries `reported_version` (a backend that predates it: off)
+        self.serve_reported = True
+        self._recorded: dict[str, str] = {}  # name -> the last version PUT
         # Bumped to wake requests stalled by a "timeout" failure, so that stopping
         # the server never waits out the full delay.
         self._release_generation = 0
@@ -241,6 +244,11 @@ class LocalBackend:
         with self._lock:
             self._release_generation += 1
 
+    def record_version(self, name: str, version: str) -> None:
+        """What the backend believes runs (served as `reported_version`), set by a test."""
+        with self._lock:
+            self._recorded[name] = version
+
     def clear_records(self) -> None:
         with self._lock:
             self._requests.clear()
@@ -259,6 +267,8 @@ class LocalBackend:
             self._revision = "r0"
             self._allow_empty = False
             self._desired = []
+            self._recorded.clear()
+            self.serve_reported = True
             self._release_generation += 1
 
     @property
@@ -562,10 +572,18 @@ class LocalBackend:
     def _get_workloads(self, headers: Mapping[str, list[str]]) -> _Reply:
         with self._lock:
             revision = self._revision
+            # each workload's last version PUT, as the contract's `reported_version`
+            # (advisory; it does not change the revision, so not the ETag either)
+            reported = dict(self._recorded)
+            workloads = copy.deepcopy(self._desired)
+            if self.serve_reported:
+                for workload in workloads:
+                    if workload.get("name") in reported:
+                        workload.setdefault("reported_version", reported[workload["name"]])
             payload = {
                 "revision": revision,
                 "allow_empty": self._allow_empty,
-                "workloads": copy.deepcopy(self._desired),
+                "workloads": workloads,
             }
         etag = f'"{revision}"'
         if_none_match = ", ".join(headers.get("if-none-match", []))
@@ -598,6 +616,7 @@ class LocalBackend:
             )
         with self._lock:
             self._versions.append((name, copy.deepcopy(document)))
+            self._recorded[name] = version
         return _Reply(status=204)
 
     def _post_health(
