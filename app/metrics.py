@@ -33,9 +33,11 @@ class _StateCollector(Collector):
         self,
         workloads: Callable[[], dict[str, int]],
         components: Callable[[], dict[str, bool]],
+        uptimes: Callable[[], list[tuple[str, str, float]]],
     ) -> None:
         self._workloads = workloads
         self._components = components
+        self._uptimes = uptimes
 
     def collect(self) -> Iterable[Metric]:
         by_status = GaugeMetricFamily(
@@ -44,6 +46,14 @@ class _StateCollector(Collector):
         for status, count in sorted(self._workloads().items()):
             by_status.add_metric([status], count)
         yield by_status
+        uptime = GaugeMetricFamily(
+            f"{PREFIX}_workload_uptime_ratio",
+            "Share of time healthy or degraded over the window (24h, 7d); absent without data.",
+            labels=["workload", "window"],
+        )
+        for name, window, value in self._uptimes():
+            uptime.add_metric([name, window], value)
+        yield uptime
         up = GaugeMetricFamily(
             f"{PREFIX}_component_up",
             "1 when an enabled component is not failing, 0 when failing; absent when off.",
@@ -180,6 +190,13 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.workload_restarts = Counter(
+            f"{PREFIX}_workload_restarts_total",
+            "Rollout restarts made by uptime management, by outcome (restarted, failed, "
+            "budget-spent).",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.alerts = Counter(
             f"{PREFIX}_alerts_total",
             "Alerts by outcome (raised, suppressed, delivered, undelivered, dropped).",
@@ -210,5 +227,6 @@ class Metrics:
         *,
         workloads: Callable[[], dict[str, int]],
         components: Callable[[], dict[str, bool]],
+        uptimes: Callable[[], list[tuple[str, str, float]]] = list,
     ) -> None:
-        self.registry.register(_StateCollector(workloads, components))
+        self.registry.register(_StateCollector(workloads, components, uptimes))

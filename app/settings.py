@@ -10,6 +10,7 @@ clear line naming the variable.
 from __future__ import annotations
 
 import json
+import re
 from datetime import time
 from enum import StrEnum
 from pathlib import Path
@@ -27,6 +28,11 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.domain.requirements import Tier
+
+# Where the original (Express) service kept the node's key (`Settings.node_config_path`):
+# used when neither NODE_PRIVATE_KEY nor NODE_PRIVATE_KEY_FILE is set, NODE_CONFIG_FILE is
+# not set either, and the file exists.
+NODE_CONFIG_DEFAULT = Path("~/.config/lfgnode/config.yaml")
 
 PLACEHOLDERS = frozenset(
     {"", "changeme", "change-me", "change_me", "placeholder", "todo", "xxx", "secret", "example"}
@@ -69,6 +75,7 @@ class Settings(BaseSettings):
     node_system_endpoint: str | None = None
     node_private_key: SecretStr | None = None
     node_private_key_file: Path | None = None
+    node_config_file: Path | None = None  # None: NODE_CONFIG_DEFAULT, if that file exists
     backend_timeout_seconds: float = _ranged(10.0, 0.1, 120.0)
     backend_retry_attempts: int = Field(default=3, ge=1, le=10)
     backend_retry_max_wait_seconds: float = _ranged(5.0, 0.0, 60.0)
@@ -100,6 +107,8 @@ class Settings(BaseSettings):
     self_update_deadline_seconds: float = _ranged(300.0, 1.0, 3_600.0)
     self_update_poll_seconds: float = _ranged(5.0, 0.05, 60.0)
     self_update_timeout_seconds: float = _ranged(10.0, 0.1, 120.0)
+    # an S3-compatible store for an s3:// SELF_UPDATE_URL (default: AWS's regional endpoint)
+    self_update_s3_endpoint: str | None = None
     scheduler_jitter_fraction: float = _ranged(0.1, 0.0, 0.5)
 
     # --- cluster and desired state
@@ -111,6 +120,13 @@ class Settings(BaseSettings):
     sync_max_deletes: int = Field(default=5, ge=0, le=10_000)
     sync_max_delete_percent: float = _ranged(50.0, 0.0, 100.0)
     cluster_refresh_seconds: float = _ranged(15.0, 1.0, 3_600.0)
+    # uptime management: rollout restarts of managed workloads that stay bad
+    uptime_restart_enabled: bool = True
+    uptime_restart_after_seconds: float = _ranged(180.0, 10.0, 86_400.0)
+    uptime_restart_backoff_seconds: float = _ranged(300.0, 10.0, 86_400.0)
+    uptime_restart_backoff_max_seconds: float = _ranged(3_600.0, 10.0, 86_400.0)
+    uptime_restarts_per_workload_per_hour: int = Field(default=3, ge=0, le=100)
+    uptime_restarts_per_node_per_hour: int = Field(default=10, ge=0, le=1_000)
     kube_timeout_seconds: float = _ranged(10.0, 0.1, 120.0)
     manager_url: str = "http://workload-manager.workload-manager.svc:8080"
     self_deployment_name: str = "workload-manager"
@@ -191,15 +207,35 @@ class Settings(BaseSettings):
                 return None
         return value
 
-    @field_validator("node_system_endpoint", "self_update_url", "matrix_homeserver", "manager_url")
+    @field_validator(
+        "node_system_endpoint", "matrix_homeserver", "manager_url", "self_update_s3_endpoint"
+    )
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
+        return None if value is None else _http_url(value)
+
+    @field_validator("self_update_url")
+    @classmethod
+    def _version_file_url(cls, value: str | None) -> str | None:
+        """An http(s) URL, or s3://bucket/key (read with AWS credentials)."""
         if value is None:
             return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError("must be an http(s) URL")
-        return value.rstrip("/")
+        if not value.startswith("s3://"):
+            return _http_url(value, also="or s3://bucket/key")
+        bucket, _, key = value.removeprefix("s3://").partition("/")
+        if not S3_BUCKET.match(bucket) or ".." in bucket or not key:
+            raise ValueError(
+                "must be s3://bucket/key (a bucket name of 3-63 lowercase letters, digits, "
+                "dots and hyphens, and the object's key)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _s3_endpoint_needs_s3(self) -> Settings:
+        s3_url = (self.self_update_url or "").startswith("s3://")
+        if self.self_update_s3_endpoint is not None and not s3_url:
+            raise ValueError("SELF_UPDATE_S3_ENDPOINT is set but SELF_UPDATE_URL is not s3://")
+        return self
 
     @field_validator("node_capabilities", mode="before")
     @classmethod
@@ -274,7 +310,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "nats_creds_file", "nats_nkey_seed_file", "nats_tls_ca_file", "nats_tls_cert_file",
-        "nats_tls_key_file",
+        "nats_tls_key_file", "node_config_file",
     )  # fmt: skip
     @classmethod
     def _readable_file(cls, value: Path | None) -> Path | None:
@@ -336,6 +372,19 @@ class Settings(BaseSettings):
         return self.job_ledger_ttl_seconds or self.nats_stream_max_age_seconds
 
     @property
+    def node_config_path(self) -> Path | None:
+        """The original service's config file to take the key from when neither
+        NODE_PRIVATE_KEY nor NODE_PRIVATE_KEY_FILE is set: NODE_CONFIG_FILE (checked to
+        exist), else ~/.config/lfgnode/config.yaml when there is such a file."""
+        if self.node_config_file is not None:
+            return self.node_config_file
+        try:
+            default = NODE_CONFIG_DEFAULT.expanduser()
+            return default if default.is_file() else None
+        except (RuntimeError, OSError):  # no home directory, or one this user cannot search
+            return None
+
+    @property
     def worker_only(self) -> bool:
         """A node that neither syncs nor reports: no backend endpoint, no desired-state
         folder. It needs no API_TOKEN (its protected routes stay closed without one), no
@@ -361,7 +410,7 @@ class Settings(BaseSettings):
         if self.job_ledger == "postgres" and runs_jobs:
             required.append(("DATABASE_URL", _reveal(self.database_url)))
         if self.report_enabled and self.node_system_endpoint is not None:
-            if self.node_private_key_file is None:
+            if self.node_private_key_file is None and self.node_config_path is None:
                 required.append(("NODE_PRIVATE_KEY", _reveal(self.node_private_key)))
         for name, value in required:
             if value is None or value.strip().lower() in PLACEHOLDERS:
@@ -375,11 +424,19 @@ class Settings(BaseSettings):
             )
 
 
+def _http_url(value: str, *, also: str = "") -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(" ".join(("must be an http(s) URL", also)).strip())
+    return value.rstrip("/")
+
+
 def _reveal(secret: SecretStr | None) -> str | None:
     return None if secret is None else secret.get_secret_value()
 
 
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
 def nats_servers(url: str) -> list[str]:

@@ -23,6 +23,7 @@ from tests.support.backend import LocalBackend
 from tests.support.control_plane import ControlPlane
 from tests.support.databases import fresh_database
 from tests.support.kube.proxy import FaultProxy
+from tests.support.moto_s3 import MotoS3, moto_s3_server
 from tests.support.real_cluster import MANAGER_ACCOUNT, RealCluster
 from tests.support.servers import ThreadedServer
 from tests.support.sync_world import KEY, NODE
@@ -68,9 +69,13 @@ def pytest_terminal_summary(
 
 
 def isolate_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Remove every variable the settings read from the environment."""
+    """Remove every variable the settings read from the environment, and hide the
+    developer's ~/.config/lfgnode/config.yaml (the node key's default file)."""
     for name in [*list(Settings.model_fields), "CAPABILITY_REGISTRY"]:
         monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.setattr(
+        "app.settings.NODE_CONFIG_DEFAULT", Path("/nonexistent/.config/lfgnode/config.yaml")
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -221,7 +226,7 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
     plane = ControlPlane.start(tmp_path_factory.mktemp("control-plane"))
     try:
         for name in ("namespace.yaml", "workloads-namespace.yaml", "serviceaccount.yaml",
-                     "rbac.yaml"):  # fmt: skip
+                     "rbac.yaml", "uptime-configmap.yaml"):  # fmt: skip
             plane.kubectl("apply", "-f", str(K8S / name))
         yield plane
     finally:
@@ -235,3 +240,10 @@ def manager_kubeconfig(control_plane: ControlPlane, tmp_path: Path) -> Path:
     return control_plane.write_kubeconfig(
         tmp_path / "manager.kubeconfig", token=token, namespace="workloads"
     )
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3]:
+    """moto's S3 server (a real HTTP S3 endpoint, signatures checked) for the session."""
+    with moto_s3_server(tmp_path_factory.mktemp("moto")) as server:
+        yield server

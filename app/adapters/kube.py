@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,10 @@ from kubernetes_asyncio import client, config
 
 APPLY_PATCH = "application/apply-patch+yaml"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+MERGE_PATCH = "application/merge-patch+json"
 FIELD_MANAGER = "workload-manager"
+RESTART_FIELD_MANAGER = "workload-manager-uptime"
+RESTARTED_AT = "kubectl.kubernetes.io/restartedAt"  # what `kubectl rollout restart` sets
 DEFAULT_KUBECONFIG = Path("~/.kube/config")
 IN_CLUSTER_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
@@ -103,6 +107,7 @@ class KubeDeployments:
         # Typed as Any: the generated signatures want models, and the manager sends and
         # reads plain JSON objects (which the client accepts at run time).
         self._apps: Any = client.AppsV1Api(self._api_client)
+        self._core: Any = client.CoreV1Api(self._api_client)
         self.host = str(configuration.host)
 
     async def aclose(self) -> None:
@@ -154,6 +159,57 @@ class KubeDeployments:
         items: list[dict[str, Any]] = body.get("items") or []
         return items
 
+    async def list_pods(self) -> list[dict[str, Any]]:
+        """The namespace's pods (for crash loops: their container statuses)."""
+        body = await self._call(
+            "list pods",
+            lambda: self._core.list_namespaced_pod(
+                self.namespace, _preload_content=False, _request_timeout=self._timeout
+            ),
+        )
+        items: list[dict[str, Any]] = body.get("items") or []
+        return items
+
+    async def read_config_map(self, name: str) -> dict[str, str] | None:
+        """A ConfigMap's data in this namespace, or None when there is none."""
+        try:
+            obj: dict[str, Any] = await self._call(
+                f"get configmap {name}",
+                lambda: self._core.read_namespaced_config_map(
+                    name, self.namespace, _preload_content=False, _request_timeout=self._timeout
+                ),
+            )
+        except KubeNotFound:
+            return None
+        data: dict[str, str] = obj.get("data") or {}
+        return data
+
+    async def write_config_map(self, name: str, data: dict[str, str]) -> None:
+        """Replace a ConfigMap's data (merge patch), creating it the first time."""
+        try:
+            await self._call(
+                f"patch configmap {name}",
+                lambda: self._core.patch_namespaced_config_map(
+                    name, self.namespace, {"data": data}, field_manager=FIELD_MANAGER,
+                    _content_type=MERGE_PATCH, _preload_content=False,
+                    _request_timeout=self._timeout,
+                ),
+            )  # fmt: skip
+        except KubeNotFound:
+            body = {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": name},
+                "data": data,
+            }
+            await self._call(
+                f"create configmap {name}",
+                lambda: self._core.create_namespaced_config_map(
+                    self.namespace, body, field_manager=FIELD_MANAGER, _preload_content=False,
+                    _request_timeout=self._timeout,
+                ),
+            )  # fmt: skip
+
     async def get(self, name: str) -> dict[str, Any] | None:
         try:
             obj: dict[str, Any] = await self._call(
@@ -180,8 +236,25 @@ class KubeDeployments:
         """A strategic-merge patch: containers merge by name, so one image can change alone."""
         return await self._patch(f"patch deployment {name}", name, patch, STRATEGIC_MERGE_PATCH)
 
+    async def restart(self, name: str, *, at: datetime) -> dict[str, Any]:
+        """A rollout restart, as `kubectl rollout restart` does it: a new pod-template
+        annotation, under a field manager of its own (the sync's applies leave it be)."""
+        patch = {
+            "spec": {"template": {"metadata": {"annotations": {RESTARTED_AT: at.isoformat()}}}}
+        }
+        return await self._patch(
+            f"restart deployment {name}", name, patch, STRATEGIC_MERGE_PATCH,
+            manager=RESTART_FIELD_MANAGER,
+        )  # fmt: skip
+
     async def _patch(
-        self, what: str, name: str, body: dict[str, Any], content_type: str, force: bool = False
+        self,
+        what: str,
+        name: str,
+        body: dict[str, Any],
+        content_type: str,
+        force: bool = False,
+        manager: str = FIELD_MANAGER,
     ) -> dict[str, Any]:
         options: dict[str, Any] = {"force": True} if force else {}
         obj: dict[str, Any] = await self._call(
@@ -190,7 +263,7 @@ class KubeDeployments:
                 name,
                 self.namespace,
                 body,
-                field_manager=FIELD_MANAGER,
+                field_manager=manager,
                 _content_type=content_type,
                 _preload_content=False,
                 _request_timeout=self._timeout,

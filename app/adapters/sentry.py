@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 
 import sentry_sdk
+from sentry_sdk.integrations.fastapi import FastApiIntegration
 from sentry_sdk.integrations.logging import LoggingIntegration
+from sentry_sdk.integrations.starlette import StarletteIntegration
 
 from app import __version__
 
@@ -22,7 +24,14 @@ def init(*, dsn: str, environment: str, traces_sample_rate: float) -> None:
         release=f"workload-manager@{__version__}",
         send_default_pii=False,
         traces_sample_rate=traces_sample_rate,
-        integrations=[LoggingIntegration(event_level=logging.ERROR)],
+        # Integrations named, not auto-enabled: auto-enabling imports every installed
+        # library it knows (botocore among them, some 5 MiB) just to look for it.
+        auto_enabling_integrations=False,
+        integrations=[
+            LoggingIntegration(event_level=logging.ERROR),
+            StarletteIntegration(),
+            FastApiIntegration(),
+        ],
     )
 
 

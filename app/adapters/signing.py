@@ -1,7 +1,9 @@
 """The node's Ed25519 identity: loading the key, deriving the node id, signing requests.
 
-Accepts a PKCS#8 PEM, or a 32-byte seed as base64 or hex (the node CLI's formats).
-The private key never leaves this module except as a signature; its repr is masked.
+Accepts a PKCS#8 PEM, or a 32-byte seed as base64 or hex (the node CLI's formats), from
+NODE_PRIVATE_KEY, NODE_PRIVATE_KEY_FILE, or the `private_key` of the original service's
+YAML config file. The private key never leaves this module except as a signature; its
+repr is masked, and no error message quotes it.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ import base64
 import binascii
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -65,6 +68,65 @@ def load_private_key(*, inline: str | None, file: Path | None) -> Ed25519Private
             ) from None
         return parse_private_key(text, source="NODE_PRIVATE_KEY_FILE")
     return None
+
+
+CONFIG_KEY_FIELD = "private_key"
+CONFIG_NODE_ID_FIELD = "node_id"
+
+
+@dataclass(frozen=True)
+class ConfigFileIdentity:
+    """What the manager takes from the original service's config file."""
+
+    key: Ed25519PrivateKey = field(repr=False)
+    node_id: str | None
+
+
+def load_config_file(path: Path) -> ConfigFileIdentity:
+    """The node's key, and its id if given, from the original service's YAML config file
+    (`~/.config/lfgnode/config.yaml`, or NODE_CONFIG_FILE).
+
+    `private_key` is required, in any format NODE_PRIVATE_KEY takes; `node_id` is optional.
+    Every other key belongs to the old service and is ignored. An error names the file and
+    the field, never the value (YAML errors keep only their line and column: their snippet
+    could be the key).
+    """
+    needs = f"a mapping with {CONFIG_KEY_FIELD}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidKeyError(f"{path}: cannot read {CONFIG_KEY_FIELD}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise InvalidKeyError(f"{path}: not UTF-8 text, expected {needs}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+            where = f" at line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1}"
+        raise InvalidKeyError(f"{path}: not valid YAML{where}, expected {needs}") from None
+    if not isinstance(data, dict):
+        found = "an empty file" if data is None else f"a YAML {type(data).__name__}"
+        hint = " (a file holding only the key goes in NODE_PRIVATE_KEY_FILE)"
+        raise InvalidKeyError(
+            f"{path}: expected {needs}, found {found}" + (hint if isinstance(data, str) else "")
+        )
+    value = data.get(CONFIG_KEY_FIELD)
+    if value is None:
+        raise InvalidKeyError(f"{path}: {CONFIG_KEY_FIELD} is missing or empty")
+    if not isinstance(value, str):
+        raise InvalidKeyError(
+            f"{path}: {CONFIG_KEY_FIELD} must be a string (a PKCS#8 PEM or a 32-byte seed in "
+            f"base64 or hex), not a YAML {type(value).__name__}"
+        )
+    key = parse_private_key(value, source=f"{path}: {CONFIG_KEY_FIELD}")
+    node_id = data.get(CONFIG_NODE_ID_FIELD)
+    if node_id is not None and (not isinstance(node_id, str) or not node_id.strip()):
+        raise InvalidKeyError(
+            f"{path}: {CONFIG_NODE_ID_FIELD} must be a non-empty string "
+            "(quote it if it looks like a number)"
+        )
+    return ConfigFileIdentity(key, node_id.strip() if node_id is not None else None)
 
 
 def public_key_bytes(key: Ed25519PublicKey) -> bytes:

@@ -1,25 +1,66 @@
-"""The published version file (a public S3 object), fetched over HTTPS with an ETag.
+"""The published version file, fetched with an ETag: over HTTPS, or from S3 with AWS credentials.
 
-Plain GETs, no S3 client: the object is public. A 304 means unchanged; anything that
-is not a 200 with a small body is an error the caller shows and ignores. The body is read
-streamed, and reading stops once it passes the limit.
+An https:// URL is read with plain GETs (a public object). An s3://bucket/key URL is read
+with GETs signed with AWS Signature V4 (botocore signs them; the credentials come from
+botocore's standard chain: environment variables, web identity as on EKS, shared config
+and credentials files, container and instance metadata). Both are sent with httpx, with the
+same timeout, size limit and ETag handling. botocore is imported only when an s3:// URL is
+read, so nodes without one do not load it.
+
+A 304 means unchanged; anything that is not a 200 with a small body is an error the caller
+shows and ignores. The body is read streamed, and reading stops once it passes the limit.
+For S3, the error's code and message from S3's XML answer (never the rest of it: it may
+echo the signed request) are added to the error.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import re
+import threading
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
 import httpx
 
 from app.domain.updates import MAX_VERSION_FILE_BYTES
+
+if TYPE_CHECKING:
+    from botocore.credentials import Credentials, ReadOnlyCredentials
+    from botocore.session import Session
+
+log = logging.getLogger(__name__)
+
+# How much of an S3 error answer is read for its <Code> and <Message>.
+_S3_ERROR_BYTES = 8 * 1024
+_S3_ERROR_FIELD = re.compile(rb"<(Code|Message)>([^<]{1,300})</\1>")
+# Buckets that can be a host name label (no dots: those break the TLS wildcard).
+_VIRTUAL_HOST_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 
 
 class VersionSourceError(RuntimeError):
     """The file could not be fetched (the message is shown in /v1/status)."""
 
 
+def split_s3_url(url: str) -> tuple[str, str]:
+    """`s3://bucket/key` -> (bucket, key); the key is everything after the first `/`."""
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    if not url.startswith("s3://") or not bucket or not key:
+        raise ValueError(f"{url!r} is not an s3://bucket/key URL")
+    return bucket, key
+
+
 class VersionFile:
-    def __init__(self, url: str, *, timeout: float) -> None:
+    def __init__(self, url: str, *, timeout: float, s3_endpoint: str | None = None) -> None:
         self.url = url
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), follow_redirects=True)
+        self._timeout = timeout
+        self._s3 = S3Object(url, endpoint=s3_endpoint) if url.startswith("s3://") else None
+        # a signed request is not sent on to wherever a redirect points
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout), follow_redirects=self._s3 is None
+        )
         self._etag: str | None = None
         self._body: bytes | None = None
 
@@ -34,12 +75,22 @@ class VersionFile:
         rest is never read.
         """
         headers = {"If-None-Match": self._etag} if self._etag and self._body is not None else {}
+        target = self.url
+        if self._s3 is not None:
+            try:
+                async with asyncio.timeout(self._timeout):
+                    target, headers = await self._s3.signed_get(headers)
+            except TimeoutError:
+                raise VersionSourceError(
+                    f"GET {self.url}: finding AWS credentials took longer than {self._timeout:g} s"
+                ) from None
         try:
-            async with self._client.stream("GET", self.url, headers=headers) as response:
+            async with self._client.stream("GET", target, headers=headers) as response:
                 if response.status_code == 304 and self._body is not None:
                     return self._body
                 if response.status_code != 200:
-                    raise VersionSourceError(f"GET {self.url}: HTTP {response.status_code}")
+                    why = await _s3_error(response) if self._s3 is not None else ""
+                    raise VersionSourceError(f"GET {self.url}: HTTP {response.status_code}{why}")
                 declared = response.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > MAX_VERSION_FILE_BYTES:
                     raise self._too_large()
@@ -61,3 +112,110 @@ class VersionFile:
         return VersionSourceError(
             f"GET {self.url}: body larger than {MAX_VERSION_FILE_BYTES} bytes (not read further)"
         )
+
+
+async def _s3_error(response: httpx.Response) -> str:
+    """` Code: Message` from the start of an S3 error answer, else ""."""
+    head = bytearray()
+    async for chunk in response.aiter_bytes():
+        head += chunk
+        if len(head) >= _S3_ERROR_BYTES:
+            break
+    fields = {
+        name.decode(): " ".join(value.decode("utf-8", "replace").split())
+        for name, value in _S3_ERROR_FIELD.findall(bytes(head[:_S3_ERROR_BYTES]))
+    }
+    if not fields:
+        return ""
+    return " " + ": ".join(fields[name] for name in ("Code", "Message") if name in fields)
+
+
+class S3Object:
+    """The object of an s3://bucket/key URL: its HTTP URL, and GETs to it signed with SigV4.
+
+    The region is AWS_REGION, else botocore's (AWS_DEFAULT_REGION, or the config file's).
+    The endpoint is `endpoint` (an S3-compatible store; path-style URLs) if given, else AWS's
+    regional one (virtual-hosted URLs where the bucket name allows). Credentials are found
+    once, by botocore's chain, and kept: botocore renews the temporary ones (web identity,
+    instance profile) itself, before they expire. Finding or renewing them may read files
+    and call the instance metadata service or STS, so it runs in a worker thread (which the
+    caller bounds with its timeout); an empty chain is looked at again on the next fetch.
+    """
+
+    def __init__(self, url: str, *, endpoint: str | None) -> None:
+        self.url = url
+        self.bucket, self.key = split_s3_url(url)
+        self._endpoint = endpoint.rstrip("/") if endpoint else None
+        self._lock = threading.Lock()  # one chain lookup at a time (they run in threads)
+        self._session: Session | None = None
+        self._region: str | None = None
+        self._credentials: Credentials | None = None
+
+    async def signed_get(self, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
+        """The URL to GET and the headers (`headers` and the signature's) to send with it."""
+        credentials, region = await asyncio.to_thread(self._credentials_and_region)
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+
+        url = self.http_url(region)
+        request = AWSRequest(method="GET", url=url, headers=headers)
+        S3SigV4Auth(credentials, "s3", region).add_auth(request)
+        return url, dict(request.headers.items())
+
+    def http_url(self, region: str) -> str:
+        key = quote(self.key, safe="/~")
+        if self._endpoint is not None:
+            return f"{self._endpoint}/{self.bucket}/{key}"
+        domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+        if _VIRTUAL_HOST_BUCKET.match(self.bucket):
+            return f"https://{self.bucket}.s3.{region}.{domain}/{key}"
+        return f"https://s3.{region}.{domain}/{self.bucket}/{key}"
+
+    def _credentials_and_region(self) -> tuple[ReadOnlyCredentials, str]:
+        """In a worker thread: the chain's current credentials (renewed if due), the region."""
+        with self._lock:
+            try:
+                if self._session is None:
+                    self._session = _botocore_session()
+                if self._region is None:
+                    region = os.environ.get("AWS_REGION") or self._session.get_config_variable(
+                        "region"
+                    )
+                    if not region:
+                        raise VersionSourceError(
+                            f"GET {self.url}: no AWS region: set AWS_REGION (or "
+                            "AWS_DEFAULT_REGION, or region in the AWS config file)"
+                        )
+                    self._region = str(region)
+                if self._credentials is None:
+                    self._credentials = self._session.get_credentials()
+                    if self._credentials is None:
+                        raise VersionSourceError(
+                            f"GET {self.url}: no AWS credentials found (looked in the "
+                            "environment, web identity, the shared config and credentials "
+                            "files, container and instance metadata)"
+                        )
+                    log.info(
+                        "self-update: AWS credentials for %s from %s",
+                        self.url, self._credentials.method,
+                    )  # fmt: skip
+                frozen = self._credentials.get_frozen_credentials()
+            except VersionSourceError:
+                raise
+            except Exception as exc:  # botocore's, from reading files, IMDS or STS
+                raise VersionSourceError(
+                    f"GET {self.url}: AWS credentials: {type(exc).__name__}: {exc}"
+                ) from None
+            region = self._region
+        if not frozen.access_key or not frozen.secret_key:
+            raise VersionSourceError(f"GET {self.url}: AWS credentials are incomplete")
+        return frozen, region
+
+
+def _botocore_session() -> Session:
+    import botocore.session
+
+    # botocore's debug lines hold signed requests (with the session token) and STS answers
+    # (with secret keys): never let them through, whatever LOG_LEVEL says
+    logging.getLogger("botocore").setLevel(logging.WARNING)
+    return botocore.session.get_session()

@@ -44,7 +44,7 @@ th{background:#f6f8fa;font-weight:600}
 .badge{display:inline-block;padding:.05rem .5rem;border-radius:1rem;font-weight:600;color:#fff}
 .s-healthy,.s-ok,.s-applied{background:#1a7f37}
 .s-degraded,.s-starting,.s-rolling-out,.s-held,.s-planned{background:#9a6700}
-.s-unhealthy,.s-failed,.s-failing,.s-aborted{background:#cf222e}
+.s-unhealthy,.s-failed,.s-failing,.s-aborted,.s-crashlooping{background:#cf222e}
 .s-stale{background:#bc4c00}
 .s-unknown,.s-missing,.s-off,.s-unchanged{background:#6e7781}
 code{font-size:.9em}
@@ -104,6 +104,10 @@ def _components(components: Mapping[str, ComponentInfo]) -> str:
     return _table(headers, rows, "no components", "components")
 
 
+def _share(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
 def _workloads(workloads: list[WorkloadInfo]) -> str:
     rows = []
     for w in workloads:
@@ -114,9 +118,19 @@ def _workloads(workloads: list[WorkloadInfo]) -> str:
         rows.append(
             f'<tr data-workload="{_text(w.name)}"><td>{_text(w.name)}</td>'
             f"<td>{_badge(w.status)}</td><td>{_age(w.ping_age_seconds)}</td>"
-            f"<td>{versions}</td><td>{_text(rollout)}</td><td>{_text(w.message)}</td></tr>"
+            f"<td>{versions}</td><td>{_text(rollout)}</td>"
+            f"<td>{_share(w.uptime_24h)} / {_share(w.uptime_7d)}</td>"
+            f"<td>{_text(w.message)}</td></tr>"
         )
-    headers = ("workload", "status", "last ping", "version", "rollout", "message")
+    headers = (
+        "workload",
+        "status",
+        "last ping",
+        "version",
+        "rollout",
+        "uptime 24 h / 7 d",
+        "message",
+    )
     return _table(headers, rows, "no workload has pinged or is desired yet", "workloads")
 
 

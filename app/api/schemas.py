@@ -38,6 +38,8 @@ class WorkloadInfo(BaseModel):
     desired_version: str | None
     deployed_version: str | None
     rollout: str | None
+    uptime_24h: float | None = None
+    uptime_7d: float | None = None
 
 
 class ReportInfo(BaseModel):

@@ -8,7 +8,7 @@ the report and the alerts cannot disagree.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any
@@ -33,6 +33,7 @@ class WorkloadStatus(StrEnum):
     MISSING = "missing"
     ROLLING_OUT = "rolling-out"
     FAILED = "failed"
+    CRASHLOOPING = "crashlooping"
 
 
 class RolloutPhase(StrEnum):
@@ -124,16 +125,20 @@ def derive_status(
     stale_after: float,
     expected: bool = False,
     rollout: Rollout | None = None,
+    crashlooping: bool = False,
 ) -> WorkloadStatus:
     """One status per workload: the cluster's view first, then the workload's own word.
 
     `expected`: the desired state lists the workload and the cluster was read, so no
     Deployment means `missing`. `rollout`: its Deployment's state, when there is one.
+    `crashlooping`: one of its pods' containers is in a crash loop (`crash_loop`).
     """
     if rollout is not None:
         phase = rollout.phase
         if phase is RolloutPhase.FAILED:
             return WorkloadStatus.FAILED
+        if crashlooping:
+            return WorkloadStatus.CRASHLOOPING
         if phase is RolloutPhase.ROLLING_OUT:
             return WorkloadStatus.ROLLING_OUT
     elif expected:
@@ -149,3 +154,44 @@ def ping_age(last: PingRecord | None, *, now: float) -> float | None:
     if last is None:
         return None
     return max(0.0, now - last.received_at)
+
+
+CRASHLOOP_RESTARTS = 5  # restarts of a container that is not ready: restarting repeatedly
+
+
+def crash_loop(pod: Mapping[str, Any]) -> str | None:
+    """Why a pod is in a crash loop (a container waiting in CrashLoopBackOff, or not ready
+    after restarting `CRASHLOOP_RESTARTS` times or more), or None."""
+    status = pod.get("status") or {}
+    for container in status.get("containerStatuses") or []:
+        if not isinstance(container, Mapping):
+            continue
+        name = container.get("name", "?")
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        restarts = int(container.get("restartCount") or 0)
+        if waiting.get("reason") == "CrashLoopBackOff":
+            return f"container {name} in CrashLoopBackOff after {restarts} restarts"
+        if restarts >= CRASHLOOP_RESTARTS and not container.get("ready"):
+            return f"container {name} restarted {restarts} times and is not ready"
+    return None
+
+
+def crashlooping_workloads(
+    deployments: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]
+) -> dict[str, str]:
+    """Deployment name -> why, for the Deployments with a pod in a crash loop. A pod
+    belongs to the Deployment whose selector's `matchLabels` its labels carry."""
+    found: dict[str, str] = {}
+    for deployment in deployments:
+        name = (deployment.get("metadata") or {}).get("name")
+        selector = ((deployment.get("spec") or {}).get("selector") or {}).get("matchLabels")
+        if not name or not selector:
+            continue
+        for pod in pods:
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            if all(labels.get(k) == v for k, v in selector.items()):
+                why = crash_loop(pod)
+                if why is not None:
+                    found[name] = f"pod {(pod.get('metadata') or {}).get('name')}: {why}"
+                    break
+    return found

@@ -21,6 +21,9 @@ class WorkloadView:
     desired_version: str | None = None
     deployed_version: str | None = None
     rollout: str | None = None
+    # share of time healthy (healthy or degraded) over the last 24 h and 7 d, when known
+    uptime_24h: float | None = None
+    uptime_7d: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,8 @@ def build_report(
                 "desired_version": w.desired_version,
                 "deployed_version": w.deployed_version,
                 "rollout": w.rollout,
+                "uptime_24h": w.uptime_24h,
+                "uptime_7d": w.uptime_7d,
             }
             for w in sorted(workloads, key=lambda w: w.name)
         ],

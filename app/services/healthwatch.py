@@ -11,7 +11,7 @@ from app.domain.reports import WorkloadView
 from app.services.alerting import Alerter
 from app.services.workloads import WorkloadBook
 
-BAD_STATUSES = frozenset({"unhealthy", "stale", "failed"})
+BAD_STATUSES = frozenset({"unhealthy", "stale", "failed", "crashlooping"})
 GOOD_STATUSES = frozenset({"healthy", "degraded"})
 
 
@@ -28,7 +28,8 @@ class HealthWatch:
         self.alert_transitions(self._book.views())
 
     def alert_transitions(self, views: list[WorkloadView]) -> None:
-        """One alert when a workload turns unhealthy, stale or failed, one when it recovers."""
+        """One alert when a workload turns unhealthy, stale, failed or crashlooping, one
+        when it recovers."""
         current = {view.name: view.status for view in views}
         for name, status in current.items():
             before = self._statuses.get(name)

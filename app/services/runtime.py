@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from app import __version__
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
-from app.adapters.signing import NodeSigner, load_private_key, node_id_for
+from app.adapters.signing import NodeSigner, load_config_file, load_private_key, node_id_for
 from app.domain.components import Component, ComponentState
 from app.metrics import Metrics
 from app.services.alerting import Alerter
@@ -40,6 +40,8 @@ from app.services.wiring import (
     open_registry,
     open_self_updater,
     open_syncer,
+    open_uptime_keeper,
+    open_uptime_recorder,
     open_worker,
 )
 from app.services.workloads import WorkloadBook
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     from app.services.heartbeating import Heartbeat
     from app.services.syncing import Syncer
     from app.services.updating import SelfUpdater
+    from app.services.uptime import UptimeKeeper, UptimeRecorder
     from app.services.working import Worker
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,8 @@ class Runtime:
     reporter: Reporter | None = None
     health_watch: HealthWatch | None = None
     syncer: Syncer | None = None
+    uptime: UptimeKeeper | None = None
+    uptime_record: UptimeRecorder | None = None
     registry: AsyncpgRegistry | None = None
     heartbeat: Heartbeat | None = None
     updater: SelfUpdater | None = None
@@ -104,8 +109,9 @@ def _components(settings: Settings, signer: NodeSigner | None) -> dict[str, Comp
     elif signer is None:
         report_enabled = False
         report_reason = (
-            "NODE_SYSTEM_ENDPOINT is set but there is no NODE_PRIVATE_KEY or "
-            "NODE_PRIVATE_KEY_FILE to sign with"
+            "NODE_SYSTEM_ENDPOINT is set but there is no NODE_PRIVATE_KEY, "
+            "NODE_PRIVATE_KEY_FILE or ~/.config/lfgnode/config.yaml (NODE_CONFIG_FILE) "
+            "to sign with"
         )
     else:
         report_reason = f"signed reports to {settings.node_system_endpoint}"
@@ -128,6 +134,7 @@ def _components(settings: Settings, signer: NodeSigner | None) -> dict[str, Comp
         "sync": _sync_component(settings, signer),
         "registry": _registry_component(settings, database, embedded),
         "worker": _worker_component(settings, database, embedded),
+        "uptime": _uptime_component(settings),
         "self_update": _self_update_component(settings),
         "alerts": _alerts_component(settings),
     }
@@ -216,14 +223,38 @@ def _sync_component(settings: Settings, signer: NodeSigner | None) -> Component:
     )
 
 
+def _uptime_component(settings: Settings) -> Component:
+    if not settings.uptime_restart_enabled:
+        return Component("uptime", False, "switched off by UPTIME_RESTART_ENABLED=false")
+    return Component(
+        "uptime", settings.sync_enabled,
+        "rollout-restarts managed workloads unhealthy or stale for longer than "
+        f"{settings.uptime_restart_after_seconds:.0f} s" if settings.sync_enabled
+        else "needs the sync's cluster access (SYNC_ENABLED=false)",
+    )  # fmt: skip
+
+
 def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> Runtime:
     secret = settings.node_private_key
     key = load_private_key(
         inline=secret.get_secret_value() if secret else None,
         file=settings.node_private_key_file,
     )
-    node_id = settings.node_id or (
-        node_id_for(key.public_key()) if key else socket.gethostname().lower()
+    config_node_id: str | None = None
+    config_path = settings.node_config_path if key is None else None
+    if config_path is not None:
+        # the original service's file: its key, and its node id unless NODE_ID is set
+        from_config = load_config_file(config_path)
+        key, config_node_id = from_config.key, from_config.node_id
+        log.info(
+            "node key from %s (private_key%s)",
+            config_path,
+            ", node_id" if config_node_id and not settings.node_id else "",
+        )
+    node_id = (
+        settings.node_id
+        or config_node_id
+        or (node_id_for(key.public_key()) if key else socket.gethostname().lower())
     )
     signer = NodeSigner(node_id, key) if key else None
     metrics = Metrics()
@@ -256,6 +287,7 @@ def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monot
     metrics.watch_state(
         workloads=book.counts,
         components=lambda: {n: c.healthy for n, c in components.items() if c.enabled},
+        uptimes=book.uptimes,
     )
     return runtime
 
@@ -286,6 +318,14 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
     rt.syncer = await open_syncer(
         settings, components["sync"], stack, backend=backend, book=rt.book, metrics=rt.metrics,
         alerts=rt.alerts, cluster_lock=rt.cluster_lock,
+    )  # fmt: skip
+    rt.uptime_record = await open_uptime_recorder(
+        settings, components["uptime"], stack, book=rt.book, in_cluster=rt.syncer is not None,
+        every=_watch_every(settings),
+    )  # fmt: skip
+    rt.uptime = open_uptime_keeper(
+        settings, components["uptime"], syncer=rt.syncer, book=rt.book, alerts=rt.alerts,
+        metrics=rt.metrics, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
     rt.heartbeat = await open_registry(
         settings, components["registry"], stack, database_url=rt.database_url,
@@ -340,11 +380,20 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
         )  # fmt: skip
 
 
+def _watch_every(settings: Settings) -> float:
+    """How often the workload book is looked at (health-watch, uptime)."""
+    return max(1.0, min(15.0, settings.ping_stale_seconds / 2))
+
+
 def _add_loops(rt: Runtime) -> None:
     settings, scheduler = rt.settings, rt.scheduler
     watch = rt.health_watch = HealthWatch(book=rt.book, alerts=rt.alerts)
-    every = max(1.0, min(15.0, settings.ping_stale_seconds / 2))
+    every = _watch_every(settings)
     scheduler.add_loop("health-watch", watch.check, every=every, first_after=every)
+    if rt.uptime_record is not None:
+        scheduler.add_loop("uptime-record", rt.uptime_record.tick, every=every, first_after=0.1)
+    if rt.uptime is not None:
+        scheduler.add_loop("uptime", rt.uptime.check, every=every, first_after=every)
     if rt.reporter is not None and rt.components["report"].enabled:
         scheduler.add_loop(
             "report", rt.reporter.report_once, every=settings.report_interval_seconds,

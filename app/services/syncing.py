@@ -25,7 +25,7 @@ from app.adapters.desired_files import DesiredFiles, DesiredFilesError
 from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, KubeNotFound
 from app.domain.components import Component
 from app.domain.desired import DesiredState, DesiredStateError, parse_desired
-from app.domain.health import rollout_of
+from app.domain.health import crashlooping_workloads, rollout_of
 from app.domain.manifests import (
     MANAGED_SELECTOR,
     Injection,
@@ -190,9 +190,17 @@ class Syncer:
         self.last_change: SyncOutcome | None = None
 
     async def refresh_view(self) -> None:
-        """Read the managed Deployments' rollout state into the book (a list, no writes)."""
+        """Read the managed Deployments' rollout state and their pods' crash loops into
+        the book (two lists, no writes). Not part of a sync: a steady-state sync stays
+        one list of Deployments."""
         objects = await self.kube.list_managed(MANAGED_SELECTOR)
         self._book.set_deployed(_deployed(objects))
+        try:
+            pods = await self.kube.list_pods()
+        except KubeError as exc:  # e.g. an older Role without `list pods`: the rest still works
+            log.warning("crash loops not checked: %s", exc)
+            return
+        self._book.set_crashlooping(crashlooping_workloads(objects, pods))
 
     async def run_scheduled(self) -> None:
         if self._lock.locked():

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from app.services.heartbeating import Heartbeat, LocalProfile
     from app.services.syncing import Syncer
     from app.services.updating import SelfUpdater
+    from app.services.uptime import UptimeKeeper, UptimeRecorder
     from app.services.working import Worker
 
 log = logging.getLogger(__name__)
@@ -388,6 +389,73 @@ async def open_worker(
     return worker, bus
 
 
+def open_uptime_keeper(
+    settings: Settings,
+    component: Component,
+    *,
+    syncer: Syncer | None,
+    book: WorkloadBook,
+    alerts: Alerter,
+    metrics: Metrics,
+    cluster_lock: asyncio.Lock,
+) -> UptimeKeeper | None:
+    """Uptime management, on the sync's cluster client (off when there is no sync)."""
+    if not component.enabled:
+        return None
+    if syncer is None:
+        component.switch_off("needs the sync's cluster access, and the sync is off")
+        return None
+    from app.adapters.kube import KubeError
+    from app.domain.uptime import RestartPolicy
+    from app.services.uptime import UptimeKeeper
+
+    policy = RestartPolicy(
+        after_seconds=settings.uptime_restart_after_seconds,
+        backoff_seconds=settings.uptime_restart_backoff_seconds,
+        backoff_max_seconds=settings.uptime_restart_backoff_max_seconds,
+        per_workload_per_hour=settings.uptime_restarts_per_workload_per_hour,
+        per_node_per_hour=settings.uptime_restarts_per_node_per_hour,
+    )
+    return UptimeKeeper(
+        book=book, kube=syncer.kube, errors=(KubeError,), cluster_lock=cluster_lock,
+        alerts=alerts, metrics=metrics, policy=policy, component=component,
+    )  # fmt: skip
+
+
+UPTIME_CONFIG_MAP = "workload-manager-uptime"
+
+
+async def open_uptime_recorder(
+    settings: Settings,
+    component: Component,
+    stack: AsyncExitStack,
+    *,
+    book: WorkloadBook,
+    in_cluster: bool,
+    every: float,
+) -> UptimeRecorder:
+    """Each workload's share of time healthy, kept in the ConfigMap
+    `workload-manager-uptime` of the manager's own namespace when it runs in a cluster
+    (it outlives the pod, a self-update included), else in DATA_DIR/uptime.json."""
+    from app.services.uptime import FileStore, UptimeRecorder, UptimeStore
+
+    store: UptimeStore = FileStore(settings.data_dir / "uptime.json")
+    errors: tuple[type[Exception], ...] = ()
+    if in_cluster and settings.pod_namespace is not None:
+        opened = await open_cluster(settings, component, stack, namespace=settings.pod_namespace)
+        if opened is not None:
+            from app.adapters.kube import KubeError
+            from app.services.uptime import ConfigMapStore
+
+            store, errors = ConfigMapStore(opened[0], UPTIME_CONFIG_MAP), (KubeError,)
+    recorder = UptimeRecorder(
+        book=book, store=store, errors=errors, component=component, max_step=3 * every
+    )
+    await recorder.open()
+    book.set_uptime(recorder.shares)
+    return recorder
+
+
 def consumer_stats(bus: JetStreamBus, metrics: Metrics, tier: str) -> Callable[[], Awaitable[None]]:
     from app.adapters.bus import BusError
     from app.domain.jobs import STREAMS, consumer_name
@@ -427,7 +495,11 @@ async def open_self_updater(
     if opened is None:
         return None
     kube, _source = opened
-    source = VersionFile(settings.self_update_url, timeout=settings.self_update_timeout_seconds)
+    source = VersionFile(
+        settings.self_update_url,
+        timeout=settings.self_update_timeout_seconds,
+        s3_endpoint=settings.self_update_s3_endpoint,
+    )
     stack.push_async_callback(source.aclose)
     return SelfUpdater(
         source=source,

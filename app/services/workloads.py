@@ -13,7 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from app.domain.health import Ping, PingRecord, Rollout, derive_status, ping_age
+from app.domain.health import (
+    Ping,
+    PingRecord,
+    Rollout,
+    WorkloadStatus,
+    derive_status,
+    ping_age,
+)
 from app.domain.reports import WorkloadView
 
 
@@ -51,6 +58,8 @@ class WorkloadBook:
         self._pings: dict[str, PingRecord] = {}
         self._desired: dict[str, str] | None = None
         self._deployed: dict[str, Deployed] | None = None
+        self._crashlooping: dict[str, str] = {}  # name -> why, from the last look at pods
+        self._uptime: Callable[[str], tuple[float | None, float | None]] | None = None
 
     def record(self, name: str, ping: Ping) -> PingRecord:
         if name not in self._pings and len(self._pings) >= self._capacity:
@@ -68,6 +77,29 @@ class WorkloadBook:
     def set_deployed(self, deployed: dict[str, Deployed]) -> None:
         """The managed Deployments, as of the last list of the cluster."""
         self._deployed = dict(deployed)
+
+    def set_uptime(self, shares: Callable[[str], tuple[float | None, float | None]]) -> None:
+        """Where each workload's share of time healthy (24 h, 7 d) comes from."""
+        self._uptime = shares
+
+    def uptimes(self) -> list[tuple[str, str, float]]:
+        """(workload, window, share) for every workload with data, for the metrics."""
+        found: list[tuple[str, str, float]] = []
+        if self._uptime is None:
+            return found
+        for name in self.names():
+            for window, value in zip(("24h", "7d"), self._uptime(name), strict=True):
+                if value is not None:
+                    found.append((name, window, value))
+        return found
+
+    def set_crashlooping(self, found: dict[str, str]) -> None:
+        """The managed workloads with a pod in a crash loop, and why, as last seen."""
+        self._crashlooping = dict(found)
+
+    def managed(self) -> set[str]:
+        """The workloads with a Deployment the manager manages, as of the last list."""
+        return set(self._deployed or ())
 
     def names(self) -> list[str]:
         names = set(self._pings)
@@ -113,15 +145,20 @@ class WorkloadBook:
             stale_after=self._stale_after,
             expected=desired_version is not None and self._deployed is not None,
             rollout=deployed.rollout if deployed else None,
+            crashlooping=name in self._crashlooping,
         )
+        crash = self._crashlooping.get(name) if status is WorkloadStatus.CRASHLOOPING else None
+        day, week = self._uptime(name) if self._uptime is not None else (None, None)
         return WorkloadView(
             name=name,
             status=status.value,
             ping_age_seconds=ping_age(record, now=now),
             version=record.ping.version if record else None,
-            message=record.ping.message if record else None,
+            message=crash or (record.ping.message if record else None),
             last_ping_at=(datetime.fromtimestamp(record.received_wall, tz=UTC) if record else None),
             desired_version=desired_version,
             deployed_version=deployed.version if deployed else None,
             rollout=deployed.rollout.phase.value if deployed else None,
+            uptime_24h=day,
+            uptime_7d=week,
         )

@@ -46,6 +46,14 @@ def can_i(plane: ControlPlane, verb: str, resource: str, namespace: str) -> bool
         ("patch", f"deployments.apps/{OWN}", OWN, True),
         ("patch", "deployments.apps/someone-else", OWN, False),
         ("list", "pods", OWN, False),
+        ("list", "pods", "workloads", True),  # crash loops
+        ("get", "configmaps/workload-manager-uptime", OWN, True),  # uptime kept
+        ("patch", "configmaps/workload-manager-uptime", OWN, True),
+        ("get", "configmaps/other", OWN, False),
+        ("create", "configmaps", OWN, False),
+        ("get", "pods", "workloads", False),
+        ("watch", "pods", "workloads", False),
+        ("get", "pods/log", "workloads", False),
         ("create", "pods/exec", "workloads", False),
         ("get", "clusterroles.rbac.authorization.k8s.io", "", False),
     ],

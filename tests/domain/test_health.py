@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
@@ -12,6 +14,8 @@ from app.domain.health import (
     Rollout,
     RolloutPhase,
     WorkloadStatus,
+    crash_loop,
+    crashlooping_workloads,
     derive_status,
     is_workload_name,
     ping_age,
@@ -164,3 +168,71 @@ def test_cluster_view_comes_first(
     assert derive_status(last, now=100.0, stale_after=30.0, expected=expected, rollout=rollout) is (
         status
     )
+
+
+@pytest.mark.parametrize(
+    ("rollout", "last", "status"),
+    [
+        (READY, HEALTHY_PING, WorkloadStatus.CRASHLOOPING),  # its own word comes after
+        (ROLLING, HEALTHY_PING, WorkloadStatus.CRASHLOOPING),  # a rollout stuck on it
+        (FAILED, None, WorkloadStatus.FAILED),  # the deadline says more
+    ],
+)
+def test_a_crash_loop_comes_before_the_rollout_and_the_ping(
+    rollout: Rollout, last: PingRecord | None, status: WorkloadStatus
+) -> None:
+    found = derive_status(
+        last, now=100.0, stale_after=30.0, expected=True, rollout=rollout, crashlooping=True
+    )
+    assert found is status
+
+
+def pod(name: str, labels: dict[str, str], *containers: dict[str, object]) -> dict[str, object]:
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "status": {"containerStatuses": list(containers)},
+    }
+
+
+def container(
+    restarts: int = 0, ready: bool = True, waiting: str | None = None
+) -> dict[str, object]:
+    state: dict[str, object] = {"waiting": {"reason": waiting}} if waiting else {"running": {}}
+    return {"name": "app", "ready": ready, "restartCount": restarts, "state": state}
+
+
+@pytest.mark.parametrize(
+    ("containers", "why"),
+    [
+        ((), None),
+        ((container(),), None),
+        ((container(restarts=3, ready=False),), None),
+        ((container(restarts=40, ready=True),), None),  # restarted long ago, fine now
+        ((container(restarts=5, ready=False),), "restarted 5 times and is not ready"),
+        ((container(restarts=2, ready=False, waiting="CrashLoopBackOff"),),
+         "CrashLoopBackOff after 2 restarts"),
+        ((container(waiting="ContainerCreating", ready=False),), None),
+        ((container(), container(restarts=7, ready=False)), "restarted 7 times"),
+    ],
+)  # fmt: skip
+def test_crash_loop(containers: tuple[dict[str, object], ...], why: str | None) -> None:
+    found = crash_loop(pod("p", {}, *containers))
+    assert (found is None) if why is None else (found is not None and why in found)
+
+
+def test_crash_loops_belong_to_the_deployment_whose_selector_matches() -> None:
+    deployments: list[dict[str, Any]] = [
+        {"metadata": {"name": "api"}, "spec": {"selector": {"matchLabels": {"app": "api"}}}},
+        {"metadata": {"name": "web"}, "spec": {"selector": {"matchLabels": {"app": "web"}}}},
+        {"metadata": {"name": "odd"}, "spec": {}},
+    ]
+    pods = [
+        pod(
+            "api-1", {"app": "api", "pod-template-hash": "x"}, container(waiting="CrashLoopBackOff")
+        ),
+        pod("web-1", {"app": "web"}, container()),
+        pod("other-1", {"app": "other"}, container(waiting="CrashLoopBackOff")),
+    ]
+    found = crashlooping_workloads(deployments, pods)
+    assert list(found) == ["api"]
+    assert found["api"].startswith("pod api-1: container app in CrashLoopBackOff")

@@ -154,6 +154,10 @@ def test_production_accepts_a_key_file_instead(
         ("NATS_URL", "nats://a:4222,http://b:4222", "NATS_URL"),
         ("NATS_URL", "nats://a:port", "NATS_URL"),
         ("NATS_URL", " , ", "NATS_URL"),
+        ("SELF_UPDATE_URL", "ftp://x/version", "SELF_UPDATE_URL"),
+        ("SELF_UPDATE_URL", "s3://bucket", "SELF_UPDATE_URL"),
+        ("SELF_UPDATE_URL", "s3://Bucket_Name/version", "SELF_UPDATE_URL"),
+        ("SELF_UPDATE_S3_ENDPOINT", "minio:9000", "SELF_UPDATE_S3_ENDPOINT"),
     ],
 )
 def test_invalid_values_name_the_variable(
@@ -241,4 +245,19 @@ def test_nats_credential_files_must_exist_and_pair(
     present.write_text("x")
     monkeypatch.setenv(variable, value.format(file=present))
     with pytest.raises(SettingsError, match=says):
+        load_settings(_env_file=None)
+
+
+def test_the_version_file_may_be_an_s3_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SELF_UPDATE_URL", "s3://wm.releases/manager/version.json")
+    monkeypatch.setenv("SELF_UPDATE_S3_ENDPOINT", "http://minio.storage:9000/")
+    settings = load_settings(_env_file=None)
+    assert settings.self_update_url == "s3://wm.releases/manager/version.json"
+    assert settings.self_update_s3_endpoint == "http://minio.storage:9000"
+
+
+def test_an_s3_endpoint_needs_an_s3_version_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SELF_UPDATE_URL", "https://releases.example/version.json")
+    monkeypatch.setenv("SELF_UPDATE_S3_ENDPOINT", "http://minio.storage:9000")
+    with pytest.raises(SettingsError, match="SELF_UPDATE_S3_ENDPOINT is set but SELF_UPDATE_URL"):
         load_settings(_env_file=None)

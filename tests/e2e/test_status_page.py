@@ -110,7 +110,8 @@ async def test_a_person_sees_workloads_sync_and_alerts(
                 assert rows["api"]["cells"][2].endswith("s ago")
                 assert rows["worker"]["cells"][1] == "unhealthy"
                 assert rows["worker"]["colour"] == RED
-                assert rows["worker"]["cells"][5] == HOSTILE  # shown as text, never run
+                assert rows["worker"]["cells"][6] == HOSTILE  # shown as text, never run
+                assert rows["worker"]["cells"][5] in ("— / —", "0.0% / 0.0%")  # uptime
                 components = shown["components"]
                 assert components["sync"] == "ok"
                 assert components["report"] == "ok"

@@ -304,8 +304,10 @@ def assert_manager_rights(docs: list[Doc]) -> None:
     # Deployment sync: server-side apply (PATCH; create for new objects) and delete, in the
     # managed namespace only, and nothing else there.
     managed = [rule for ns, rule in granted if ns == MANAGED_NAMESPACE]
-    assert len(managed) == 1, managed
-    (sync,) = managed
+    assert len(managed) == 2, managed
+    (sync,) = [rule for rule in managed if rule["apiGroups"] == ["apps"]]
+    (pods,) = [rule for rule in managed if rule["apiGroups"] == [""]]
+    assert (pods["resources"], pods["verbs"]) == (["pods"], ["list"]), "crash loops: list only"
     assert sync["apiGroups"] == ["apps"]
     assert sync["resources"] == ["deployments"]
     assert sorted(sync["verbs"]) == sorted(SYNC_VERBS), "no update, no deletecollection"
@@ -317,7 +319,11 @@ def assert_manager_rights(docs: list[Doc]) -> None:
     for rule in own:
         if set(rule["verbs"]) & WRITE_VERBS:
             assert rule.get("resourceNames"), f"unrestricted write: {rule}"
-    (self_rule,) = own
+    (self_rule,) = [rule for rule in own if rule["apiGroups"] == ["apps"]]
+    (uptime_rule,) = [rule for rule in own if rule["apiGroups"] == [""]]
+    assert uptime_rule["resources"] == ["configmaps"]
+    assert uptime_rule["resourceNames"] == ["workload-manager-uptime"]
+    assert set(uptime_rule["verbs"]) == {"get", "patch"}
     assert self_rule["apiGroups"] == ["apps"]
     assert self_rule["resources"] == ["deployments"]
     assert self_rule["resourceNames"] == [deployment["metadata"]["name"]]

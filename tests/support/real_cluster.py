@@ -51,6 +51,19 @@ class RealCluster:
         assert created is not None
         return created
 
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        listed = self.plane.kubectl("-n", namespace, "get", "pods", "-l", selector, "-o", "json")
+        items: list[dict[str, Any]] = json.loads(listed.stdout)["items"]
+        return items
+
+    def set_pod_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Write a pod's status as a kubelet would (kwok leaves pods of never-ready images
+        alone, so what is written here stays)."""
+        self.plane.kubectl(
+            "-n", namespace, "patch", "pod", name, "--subresource=status", "--type=merge",
+            "-p", json.dumps({"status": status}),
+        )  # fmt: skip
+
     def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.plane.get("deployment", name, namespace)
 

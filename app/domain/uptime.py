@@ -1,0 +1,180 @@
+"""Uptime management's rule: when a workload that stays bad is restarted.
+
+A workload that has been `unhealthy`, or `stale` (it pinged, then went silent), for
+longer than `after_seconds` gets a rollout restart of its Deployment. Restarts of one
+workload back off exponentially (`backoff_seconds` after the first, doubling up to
+`backoff_max_seconds`), and two budgets bound them over any hour: per workload and per
+node. A workload that never pinged is `unknown`, never `stale`: it is not restarted for
+silence (a workload opts in by pinging once). Only Deployments the manager manages are
+restarted. Times are monotonic seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+RESTARTABLE = frozenset({"unhealthy", "stale"})
+HOUR = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    after_seconds: float
+    backoff_seconds: float
+    backoff_max_seconds: float
+    per_workload_per_hour: int
+    per_node_per_hour: int
+
+    def backoff(self, restarts_in_hour: int) -> float:
+        """The wait after the last restart, given the restarts of the last hour (>= 1)."""
+        doubled: float = self.backoff_seconds * 2.0 ** (restarts_in_hour - 1)
+        return min(self.backoff_max_seconds, doubled)
+
+
+@dataclass(frozen=True, slots=True)
+class RestartDecision:
+    restart: bool
+    reason: str
+    budget_spent: bool = False  # held back by a budget (alerted once per budget and hour)
+
+
+def decide_restart(
+    status: str,
+    *,
+    managed: bool,
+    bad_since: float | None,
+    now: float,
+    workload_restarts: Sequence[float],
+    node_restarts: Sequence[float],
+    policy: RestartPolicy,
+) -> RestartDecision:
+    """Whether to restart a workload now, and why (or why not), for `/v1/status`."""
+    if status not in RESTARTABLE or bad_since is None:
+        return RestartDecision(False, "")
+    bad_for = now - bad_since
+    if not managed:
+        return RestartDecision(False, f"{status} for {bad_for:.0f} s; not a managed Deployment")
+    if bad_for < policy.after_seconds:
+        return RestartDecision(
+            False, f"{status} for {bad_for:.0f} s; restarted after {policy.after_seconds:.0f} s"
+        )
+    recent = sorted(t for t in workload_restarts if now - t < HOUR)
+    if len(recent) >= policy.per_workload_per_hour:
+        return RestartDecision(
+            False,
+            f"{status} for {bad_for:.0f} s; restart budget spent: {len(recent)} restarts of this "
+            "workload in the last hour",
+            budget_spent=True,
+        )
+    if recent:
+        wait = policy.backoff(len(recent))
+        since = now - recent[-1]
+        if since < wait:
+            return RestartDecision(
+                False,
+                f"{status} for {bad_for:.0f} s; restarted {since:.0f} s ago, next restart in "
+                f"{wait - since:.0f} s (backoff)",
+            )
+    node_recent = [t for t in node_restarts if now - t < HOUR]
+    if len(node_recent) >= policy.per_node_per_hour:
+        return RestartDecision(
+            False,
+            f"{status} for {bad_for:.0f} s; the node's restart budget is spent: "
+            f"{len(node_recent)} restarts in the last hour",
+            budget_spent=True,
+        )
+    return RestartDecision(
+        True, f"{status} for {bad_for:.0f} s (longer than {policy.after_seconds:.0f} s)"
+    )
+
+
+# --- uptime: the share of time healthy ---------------------------------------------------
+
+DAY = 24 * HOUR
+WEEK = 7 * DAY
+HEALTHY = frozenset({"healthy", "degraded"})  # up and answering, if not at its best
+UNOBSERVED = frozenset({"unknown"})  # never pinged and no cluster view: no data
+
+
+class UptimeRecord:
+    """Per workload and clock hour: seconds observed and seconds healthy, for a week.
+
+    Time counts only while the manager looks (a gap longer than `max_step` between two
+    looks counts as not observed), so the manager's own downtime is never blamed on a
+    workload. Shares are to the hour: the window's first hour counts whole.
+    """
+
+    def __init__(self, hours: dict[str, dict[int, list[float]]] | None = None) -> None:
+        self.hours: dict[str, dict[int, list[float]]] = hours or {}
+
+    def observe(self, statuses: dict[str, str], *, start: float, end: float) -> None:
+        """Count [start, end) (wall seconds) for each workload in its status then."""
+        for name, status in statuses.items():
+            if status in UNOBSERVED:
+                continue
+            healthy = status in HEALTHY
+            at = start
+            while at < end:
+                hour = int(at // HOUR)
+                step = min(end, (hour + 1) * HOUR) - at
+                slot = self.hours.setdefault(name, {}).setdefault(hour, [0.0, 0.0])
+                slot[0] += step
+                if healthy:
+                    slot[1] += step
+                at += step
+
+    def share(self, name: str, *, now: float, window: float) -> float | None:
+        """Healthy seconds / observed seconds over the last `window`; None without data."""
+        first = int((now - window) // HOUR)
+        observed = healthy = 0.0
+        for hour, (seen, up) in self.hours.get(name, {}).items():
+            if hour >= first:
+                observed += seen
+                healthy += up
+        return None if observed <= 0 else round(healthy / observed, 6)
+
+    def prune(self, *, now: float) -> None:
+        """Forget what is older than a week, and workloads with nothing left."""
+        oldest = int((now - WEEK) // HOUR)
+        for name in list(self.hours):
+            kept = {h: v for h, v in self.hours[name].items() if h >= oldest}
+            if kept:
+                self.hours[name] = kept
+            else:
+                del self.hours[name]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "hours": {
+                name: {str(h): [round(v[0], 3), round(v[1], 3)] for h, v in sorted(by.items())}
+                for name, by in sorted(self.hours.items())
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> UptimeRecord:
+        """What `to_json` wrote; raises ValueError naming what is wrong in anything else."""
+        if not isinstance(data, dict) or data.get("version") != 1:
+            raise ValueError("not an uptime record (version 1)")
+        hours: dict[str, dict[int, list[float]]] = {}
+        raw = data.get("hours")
+        if not isinstance(raw, dict):
+            raise ValueError("hours: not a mapping")
+        for name, by in raw.items():
+            if not isinstance(by, dict):
+                raise ValueError(f"hours.{name}: not a mapping")
+            slots: dict[int, list[float]] = {}
+            for hour, pair in by.items():
+                if (
+                    not isinstance(pair, list)
+                    or len(pair) != 2
+                    or not all(isinstance(v, int | float) and v >= 0 for v in pair)
+                    or pair[1] > pair[0]
+                ):
+                    raise ValueError(f"hours.{name}.{hour}: not [observed, healthy] seconds")
+                slots[int(hour)] = [float(pair[0]), float(pair[1])]
+            hours[str(name)] = slots
+        return cls(hours)

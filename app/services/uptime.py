@@ -1,0 +1,273 @@
+"""Uptime management: restart the workloads that stay bad (the rule: app/domain/uptime.py),
+and count each workload's share of time healthy over 24 h and 7 d, kept across restarts.
+
+The `uptime` loop looks at the workload book, keeps when each workload turned bad, and
+restarts a managed Deployment the rule says to restart, with a rollout restart. It waits
+its turn on the cluster lock (a sync or a self-update in progress goes first), alerts
+on each restart and once an hour per workload when a budget holds a restart back, and
+shows each workload's reason in `/v1/status` (the `uptime` component).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from app.domain.components import Component
+from app.domain.uptime import (
+    DAY,
+    HOUR,
+    RESTARTABLE,
+    WEEK,
+    RestartPolicy,
+    UptimeRecord,
+    decide_restart,
+)
+from app.metrics import Metrics
+from app.services.alerting import Alerter
+from app.services.workloads import WorkloadBook
+
+log = logging.getLogger(__name__)
+
+
+class Restarter(Protocol):
+    async def restart(self, name: str, *, at: datetime) -> dict[str, Any]: ...
+
+
+class UptimeKeeper:
+    def __init__(
+        self,
+        *,
+        book: WorkloadBook,
+        kube: Restarter,
+        errors: tuple[type[Exception], ...],
+        cluster_lock: asyncio.Lock,
+        alerts: Alerter,
+        metrics: Metrics,
+        policy: RestartPolicy,
+        component: Component,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._book = book
+        self._kube = kube
+        self._errors = errors
+        self._lock = cluster_lock
+        self._alerts = alerts
+        self._metrics = metrics
+        self._policy = policy
+        self._component = component
+        self._clock = clock
+        self._bad_since: dict[str, float] = {}
+        self._restarts: dict[str, list[float]] = {}
+        self._node_restarts: list[float] = []
+        self._last_restart_at: dict[str, str] = {}
+        self._reasons: dict[str, str] = {}
+        self._budget_alerted: dict[str, float] = {}
+
+    async def check(self) -> None:
+        """One look: note who turned bad, restart whom the rule says, show the reasons."""
+        if self._lock.locked():
+            return  # a sync or a self-update has the cluster; the next tick looks again
+        now = self._clock()
+        views = self._book.views()
+        managed = self._book.managed()
+        present = {view.name for view in views}
+        for name in [n for n in self._bad_since if n not in present]:
+            del self._bad_since[name]
+        self._node_restarts = [t for t in self._node_restarts if now - t < HOUR]
+        for view in views:
+            if view.status in RESTARTABLE:
+                self._bad_since.setdefault(view.name, now)
+            else:
+                self._bad_since.pop(view.name, None)
+            decision = decide_restart(
+                view.status, managed=view.name in managed,
+                bad_since=self._bad_since.get(view.name), now=now,
+                workload_restarts=self._restarts.get(view.name, ()),
+                node_restarts=self._node_restarts, policy=self._policy,
+            )  # fmt: skip
+            if decision.budget_spent:
+                self._budget_spent(view.name, decision.reason, now)
+            if decision.restart:
+                await self._restart(view.name, decision.reason, now)
+            elif decision.reason:
+                self._reasons[view.name] = decision.reason
+            else:
+                self._reasons.pop(view.name, None)
+        self._show(now)
+
+    async def _restart(self, name: str, reason: str, now: float) -> None:
+        at = datetime.now(UTC)
+        try:
+            async with self._lock:
+                await self._kube.restart(name, at=at)
+        except self._errors as exc:
+            self._metrics.workload_restarts.labels("failed").inc()
+            self._reasons[name] = f"{reason}; the restart failed: {exc}"
+            log.warning("restart of workload %s failed: %s", name, exc)
+            return
+        self._restarts.setdefault(name, []).append(now)
+        self._restarts[name] = [t for t in self._restarts[name] if now - t < HOUR]
+        self._node_restarts.append(now)
+        self._bad_since[name] = now  # the next restart counts from this one
+        self._last_restart_at[name] = at.isoformat()
+        self._reasons[name] = f"restarted: {reason}"
+        self._metrics.workload_restarts.labels("restarted").inc()
+        log.warning("workload %s restarted (rollout restart): %s", name, reason)
+        self._alerts.alert(
+            f"workload:{name}:restarted", f"workload {name} restarted by the manager: {reason}"
+        )
+
+    def _budget_spent(self, name: str, reason: str, now: float) -> None:
+        last = self._budget_alerted.get(name)
+        if last is not None and now - last < HOUR:
+            return
+        self._budget_alerted[name] = now
+        self._metrics.workload_restarts.labels("budget-spent").inc()
+        log.error("workload %s is not restarted again: %s", name, reason)
+        self._alerts.alert(
+            f"workload:{name}:restart-budget", f"workload {name} is not restarted again: {reason}"
+        )
+
+    def _show(self, now: float) -> None:
+        workloads = {
+            name: {
+                "reason": self._reasons.get(name),
+                "restarts_last_hour": len(
+                    [t for t in self._restarts.get(name, ()) if now - t < HOUR]
+                ),
+                "last_restart_at": self._last_restart_at.get(name),
+            }
+            for name in sorted(set(self._reasons) | set(self._last_restart_at))
+        }
+        self._component.succeeded(
+            datetime.now(UTC),
+            workloads=workloads,
+            node_restarts_last_hour=len(self._node_restarts),
+        )
+
+
+# --- uptime: the share of time healthy, kept across restarts ----------------------------
+
+UPTIME_KEY = "uptime.json"
+
+
+class UptimeStore(Protocol):
+    async def load(self) -> Any: ...
+
+    async def save(self, data: dict[str, Any]) -> None: ...
+
+
+class ConfigMapStore:
+    """The record in a ConfigMap of the manager's own namespace: it outlives the pod (a
+    self-update replaces it) and needs no database, so every node with a cluster has it."""
+
+    def __init__(self, kube: Any, name: str) -> None:
+        self._kube = kube
+        self.name = name
+
+    async def load(self) -> Any:
+        data = await self._kube.read_config_map(self.name)
+        if not data or UPTIME_KEY not in data:
+            return None
+        return json.loads(data[UPTIME_KEY])
+
+    async def save(self, data: dict[str, Any]) -> None:
+        text = json.dumps(data, separators=(",", ":"))
+        await self._kube.write_config_map(self.name, {UPTIME_KEY: text})
+
+
+class FileStore:
+    """The record in a file of DATA_DIR, for a manager outside a cluster."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def load(self) -> Any:
+        try:
+            text = await asyncio.to_thread(self.path.read_text)
+        except FileNotFoundError:
+            return None
+        return json.loads(text)
+
+    async def save(self, data: dict[str, Any]) -> None:
+        def write() -> None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(".partial")
+            partial.write_text(json.dumps(data, separators=(",", ":")))
+            partial.replace(self.path)
+
+        await asyncio.to_thread(write)
+
+
+class UptimeRecorder:
+    """Counts each workload's healthy time from the book, saves it every `save_every`
+    seconds, and answers its share over the last 24 h and 7 d."""
+
+    def __init__(
+        self,
+        *,
+        book: WorkloadBook,
+        store: UptimeStore,
+        errors: tuple[type[Exception], ...],
+        component: Component,
+        max_step: float,
+        save_every: float = 60.0,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._book = book
+        self._store = store
+        self._errors: tuple[type[Exception], ...] = (*errors, OSError, ValueError)
+        self._component = component
+        self._max_step = max_step
+        self._save_every = save_every
+        self._wall = wall
+        self.record = UptimeRecord()
+        self._last: float | None = None
+        self._saved_at: float | None = None
+
+    async def open(self) -> None:
+        """Read the saved record; a missing one starts empty, a garbled or unreadable one
+        too (said in the log and `/v1/status`: the next save replaces it)."""
+        try:
+            data = await self._store.load()
+            if data is not None:
+                self.record = UptimeRecord.from_json(data)
+        except self._errors as exc:
+            log.warning("uptime record not read, starting empty: %s", exc)
+            self._component.detail["uptime_record"] = f"not read, started empty: {exc}"
+        self._saved_at = self._wall()
+
+    def shares(self, name: str) -> tuple[float | None, float | None]:
+        now = self._wall()
+        return (
+            self.record.share(name, now=now, window=DAY),
+            self.record.share(name, now=now, window=WEEK),
+        )
+
+    async def tick(self) -> None:
+        now = self._wall()
+        last, self._last = self._last, now
+        if last is not None and 0 < now - last <= self._max_step:
+            statuses = {view.name: view.status for view in self._book.views()}
+            self.record.observe(statuses, start=last, end=now)
+        if self._saved_at is None or now - self._saved_at >= self._save_every:
+            await self.save(now)
+
+    async def save(self, now: float | None = None) -> None:
+        now = self._wall() if now is None else now
+        self.record.prune(now=now)
+        try:
+            await self._store.save(self.record.to_json())
+        except self._errors as exc:
+            log.warning("uptime record not saved (kept in memory, tried again): %s", exc)
+            self._component.detail["uptime_record"] = f"not saved: {exc}"
+            return
+        self._saved_at = now
+        self._component.detail["uptime_record"] = "saved"

@@ -1,0 +1,185 @@
+"""The version file read from S3 (`s3://bucket/key`) against moto's S3 server with IAM
+checks on: signed GETs with credentials from botocore's chain, conditional on the ETag."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.adapters.versions import S3Object, VersionFile, VersionSourceError
+from tests.support.moto_s3 import (
+    KEY,
+    REGION,
+    Keys,
+    MotoS3,
+    S3World,
+    isolated_aws_environment,
+    use_keys,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def s3(moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> S3World:
+    isolated_aws_environment(monkeypatch, tmp_path)
+    world = moto_s3.provision()
+    world.put(b'{"version": "0.2.0"}')
+    return world
+
+
+@pytest.fixture
+async def source(s3: S3World) -> AsyncIterator[VersionFile]:
+    """The version file as the self-updater reads it."""
+    version_file = VersionFile(s3.version_file, timeout=5.0, s3_endpoint=s3.url)
+    try:
+        yield version_file
+    finally:
+        await version_file.aclose()
+
+
+def statuses_of(source: VersionFile) -> list[int]:
+    """The HTTP statuses the source gets from now on."""
+    statuses: list[int] = []
+
+    async def record(response: httpx.Response) -> None:
+        statuses.append(response.status_code)
+
+    source._client.event_hooks["response"].append(record)
+    return statuses
+
+
+async def test_the_right_keys_read_the_object_and_then_only_its_etag(
+    s3: S3World, source: VersionFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_keys(monkeypatch, s3.reader)
+    statuses = statuses_of(source)
+    assert await source.fetch() == b'{"version": "0.2.0"}'
+    assert await source.fetch() == b'{"version": "0.2.0"}'
+    assert statuses == [200, 304]  # the second read: If-None-Match, unchanged
+    s3.put(b"0.3.0")
+    assert await source.fetch() == b"0.3.0"
+    assert statuses == [200, 304, 200]
+
+
+@pytest.mark.parametrize(
+    ("keys", "says"),
+    [
+        ("wrong secret", "HTTP 403 SignatureDoesNotMatch: The request signature we calculated"),
+        ("unknown key", "HTTP 403 InvalidAccessKeyId"),
+        ("no rights", "HTTP 403 AccessDenied"),
+        ("none", "no AWS credentials found"),
+    ],
+)
+async def test_refused_or_missing_credentials_say_why(
+    s3: S3World, source: VersionFile, monkeypatch: pytest.MonkeyPatch, keys: str, says: str
+) -> None:
+    given = {
+        "wrong secret": Keys(s3.reader.access_key_id, "not-the-secret-key-of-the-reader"),
+        "unknown key": Keys("AKIAUNKNOWNKEY000000", s3.reader.secret_access_key),
+        "no rights": s3.stranger,
+    }.get(keys)
+    if given is not None:
+        use_keys(monkeypatch, given)
+    with pytest.raises(VersionSourceError) as caught:
+        await source.fetch()
+    message = str(caught.value)
+    assert message.startswith(f"GET {s3.version_file}: ") and says in message
+    assert s3.reader.secret_access_key not in message
+    assert "not-the-secret" not in message
+
+
+async def test_a_missing_object_says_no_such_key(
+    s3: S3World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_keys(monkeypatch, s3.reader)
+    source = VersionFile(f"s3://wm-releases/{KEY}.missing", timeout=5.0, s3_endpoint=s3.url)
+    try:
+        with pytest.raises(VersionSourceError, match="HTTP 404 NoSuchKey: The specified key"):
+            await source.fetch()
+    finally:
+        await source.aclose()
+
+
+async def test_a_region_is_needed(
+    s3: S3World, source: VersionFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_keys(monkeypatch, s3.reader)
+    monkeypatch.delenv("AWS_REGION")
+    with pytest.raises(VersionSourceError, match="no AWS region: set AWS_REGION"):
+        await source.fetch()
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)  # botocore's own variable counts too
+    assert await source.fetch() == b'{"version": "0.2.0"}'
+
+
+async def test_temporary_credentials_sign_with_their_token_and_never_show_it(
+    s3: S3World, source: VersionFile, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    caplog.set_level(logging.DEBUG)
+    use_keys(monkeypatch, s3.temporary)
+    assert await source.fetch() == b'{"version": "0.2.0"}'
+    # the same key without its token is refused by S3, and the error shows neither secret
+    monkeypatch.delenv("AWS_SESSION_TOKEN")
+    fresh = VersionFile(s3.version_file, timeout=5.0, s3_endpoint=s3.url)
+    try:
+        with pytest.raises(VersionSourceError, match="HTTP 403") as caught:
+            await fresh.fetch()
+    finally:
+        await fresh.aclose()
+    assert s3.temporary.session_token is not None
+    for secret in (s3.temporary.secret_access_key, s3.temporary.session_token):
+        assert secret not in caplog.text
+        assert secret not in str(caught.value)
+
+
+async def test_a_web_identity_as_on_eks_is_exchanged_for_credentials(
+    s3: S3World, moto_s3: MotoS3, source: VersionFile, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """What EKS sets for a ServiceAccount with an IAM role: botocore's chain calls STS
+    AssumeRoleWithWebIdentity (here moto's, which does not check the token) and signs with
+    the temporary credentials it gets."""
+    caplog.set_level(logging.DEBUG)
+    token = tmp_path / "token"
+    token.write_text("eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJzeXN0ZW06c2VydmljZWFjY291bnQifQ.c2ln")
+    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(token))
+    monkeypatch.setenv("AWS_ROLE_ARN", s3.role_arn)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_STS", s3.url)
+    moto_s3.auth_after(1)  # AssumeRoleWithWebIdentity is unsigned; the S3 GET is checked
+    assert await source.fetch() == b'{"version": "0.2.0"}'
+    assert "from assume-role-with-web-identity" in caplog.text
+    assert token.read_text() not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("url", "endpoint", "expected"),
+    [
+        ("s3://wm-releases/wm/version.json", None,
+         "https://wm-releases.s3.eu-west-1.amazonaws.com/wm/version.json"),
+        ("s3://wm.releases/wm/version.json", None,
+         "https://s3.eu-west-1.amazonaws.com/wm.releases/wm/version.json"),
+        ("s3://wm-releases/a b+c.json", "http://minio:9000/",
+         "http://minio:9000/wm-releases/a%20b%2Bc.json"),
+    ],
+)  # fmt: skip
+def test_the_object_url(url: str, endpoint: str | None, expected: str) -> None:
+    assert S3Object(url, endpoint=endpoint).http_url(REGION) == expected
+
+
+def test_botocore_is_loaded_only_for_an_s3_url() -> None:
+    code = (
+        "import sys\n"
+        "import app.main, app.services.wiring\n"
+        "from app.adapters.versions import VersionFile\n"
+        "VersionFile('https://example.invalid/version', timeout=1.0)\n"
+        "VersionFile('s3://bucket/key', timeout=1.0)\n"
+        "assert 'botocore' not in sys.modules, 'botocore loaded'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

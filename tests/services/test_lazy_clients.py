@@ -1,0 +1,90 @@
+"""What a component does not use costs no memory: its client library is never imported.
+
+kubernetes-asyncio alone is some 37 MiB of RSS and httpx with its client a few more, so a
+node with PostgreSQL and NATS but no cluster must not import the one, and a worker that
+has run no `http` job not the other. Each case runs in a fresh interpreter, whose
+`sys.modules` says what was imported.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def modules_after(code: str, cwd: Path) -> set[str]:
+    script = textwrap.dedent(code) + "\nimport sys\nprint('\\n'.join(sorted(sys.modules)))\n"
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO), "LANG": "C.UTF-8"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=cwd,  # no .env of the checkout
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+def test_the_fingerprint_without_a_cluster_does_not_import_the_cluster_client(
+    tmp_path: Path,
+) -> None:
+    modules = modules_after(
+        f"""
+        import asyncio
+        from app.services.wiring import _local_profile
+        from app.settings import Settings
+
+        settings = Settings(data_dir={str(tmp_path)!r}, embedded_services=False)
+        profile = _local_profile(settings, "node-1", cluster_version=None)
+        hardware = asyncio.run(profile()).hardware
+        assert hardware and "k3s_version" not in hardware, hardware
+        """,
+        tmp_path,
+    )
+    assert "kubernetes_asyncio" not in modules
+    assert "app.adapters.kube" not in modules
+
+
+def test_the_workload_http_client_is_made_on_the_first_call(tmp_path: Path) -> None:
+    modules = modules_after(
+        """
+        import asyncio
+        from app.adapters.workload_http import WorkloadHttp, WorkloadHttpError
+
+        async def main() -> None:
+            http = WorkloadHttp(timeout=1.0, allowed_suffixes=(".svc",))
+            http.check_url("http://api.workloads.svc/jobs")
+            try:  # refused before any request, so before any client
+                await http.post("http://example.com/", {}, headers={})
+            except WorkloadHttpError:
+                pass
+            else:
+                raise AssertionError("an outside host was allowed")
+            await http.aclose()
+
+        asyncio.run(main())
+        """,
+        tmp_path,
+    )
+    assert "httpx" not in modules
+
+
+async def test_a_closed_workload_http_refuses_calls_as_a_closed_client_does() -> None:
+    from app.adapters.workload_http import WorkloadHttp
+
+    http = WorkloadHttp(timeout=1.0, allowed_suffixes=("127.0.0.1",))
+    await http.aclose()
+    try:
+        await http.post("http://127.0.0.1:9/", {}, headers={})
+    except RuntimeError as exc:
+        assert "closed" in str(exc)
+    else:
+        raise AssertionError("a closed client sent a request")

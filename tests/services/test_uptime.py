@@ -1,0 +1,180 @@
+"""Uptime management and crash loops on the real control plane. A managed workload that
+stays unhealthy gets a rollout restart (the pod-template annotation that `kubectl rollout
+restart` sets, so the real deployment controller rolls it), backs off, stops at its
+budget with an alert, and the next sync sees no drift. A workload that never pinged is
+not restarted. A pod in a crash loop makes its workload `crashlooping`."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from app.adapters.kube import RESTARTED_AT, KubeDeployments, KubeError, load_configuration
+from app.domain.components import Component
+from app.domain.health import Ping, PingStatus
+from app.domain.uptime import RestartPolicy
+from app.services.healthwatch import HealthWatch
+from app.services.uptime import UPTIME_KEY, ConfigMapStore, UptimeKeeper, UptimeRecorder
+from tests.services.conftest import World
+from tests.support.polling import eventually
+from tests.support.sync_world import manifest
+
+POLICY = RestartPolicy(
+    after_seconds=180, backoff_seconds=300, backoff_max_seconds=3600,
+    per_workload_per_hour=2, per_node_per_hour=10,
+)  # fmt: skip
+
+
+def restarted_at(world: World, name: str) -> str | None:
+    found = world.cluster.get_deployment("workloads", name) or {}
+    template = found.get("spec", {}).get("template", {})
+    annotations: dict[str, str] = template.get("metadata", {}).get("annotations") or {}
+    return annotations.get(RESTARTED_AT)
+
+
+async def test_an_unhealthy_workload_is_restarted_backs_off_and_stops_at_its_budget(
+    world: World,
+) -> None:
+    world.desire(("api", "1.0.0"), ("quiet", "1.0.0"))
+    await world.syncer.sync()
+    await world.settled("api")  # rolled out: its status is the workload's own word now
+    await world.syncer.sync()
+    world.runtime.book.record("api", Ping(status=PingStatus.UNHEALTHY, message="db down"))
+    now = [0.0]
+    component = Component("uptime", True, "test")
+    keeper = UptimeKeeper(
+        book=world.runtime.book, kube=world.syncer.kube, errors=(KubeError,),
+        cluster_lock=asyncio.Lock(), alerts=world.runtime.alerts, metrics=world.runtime.metrics,
+        policy=POLICY, component=component, clock=lambda: now[0],
+    )  # fmt: skip
+    world.forget_requests()
+
+    async def at(seconds: float) -> dict[str, object]:
+        now[0] = seconds
+        world.runtime.book.record("api", Ping(status=PingStatus.UNHEALTHY, message="db down"))
+        await keeper.check()
+        shown: dict[str, object] = component.detail["workloads"].get("api") or {}
+        return shown
+
+    shown = await at(0.0)
+    assert "restarted after 180 s" in str(shown["reason"])
+    assert world.kube_writes() == [] and restarted_at(world, "api") is None
+    generation = (world.cluster.get_deployment("workloads", "api") or {})["metadata"]["generation"]
+
+    shown = await at(200.0)
+    assert str(shown["reason"]).startswith("restarted: unhealthy for 200 s")
+    stamp = restarted_at(world, "api")
+    assert stamp is not None and datetime.fromisoformat(stamp)
+    assert world.kube_writes() == ["PATCH /apis/apps/v1/namespaces/workloads/deployments/api"]
+    live = world.cluster.get_deployment("workloads", "api") or {}
+    assert live["metadata"]["generation"] == generation + 1, "a new rollout"
+    assert any(a.key == "workload:api:restarted" for a in world.runtime.alerts.recent)
+
+    # the restart is no drift: the next sync changes nothing and keeps the annotation
+    await world.settled("api")
+    outcome = await world.syncer.sync()
+    assert {(r.name, r.outcome) for r in outcome.results} == {
+        ("api", "unchanged"), ("quiet", "unchanged"),
+    }  # fmt: skip
+    assert restarted_at(world, "api") == stamp
+
+    shown = await at(300.0)  # bad again, counted from the restart
+    assert "unhealthy for 100 s; restarted after 180 s" in str(shown["reason"])
+    shown = await at(450.0)  # bad long enough, but the backoff is 300 s after a restart
+    assert "next restart in 50 s (backoff)" in str(shown["reason"])
+    assert restarted_at(world, "api") == stamp
+    await at(700.0)  # bad for 500 s since the restart, 500 s after it: the second
+    assert restarted_at(world, "api") != stamp
+    shown = await at(2000.0)  # the budget (2 an hour) is spent: alerted, not restarted
+    assert "restart budget spent" in str(shown["reason"])
+    assert shown["restarts_last_hour"] == 2
+    assert any(a.key == "workload:api:restart-budget" for a in world.runtime.alerts.recent)
+    # `quiet` never pinged: unknown, not stale, never restarted for silence
+    assert restarted_at(world, "quiet") is None
+    assert "quiet" not in component.detail["workloads"]
+
+
+async def test_a_pod_in_a_crash_loop_makes_its_workload_crashlooping(world: World) -> None:
+    """Read with the manager's own token (RBAC: list pods, nothing more), from the pod
+    status a kubelet would write; alerted once, and not restarted for it."""
+    crashy = manifest("crashy", "1", image="registry.example/crashy:never-ready")
+    world.desire(("crashy", "1"), crashy=crashy)
+    await world.syncer.sync()
+
+    async def scheduled() -> bool:
+        return bool(world.cluster.pods("workloads", "app=crashy"))
+
+    await eventually(scheduled, within=30.0, step=0.1)
+    (pod,) = world.cluster.pods("workloads", "app=crashy")
+    world.cluster.set_pod_status("workloads", pod["metadata"]["name"], {
+        "phase": "Running",
+        "containerStatuses": [{
+            "name": "crashy", "image": "registry.example/crashy:never-ready", "imageID": "",
+            "ready": False, "restartCount": 4, "started": False,
+            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 1m20s"}},
+        }],
+    })  # fmt: skip
+    await world.syncer.refresh_view()
+    view = world.runtime.book.view("crashy")
+    assert view is not None and view.status == "crashlooping", view
+    assert view.message is not None and "CrashLoopBackOff after 4 restarts" in view.message
+    assert world.runtime.book.counts() == {"crashlooping": 1}
+    watch = HealthWatch(book=world.runtime.book, alerts=world.runtime.alerts)
+    await watch.check()
+    assert [a.key for a in world.runtime.alerts.recent if "crashy" in a.key] == [
+        "workload:crashy:crashlooping"
+    ]
+
+
+async def test_uptime_is_counted_from_the_book_and_kept_across_a_restart(
+    world: World, tmp_path: Path
+) -> None:
+    """Kept in the ConfigMap of the manager's own namespace, written with the manager's
+    own token (RBAC: get and patch on that one ConfigMap); a manager that starts again
+    reads it back; a garbled record starts empty and says so."""
+    configuration, _ = await load_configuration(
+        world.cluster.write_direct_kubeconfig(tmp_path / "own", "workload-manager")
+    )
+    own = KubeDeployments(configuration, namespace="workload-manager", timeout=10)
+    try:
+        store = ConfigMapStore(own, "workload-manager-uptime")
+        await own.write_config_map("workload-manager-uptime", {UPTIME_KEY: "{}"})
+        wall = [1_000 * 3600.0]
+        book = world.runtime.book
+
+        def recorder(component: Component) -> UptimeRecorder:
+            made = UptimeRecorder(
+                book=book, store=store, errors=(KubeError,), max_step=30.0,
+                component=component, wall=lambda: wall[0],
+            )  # fmt: skip
+            book.set_uptime(made.shares)
+            return made
+
+        shown = Component("uptime", True, "test")
+        first = recorder(shown)
+        await first.open()
+        assert shown.detail["uptime_record"].startswith("not read, started empty")
+        await first.tick()  # the first look: counting starts here
+        for status, seconds in ((PingStatus.HEALTHY, 300), (PingStatus.UNHEALTHY, 100)):
+            for _ in range(seconds // 10):  # each look counts the 10 s before it
+                wall[0] += 10.0
+                book.record("api", Ping(status=status))
+                await first.tick()
+        await first.save()
+        view = book.view("api")
+        assert view is not None and view.uptime_24h == view.uptime_7d == 0.75
+        exported = generate_latest(world.runtime.metrics.registry).decode()
+        assert 'workload_manager_workload_uptime_ratio{window="7d",workload="api"} 0.75' in (
+            exported
+        )
+
+        shown_again = Component("uptime", True, "test")
+        again = recorder(shown_again)  # the manager started again
+        await again.open()
+        assert again.shares("api") == (0.75, 0.75)
+        assert "uptime_record" not in shown_again.detail
+    finally:
+        await own.aclose()
