@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 # Add a module path here and `python -m bench` runs it, in this order.
-BENCHMARKS: tuple[str, ...] = ("bench.pings", "bench.sync", "bench.registry", "bench.jobs")
+BENCHMARKS: tuple[str, ...] = (
+    "bench.pings",
+    "bench.memory",
+    "bench.sync",
+    "bench.registry",
+    "bench.jobs",
+)
 
 
 @dataclass(frozen=True)

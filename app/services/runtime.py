@@ -48,7 +48,7 @@ from app.services.workloads import WorkloadBook
 from app.settings import Settings, redact_url
 
 # The clients of switched-off components are never imported (kubernetes-asyncio alone is
-# some 60 MiB): each `open_*` imports what it needs when its component is on.
+# some 37 MiB): each `open_*` imports what it needs when its component is on.
 if TYPE_CHECKING:
     from app.adapters.bus import JetStreamBus
     from app.adapters.registry import AsyncpgRegistry

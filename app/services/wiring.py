@@ -202,7 +202,8 @@ def _fingerprint(
     """The node's hardware fingerprint (and the cluster's version, when there is one).
 
     The cluster's client is imported only when there is a cluster: kubernetes-asyncio
-    costs some 45 MiB, which a node without sync would pay for one exception class."""
+    costs some 37 MiB of RSS (44 without NATS, whose client imports aiohttp too), which
+    a node without sync would pay for one exception class (bench/memory.py)."""
     from app.adapters import system
 
     disk = settings.data_dir if settings.data_dir.exists() else Path.cwd()
