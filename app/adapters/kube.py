@@ -10,6 +10,7 @@ Deployments as models costs far more than the request. Status codes are mapped t
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 from collections.abc import Awaitable, Callable
@@ -112,6 +113,13 @@ class KubeDeployments:
 
     async def aclose(self) -> None:
         await self._api_client.close()
+
+    def in_namespace(self, namespace: str) -> KubeDeployments:
+        """This client (its connection pool and credentials) for another namespace; it is
+        closed with this one."""
+        other = copy.copy(self)
+        other.namespace = namespace
+        return other
 
     async def server_version(self) -> str:
         """The cluster's version (e.g. `v1.31.4+k3s1`), for the node's fingerprint."""

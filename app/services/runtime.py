@@ -320,8 +320,8 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
         alerts=rt.alerts, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
     rt.uptime_record = await open_uptime_recorder(
-        settings, components["uptime"], stack, book=rt.book, in_cluster=rt.syncer is not None,
-        every=_watch_every(settings),
+        settings, components["uptime"], book=rt.book,
+        cluster=rt.syncer.kube if rt.syncer is not None else None, every=_watch_every(settings),
     )  # fmt: skip
     rt.uptime = open_uptime_keeper(
         settings, components["uptime"], syncer=rt.syncer, book=rt.book, alerts=rt.alerts,

@@ -429,26 +429,25 @@ UPTIME_CONFIG_MAP = "workload-manager-uptime"
 async def open_uptime_recorder(
     settings: Settings,
     component: Component,
-    stack: AsyncExitStack,
     *,
     book: WorkloadBook,
-    in_cluster: bool,
+    cluster: KubeDeployments | None,
     every: float,
 ) -> UptimeRecorder:
     """Each workload's share of time healthy, kept in the ConfigMap
     `workload-manager-uptime` of the manager's own namespace when it runs in a cluster
-    (it outlives the pod, a self-update included), else in DATA_DIR/uptime.json."""
+    (it outlives the pod, a self-update included; the sync's client is reused), else in
+    DATA_DIR/uptime.json."""
     from app.services.uptime import FileStore, UptimeRecorder, UptimeStore
 
     store: UptimeStore = FileStore(settings.data_dir / "uptime.json")
     errors: tuple[type[Exception], ...] = ()
-    if in_cluster and settings.pod_namespace is not None:
-        opened = await open_cluster(settings, component, stack, namespace=settings.pod_namespace)
-        if opened is not None:
-            from app.adapters.kube import KubeError
-            from app.services.uptime import ConfigMapStore
+    if cluster is not None and settings.pod_namespace is not None:
+        from app.adapters.kube import KubeError
+        from app.services.uptime import ConfigMapStore
 
-            store, errors = ConfigMapStore(opened[0], UPTIME_CONFIG_MAP), (KubeError,)
+        own = cluster.in_namespace(settings.pod_namespace)
+        store, errors = ConfigMapStore(own, UPTIME_CONFIG_MAP), (KubeError,)
     recorder = UptimeRecorder(
         book=book, store=store, errors=errors, component=component, max_step=3 * every
     )

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
-from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from app.adapters.kube import RESTARTED_AT, KubeDeployments, KubeError, load_configuration
+from app.adapters.kube import RESTARTED_AT, KubeError
 from app.domain.components import Component
 from app.domain.health import Ping, PingStatus
 from app.domain.uptime import RestartPolicy
@@ -129,52 +128,43 @@ async def test_a_pod_in_a_crash_loop_makes_its_workload_crashlooping(world: Worl
     ]
 
 
-async def test_uptime_is_counted_from_the_book_and_kept_across_a_restart(
-    world: World, tmp_path: Path
-) -> None:
+async def test_uptime_is_counted_from_the_book_and_kept_across_a_restart(world: World) -> None:
     """Kept in the ConfigMap of the manager's own namespace, written with the manager's
     own token (RBAC: get and patch on that one ConfigMap); a manager that starts again
     reads it back; a garbled record starts empty and says so."""
-    configuration, _ = await load_configuration(
-        world.cluster.write_direct_kubeconfig(tmp_path / "own", "workload-manager")
-    )
-    own = KubeDeployments(configuration, namespace="workload-manager", timeout=10)
-    try:
-        store = ConfigMapStore(own, "workload-manager-uptime")
-        await own.write_config_map("workload-manager-uptime", {UPTIME_KEY: "{}"})
-        wall = [1_000 * 3600.0]
-        book = world.runtime.book
+    # the sync's own client, in the manager's namespace, as the runtime wires it
+    own = world.syncer.kube.in_namespace("workload-manager")
+    store = ConfigMapStore(own, "workload-manager-uptime")
+    await own.write_config_map("workload-manager-uptime", {UPTIME_KEY: "{}"})
+    wall = [1_000 * 3600.0]
+    book = world.runtime.book
 
-        def recorder(component: Component) -> UptimeRecorder:
-            made = UptimeRecorder(
-                book=book, store=store, errors=(KubeError,), max_step=30.0,
-                component=component, wall=lambda: wall[0],
-            )  # fmt: skip
-            book.set_uptime(made.shares)
-            return made
+    def recorder(component: Component) -> UptimeRecorder:
+        made = UptimeRecorder(
+            book=book, store=store, errors=(KubeError,), max_step=30.0,
+            component=component, wall=lambda: wall[0],
+        )  # fmt: skip
+        book.set_uptime(made.shares)
+        return made
 
-        shown = Component("uptime", True, "test")
-        first = recorder(shown)
-        await first.open()
-        assert shown.detail["uptime_record"].startswith("not read, started empty")
-        await first.tick()  # the first look: counting starts here
-        for status, seconds in ((PingStatus.HEALTHY, 300), (PingStatus.UNHEALTHY, 100)):
-            for _ in range(seconds // 10):  # each look counts the 10 s before it
-                wall[0] += 10.0
-                book.record("api", Ping(status=status))
-                await first.tick()
-        await first.save()
-        view = book.view("api")
-        assert view is not None and view.uptime_24h == view.uptime_7d == 0.75
-        exported = generate_latest(world.runtime.metrics.registry).decode()
-        assert 'workload_manager_workload_uptime_ratio{window="7d",workload="api"} 0.75' in (
-            exported
-        )
+    shown = Component("uptime", True, "test")
+    first = recorder(shown)
+    await first.open()
+    assert shown.detail["uptime_record"].startswith("not read, started empty")
+    await first.tick()  # the first look: counting starts here
+    for status, seconds in ((PingStatus.HEALTHY, 300), (PingStatus.UNHEALTHY, 100)):
+        for _ in range(seconds // 10):  # each look counts the 10 s before it
+            wall[0] += 10.0
+            book.record("api", Ping(status=status))
+            await first.tick()
+    await first.save()
+    view = book.view("api")
+    assert view is not None and view.uptime_24h == view.uptime_7d == 0.75
+    exported = generate_latest(world.runtime.metrics.registry).decode()
+    assert 'workload_manager_workload_uptime_ratio{window="7d",workload="api"} 0.75' in (exported)
 
-        shown_again = Component("uptime", True, "test")
-        again = recorder(shown_again)  # the manager started again
-        await again.open()
-        assert again.shares("api") == (0.75, 0.75)
-        assert "uptime_record" not in shown_again.detail
-    finally:
-        await own.aclose()
+    shown_again = Component("uptime", True, "test")
+    again = recorder(shown_again)  # the manager started again
+    await again.open()
+    assert again.shares("api") == (0.75, 0.75)
+    assert "uptime_record" not in shown_again.detail
