@@ -30,7 +30,6 @@ import contextlib
 import http.client
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -53,6 +52,7 @@ from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from bench import Options
 from bench.checks import say
 from bench.imports import rss_after
+from bench.servers import stop_process
 
 NAME = "memory"
 DESCRIPTION = (
@@ -69,7 +69,6 @@ READINGS = 3  # a second apart, once idle; the median is reported
 FLOOR_REPEATS = 3  # fresh interpreters per floor; the least is reported
 READY_TIMEOUT = 60.0
 SETTLE_TIMEOUT = 45.0  # for every enabled component to leave "starting"
-STOP_TIMEOUT = 30.0
 POLL = 0.2
 API_TOKEN = "bench-api-token"  # only ever sent to 127.0.0.1
 PING_TOKEN_SECRET = "bench-ping-token-secret"
@@ -415,7 +414,7 @@ def _measure(
         components = _components(port) or components
         alive = proc.poll() is None
     finally:
-        code = _stop(proc)
+        code = stop_process(proc)
     if not alive:
         raise RuntimeError(f"the manager exited while measured:\n{_tail(log_path)}")
     median = {k: int(statistics.median(r[k] for r in readings)) for k in readings[0]}
@@ -488,17 +487,6 @@ def _settled(components: Mapping[str, Mapping[str, Any]], settle: Sequence[str])
             if c["last_error"] is None:
                 return False
     return True
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> int | None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=STOP_TIMEOUT)
-    return proc.returncode
 
 
 def _tail(path: Path) -> str:

@@ -111,17 +111,7 @@ class ServerProcess:
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL if it does not go within STOP_TIMEOUT; returns the exit code."""
-        popen = self._popen
-        if popen is None:
-            return None
-        if popen.poll() is None:
-            popen.send_signal(signal.SIGTERM)
-            try:
-                popen.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait(timeout=STOP_TIMEOUT)
-        return popen.returncode
+        return None if self._popen is None else stop_process(self._popen)
 
     def rss_bytes(self) -> int:
         rss: int = self.ps.memory_info().rss
@@ -162,3 +152,15 @@ def running(
         yield server
     finally:
         server.stop()
+
+
+def stop_process(popen: subprocess.Popen[bytes]) -> int | None:
+    """SIGTERM, then SIGKILL if it does not go within STOP_TIMEOUT; returns the exit code."""
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGTERM)
+        try:
+            popen.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout=STOP_TIMEOUT)
+    return popen.returncode

@@ -307,7 +307,7 @@ async def open_worker(
     from app.adapters.workload_http import WorkloadHttp
     from app.services.handlers import load_handlers
     from app.services.streams import consumer_specs, init_streams
-    from app.services.working import LEASE_TRIES, Ledger, Worker, WorkerConfig
+    from app.services.working import Ledger, Worker, WorkerConfig, request_timeout
 
     tier = (settings.node_tier or DEVELOPMENT_TIER).value
     bus = JetStreamBus(
@@ -352,10 +352,11 @@ async def open_worker(
     else:
         # a lease (2 x ack wait) holds several tries of renewing it: else a failover of
         # the bucket's leader outlasts the lease and another node runs the job again
-        lease = 2 * settings.job_ack_wait_seconds
         ledger = kv_ledger = JetStreamLedger(
             node_id=node_id, claimant=claimant,
-            timeout=min(settings.backend_timeout_seconds, lease / LEASE_TRIES),
+            timeout=min(
+                settings.backend_timeout_seconds, request_timeout(settings.job_ack_wait_seconds)
+            ),
         )  # fmt: skip
     component.detail["ledger"] = "postgres" if on_postgres else f"jetstream bucket {BUCKET}"
     if heartbeat is not None:

@@ -64,6 +64,16 @@ LEASE_TRIES = 4
 LEDGER_ERRORS = (*RegistryUnavailable, LedgerUnavailable)
 
 
+def lease_seconds(ack_wait: float) -> float:
+    """A claim's lease: two ack waits (the keep-alive renews it every third of one)."""
+    return 2 * ack_wait
+
+
+def request_timeout(ack_wait: float) -> float:
+    """The most one ledger request or event publish may take: a quarter of the lease."""
+    return lease_seconds(ack_wait) / LEASE_TRIES
+
+
 class EventUnsent(Exception):
     """A job event the stream did not acknowledge (retried, then the job is handed back)."""
 
@@ -422,7 +432,7 @@ class Worker:
 
     @property
     def _lease(self) -> float:
-        return self._config.ack_wait * 2
+        return lease_seconds(self._config.ack_wait)
 
     async def _run(self, delivery: Delivery, job: Job) -> str:
         """Run the handler and answer. The keep-alive lasts until the answer is sent, not
@@ -595,7 +605,7 @@ class Worker:
         try:
             await self._bus.publish(
                 event_subject(self.node_id, kind), body, msg_id=msg_id,
-                within=self._lease / LEASE_TRIES,
+                within=request_timeout(self._config.ack_wait),
             )  # fmt: skip
         except BusError as exc:
             log.warning("event %s for job %s not published: %s", kind.value, job_id, exc)
