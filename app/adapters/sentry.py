@@ -10,9 +10,13 @@ from __future__ import annotations
 import logging
 
 import sentry_sdk
+from sentry_sdk.integrations.atexit import AtexitIntegration
+from sentry_sdk.integrations.dedupe import DedupeIntegration
+from sentry_sdk.integrations.excepthook import ExcepthookIntegration
 from sentry_sdk.integrations.fastapi import FastApiIntegration
 from sentry_sdk.integrations.logging import LoggingIntegration
 from sentry_sdk.integrations.starlette import StarletteIntegration
+from sentry_sdk.integrations.threading import ThreadingIntegration
 
 from app import __version__
 
@@ -24,13 +28,20 @@ def init(*, dsn: str, environment: str, traces_sample_rate: float) -> None:
         release=f"workload-manager@{__version__}",
         send_default_pii=False,
         traces_sample_rate=traces_sample_rate,
-        # Integrations named, not auto-enabled: auto-enabling imports every installed
-        # library it knows (botocore among them, some 5 MiB) just to look for it.
+        # Integrations named, none by default: the auto-enabled ones import every
+        # installed library they know just to look for it, and the default `stdlib` one
+        # imports botocore (some 5 MiB, installed for the S3 version file) to patch it.
+        # The manager makes no http.client or subprocess calls worth a breadcrumb.
+        default_integrations=False,
         auto_enabling_integrations=False,
         integrations=[
             LoggingIntegration(event_level=logging.ERROR),
             StarletteIntegration(),
             FastApiIntegration(),
+            ExcepthookIntegration(),
+            ThreadingIntegration(),
+            DedupeIntegration(),
+            AtexitIntegration(),
         ],
     )
 

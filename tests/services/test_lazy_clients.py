@@ -88,3 +88,18 @@ async def test_a_closed_workload_http_refuses_calls_as_a_closed_client_does() ->
         assert "closed" in str(exc)
     else:
         raise AssertionError("a closed client sent a request")
+
+
+def test_sentry_does_not_import_botocore_to_look_for_it(tmp_path: Path) -> None:
+    """botocore (the S3 version file's library, some 5 MiB) is installed; Sentry's
+    auto-enabled integrations would import it at start just to find out."""
+    modules = modules_after(
+        """
+        from app.adapters import sentry
+
+        sentry.init(dsn="http://key@127.0.0.1:9/1", environment="test", traces_sample_rate=0)
+        """,
+        tmp_path,
+    )
+    assert "sentry_sdk" in modules
+    assert "botocore" not in modules

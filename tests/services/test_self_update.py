@@ -33,7 +33,14 @@ from tests.support.control_plane import NEVER_READY_VERSION
 from tests.support.polling import eventually
 from tests.support.real_cluster import RealCluster
 from tests.support.servers import ThreadedServer, serve
-from tests.support.version_file import OWN_NS, REPO, VersionFileServer, own_deployment
+from tests.support.version_file import (
+    OWN_NS,
+    REPO,
+    VersionFileServer,
+    image_of,
+    own_deployment,
+    updater,
+)
 
 OWN = "deployments/workload-manager"  # the own Deployment's API path, for fault injection
 # The annotations are the on-cluster protocol between manager versions: spelled out here so
@@ -56,13 +63,6 @@ def version_file() -> Iterator[tuple[VersionFileServer, ThreadedServer]]:
     files = VersionFileServer()
     with serve(files.app) as server:
         yield files, server
-
-
-def image_of(cluster: RealCluster) -> str:
-    own = cluster.get_deployment(OWN_NS, "workload-manager")
-    assert own is not None
-    image: str = own["spec"]["template"]["spec"]["containers"][0]["image"]
-    return image
 
 
 @pytest.fixture
@@ -102,11 +102,6 @@ async def runtime(
     # the own Deployment is this module's; other tests create theirs from scratch
     plane.kubectl("-n", OWN_NS, "delete", "deployment", "workload-manager",
                   "--ignore-not-found", "--wait=true")  # fmt: skip
-
-
-def updater(rt: Runtime) -> SelfUpdater:
-    assert rt.updater is not None
-    return rt.updater
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import pytest
 from app.api.schemas import ComponentInfo
 from app.domain.updates import Choice
 from app.services.runtime import Runtime, build_runtime, open_self_update_only
-from app.services.updating import SelfUpdater
 from tests.conftest import SettingsFactory
 from tests.support.moto_s3 import (
     Keys,
@@ -23,7 +22,7 @@ from tests.support.moto_s3 import (
     use_keys,
 )
 from tests.support.real_cluster import RealCluster
-from tests.support.version_file import OWN_NS, REPO, own_deployment
+from tests.support.version_file import OWN_NS, REPO, image_of, own_deployment, updater
 
 DEADLINE = 10.0
 POLL = 0.05
@@ -63,18 +62,6 @@ async def runtime(
         yield rt
     plane.kubectl("-n", OWN_NS, "delete", "deployment", "workload-manager",
                   "--ignore-not-found", "--wait=true")  # fmt: skip
-
-
-def updater(rt: Runtime) -> SelfUpdater:
-    assert rt.updater is not None
-    return rt.updater
-
-
-def image_of(cluster: RealCluster) -> str:
-    own = cluster.get_deployment(OWN_NS, "workload-manager")
-    assert own is not None
-    image: str = own["spec"]["template"]["spec"]["containers"][0]["image"]
-    return image
 
 
 async def test_with_the_right_credentials_a_newer_version_is_decided_and_applied(

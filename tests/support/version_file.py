@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+if TYPE_CHECKING:
+    from app.services.runtime import Runtime
+    from app.services.updating import SelfUpdater
+    from tests.support.real_cluster import RealCluster
 
 
 class VersionFileServer:
@@ -64,3 +69,16 @@ def own_deployment(
         "metadata": {"name": "workload-manager", "namespace": OWN_NS},
         "spec": spec,
     }
+
+
+def image_of(cluster: RealCluster) -> str:
+    """The manager's own image, as its Deployment in the cluster has it."""
+    own = cluster.get_deployment(OWN_NS, "workload-manager")
+    assert own is not None
+    image: str = own["spec"]["template"]["spec"]["containers"][0]["image"]
+    return image
+
+
+def updater(rt: Runtime) -> SelfUpdater:
+    assert rt.updater is not None
+    return rt.updater
