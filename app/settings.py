@@ -69,6 +69,12 @@ class Settings(BaseSettings):
     log_format: str = Field(default="auto", pattern="^(auto|json|text)$")
     data_dir: Path = Path(".data")
     shutdown_grace_seconds: float = _ranged(20.0, 0.0, 600.0)
+    # HTTP server bounds: any pod on the node can connect, so a request head is bounded in
+    # size and time, and the connections held at once are capped
+    http_max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
+    http_header_timeout_seconds: float = _ranged(10.0, 0.1, 300.0)
+    http_keepalive_timeout_seconds: float = _ranged(5.0, 0.1, 300.0)
+    http_max_connections: int = Field(default=1_000, ge=8, le=100_000)
 
     # --- identity and backend
     node_id: str | None = None
@@ -79,6 +85,9 @@ class Settings(BaseSettings):
     backend_timeout_seconds: float = _ranged(10.0, 0.1, 120.0)
     backend_retry_attempts: int = Field(default=3, ge=1, le=10)
     backend_retry_max_wait_seconds: float = _ranged(5.0, 0.0, 60.0)
+    # one call to the backend, all its attempts and waits included, ends within this
+    backend_deadline_seconds: float = _ranged(30.0, 0.5, 600.0)
+    backend_max_response_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
 
     # --- API
     api_token: SecretStr | None = None
@@ -109,6 +118,9 @@ class Settings(BaseSettings):
     self_update_timeout_seconds: float = _ranged(10.0, 0.1, 120.0)
     # an S3-compatible store for an s3:// SELF_UPDATE_URL (default: AWS's regional endpoint)
     self_update_s3_endpoint: str | None = None
+    # an Ed25519 public key (base64 of the 32 raw bytes, or PEM): when set, the version file
+    # must carry a valid signature by it, checked before anything is decided
+    self_update_public_key: str | None = None
     scheduler_jitter_fraction: float = _ranged(0.1, 0.0, 0.5)
 
     # --- cluster and desired state
@@ -135,6 +147,11 @@ class Settings(BaseSettings):
     allow_host_namespaces: bool = False
     allow_host_path: bool = False
     allow_host_ports: bool = False
+    # the Pod Security Standard every manifest must meet: baseline, or restricted (opt-in)
+    manifest_policy: str = Field(default="baseline", pattern="^(baseline|restricted)$")
+    manifest_max_replicas: int = Field(default=10, ge=1, le=1_000)
+    manifest_max_bytes: int = Field(default=64 * 1024, ge=1024, le=1024 * 1024)
+    max_desired_workloads: int = Field(default=200, ge=1, le=10_000)
 
     # --- data plane
     database_url: SecretStr | None = Field(
