@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app import logs
+    from app import logs, server
     from app.adapters.signing import InvalidKeyError
     from app.main import create_app
 
@@ -49,6 +49,9 @@ def _serve(args: argparse.Namespace) -> int:
             port=settings.port,
             log_config=None,
             access_log=False,
+            # the child imports the protocol by name and reads its bounds from the
+            # environment, as it does the app
+            http=server.RELOAD_PROTOCOL,
         )
         return 0
     deadline = app.state.runtime.shutdown
@@ -66,6 +69,8 @@ def _serve(args: argparse.Namespace) -> int:
         log_config=None,
         access_log=False,
         server_header=False,
+        # bounded request heads, head and keep-alive timeouts, the connection cap
+        http=server.bounded_protocol(server.HttpLimits.from_settings(settings)),
         # open HTTP requests get a short share of the grace period; the rest is the
         # lifespan's (loops, jobs, the last report)
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_seconds * 0.1)),
@@ -321,6 +326,45 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sign_version_file(args: argparse.Namespace) -> int:
+    """Write `<file>.sig`, the detached signature the manager checks when
+    SELF_UPDATE_PUBLIC_KEY is set; print that setting for the key on stdout."""
+    import base64
+    from pathlib import Path
+
+    from app.adapters.signing import InvalidKeyError, parse_private_key, public_key_bytes
+    from app.adapters.versions import sign_version_file
+    from app.domain.updates import MAX_VERSION_FILE_BYTES, SIGNATURE_SUFFIX
+
+    key_file, version_file = Path(args.key_file), Path(args.file)
+    try:
+        text = key_file.read_text().strip()
+        content = version_file.read_bytes()
+    except OSError as exc:
+        print(f"workload-manager: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError:
+        print(f"workload-manager: {key_file}: not a key (not text)", file=sys.stderr)
+        return 2
+    try:  # the key as `keygen` prints it (either format), or the bare seed
+        key = parse_private_key(text.removeprefix("NODE_PRIVATE_KEY="), source=str(key_file))
+    except InvalidKeyError as exc:
+        print(f"workload-manager: {exc}", file=sys.stderr)
+        return 2
+    if len(content) > MAX_VERSION_FILE_BYTES:
+        print(
+            f"workload-manager: {version_file} is larger than {MAX_VERSION_FILE_BYTES} bytes: "
+            "the manager would refuse it",
+            file=sys.stderr,
+        )
+        return 2
+    signature = version_file.with_name(version_file.name + SIGNATURE_SUFFIX)
+    signature.write_bytes(sign_version_file(content, key))
+    print(f"SELF_UPDATE_PUBLIC_KEY={base64.b64encode(public_key_bytes(key.public_key())).decode()}")
+    print(f"# wrote {signature}: publish it beside the version file", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workload-manager", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -374,6 +418,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed: NODE_PRIVATE_KEY=<base64 seed> (default); pem: PKCS#8 PEM",
     )
     keygen.set_defaults(func=_keygen)
+
+    sign = sub.add_parser(
+        "sign-version-file", help="write <file>.sig, the file's Ed25519 signature"
+    )
+    sign.add_argument("file", help="the version file, exactly as it will be published")
+    sign.add_argument(
+        "--key-file", required=True, help="the release key (`keygen` output: PEM or seed)"
+    )
+    sign.set_defaults(func=_sign_version_file)
     return parser
 
 

@@ -2,6 +2,10 @@
 
 The request id lives in a context variable set by the request-id middleware, so any
 log line written while serving a request carries it without being passed around.
+
+Every line is redacted as it is formatted (`app.domain.redaction`): a URL's password or
+token, and secret query parameters, never reach the log, whoever wrote the line (an
+exception message that names a presigned URL, uvicorn's request line, a library).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import sys
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
+
+from app.domain.redaction import redact_text, scrub
 
 request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
 
@@ -34,17 +40,22 @@ class JsonFormatter(logging.Formatter):
             "ts": datetime.fromtimestamp(record.created, tz=UTC).isoformat(),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": redact_text(record.getMessage()),
         }
         rid = getattr(record, "request_id", None)
         if rid:
             entry["request_id"] = rid
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
-                entry[key] = value
+                entry[key] = scrub(value)
         if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str, separators=(",", ":"))
+            entry["exc"] = redact_text(self.formatException(record.exc_info))
+        return json.dumps(entry, default=_shown, separators=(",", ":"))
+
+
+def _shown(value: object) -> str:
+    """What json.dumps writes for a value it cannot encode: its text, redacted."""
+    return redact_text(str(value))
 
 
 class TextFormatter(logging.Formatter):
@@ -52,7 +63,7 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        line = redact_text(super().format(record))
         rid = getattr(record, "request_id", None)
         return f"{line} [req {rid}]" if rid else line
 

@@ -15,7 +15,7 @@ from datetime import time
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import (
     AliasChoices,
@@ -27,7 +27,9 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.domain.redaction import redact_url as redact_url  # shown URLs: one redaction
 from app.domain.requirements import Tier
+from app.domain.updates import parse_public_key
 
 # Where the original (Express) service kept the node's key (`Settings.node_config_path`):
 # used when neither NODE_PRIVATE_KEY nor NODE_PRIVATE_KEY_FILE is set, NODE_CONFIG_FILE is
@@ -230,6 +232,13 @@ class Settings(BaseSettings):
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
         return None if value is None else _http_url(value)
+
+    @field_validator("self_update_public_key")
+    @classmethod
+    def _version_file_key(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_public_key(value)  # its ValueError names what is expected, never the value
+        return value
 
     @field_validator("self_update_url")
     @classmethod
@@ -460,30 +469,6 @@ def nats_servers(url: str) -> list[str]:
     """The servers of NATS_URL: one URL, or several comma-separated (as the nats CLI
     takes them) so that the first connection survives one server being down."""
     return [part.strip() for part in url.split(",") if part.strip()]
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password (or a token given as its user name, as NATS takes
-    it), for status pages and logs; each of several comma-separated NATS servers."""
-    if "," in url and urlsplit(url).scheme in NATS_SCHEMES:
-        return ",".join(_redact_one(part) for part in nats_servers(url))
-    return _redact_one(url)
-
-
-def _redact_one(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        if parts.username is None:
-            return url
-        host = parts.hostname or ""
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
-        return urlunsplit((parts.scheme, "***@" + host, parts.path, parts.query, parts.fragment))
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else "***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
 def load_settings(*, _check_production: bool = True, **overrides: Any) -> Settings:

@@ -361,6 +361,7 @@ async def _measure(world: World, concurrency: int, repeats: int) -> dict[str, An
         sync_concurrency=concurrency,
         data_dir=world.workdir / "data",
         ping_token_secret=PING_TOKEN_SECRET,
+        max_desired_workloads=max(n, 1),  # the bench syncs more than the default bound
     )
     phases: dict[str, Any] = {}
     result: dict[str, Any] = {"concurrency": concurrency, "phases": phases, "failure": None}

@@ -1,14 +1,29 @@
-"""HTTP client for the node-system backend: signed requests, timeouts, retries with jitter.
+"""HTTP client for the node-system backend: signed requests, a deadline, bounded answers,
+retries with jitter.
 
 Every request is signed by `_SigningAuth` at the last moment, over the exact bytes
-httpx sends, so what the backend verifies is what went on the wire. Retries cover
-transport errors, 5xx and 429 only; a 4xx is the caller's bug and is raised at once.
+httpx sends, so what the backend verifies is what went on the wire.
+
+A backend is not trusted to be quick or small: each call (all its attempts and the waits
+between them) ends within `deadline` seconds, each attempt's timeout is the lesser of
+`timeout` and what is left, and an answer is read streaming and refused past
+`max_response_bytes` (a declared Content-Length past it is refused unread). Retries cover
+transport errors, 5xx and 429 only, honouring `Retry-After` (RFC 9110 10.2.3) as a floor:
+a wait longer than the longest wait, or than what is left of the deadline, ends the call
+at once with that reason. A 3xx is an error (redirects are never followed: the signature
+and the trust are for this backend only), and so is any other status outside 2xx, except
+the 304 of a conditional GET; a 4xx is the caller's bug and is raised at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import random
 import time
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -16,19 +31,56 @@ import stamina
 
 from app import __version__
 from app.adapters.signing import NodeSigner
+from app.domain.retrying import GiveUp, parse_retry_after, wait_as_asked
+
+DEFAULT_DEADLINE_SECONDS = 30.0
+DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+# how much of an error answer is read, to quote in the error
+_EXCERPT_BYTES = 1024
+# the statuses whose Retry-After is honoured (RFC 9110 10.2.3, RFC 6585 4)
+_RETRY_AFTER_STATUSES = (429, 503)
 
 
 class BackendError(RuntimeError):
     """The backend could not be reached or answered with an error (message is loggable)."""
 
 
-def _is_retryable(exc: Exception) -> bool:
-    if isinstance(exc, httpx.TransportError):
-        return True
-    if isinstance(exc, httpx.HTTPStatusError):
-        code = exc.response.status_code
-        return code >= 500 or code == 429
-    return False
+class _RetryableStatus(Exception):
+    """A 5xx or 429: tried again unless the deadline or its Retry-After says otherwise."""
+
+    def __init__(self, status: int, excerpt: str, retry_after: str | None) -> None:
+        super().__init__(f"HTTP {status} {excerpt}".rstrip())
+        self.status = status
+        self.retry_after = retry_after if status in _RETRY_AFTER_STATUSES else None
+
+
+@dataclass
+class _Progress:
+    """Where one call is, for the reason given when its deadline passes."""
+
+    doing: str = "asking"  # asking | reading | waiting (to try again)
+    received: int = 0
+    last_error: str | None = None
+    gave_up: str | None = None
+
+    def at_deadline(self) -> str:
+        if self.doing == "reading":
+            return f"with the answer still arriving ({self.received} bytes in)"
+        if self.doing == "waiting":
+            return f"waiting to try again after {self.last_error}"
+        before = f" (the attempt before: {self.last_error})" if self.last_error else ""
+        return f"waiting for an answer{before}"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A whole answer of the backend, its body read within the bound."""
+
+    status_code: int
+    headers: httpx.Headers
+    content: bytes
+    method: str
+    path: str
 
 
 class _SigningAuth(httpx.Auth):
@@ -60,12 +112,18 @@ class BackendClient:
         timeout: float,
         attempts: int,
         max_wait: float,
+        deadline: float = DEFAULT_DEADLINE_SECONDS,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._signer = signer
+        self._timeout = timeout
         self._attempts = attempts
         self._max_wait = max_wait
+        self._deadline = deadline
+        self._max_bytes = max_response_bytes
+        self._clock = clock
         self._client = httpx.AsyncClient(
             base_url=base_url,
             timeout=httpx.Timeout(timeout),
@@ -85,28 +143,117 @@ class BackendClient:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _send(
+        self, method: str, path: str, *, conditional: bool = False, **kwargs: Any
+    ) -> Answer:
+        loop = asyncio.get_running_loop()
+        ends_at = loop.time() + self._deadline
+        progress = _Progress()
+
+        def retry_or_not(exc: Exception) -> bool | float:
+            return self._retry_or_not(exc, ends_at - loop.time(), progress)
+
+        deadline = asyncio.timeout_at(ends_at)
         try:
-            async for attempt in stamina.retry_context(
-                on=_is_retryable,
-                attempts=self._attempts,
-                wait_initial=min(0.2, self._max_wait),
-                wait_max=self._max_wait,
-                wait_jitter=min(1.0, self._max_wait),
-                timeout=None,
-            ):
-                with attempt:
-                    response = await self._client.request(method, path, **kwargs)
-                    if response.status_code >= 400:
-                        response.raise_for_status()
-                    return response
-        except httpx.HTTPStatusError as exc:
+            async with deadline:
+                async for attempt in stamina.retry_context(
+                    on=retry_or_not,
+                    attempts=self._attempts,
+                    wait_initial=min(0.2, self._max_wait),
+                    wait_max=self._max_wait,
+                    wait_jitter=min(1.0, self._max_wait),
+                    timeout=None,  # the deadline above bounds the whole call
+                ):
+                    with attempt:
+                        left = ends_at - loop.time()
+                        return await self._attempt(
+                            method, path, conditional, left, progress, kwargs
+                        )
+        except TimeoutError:
+            if not deadline.expired():
+                raise
             raise BackendError(
-                f"{method} {path}: HTTP {exc.response.status_code} {_excerpt(exc.response)}"
+                f"{method} {path}: deadline of {self._deadline:g} s "
+                f"(BACKEND_DEADLINE_SECONDS) passed {progress.at_deadline()}"
             ) from None
-        except httpx.TransportError as exc:
-            raise BackendError(f"{method} {path}: {type(exc).__name__}: {exc}") from None
+        except _RetryableStatus as exc:
+            reason = f"; not tried again: {progress.gave_up}" if progress.gave_up else ""
+            raise BackendError(f"{method} {path}: {exc}{reason}") from None
+        except httpx.HTTPError as exc:
+            raise BackendError(f"{method} {path}: {_describe(exc)}") from None
         raise AssertionError("unreachable: stamina either returns or raises")
+
+    def _retry_or_not(self, exc: Exception, left: float, progress: _Progress) -> bool | float:
+        """The backoff hook: False (raise now), True (stamina's backoff) or the seconds to
+        wait before the next attempt."""
+        if isinstance(exc, httpx.TransportError):
+            progress.doing, progress.last_error = "waiting", _describe(exc)
+            return True
+        if not isinstance(exc, _RetryableStatus):
+            return False
+        progress.doing, progress.last_error = "waiting", f"HTTP {exc.status}"
+        asked = parse_retry_after(exc.retry_after, datetime.fromtimestamp(self._clock(), UTC))
+        if asked is None:
+            return True
+        decision = wait_as_asked(
+            asked,
+            left=left,
+            longest=self._max_wait,
+            jitter=min(1.0, self._max_wait),
+            spread=random.random(),  # jitter, not a secret
+        )
+        if isinstance(decision, GiveUp):
+            progress.gave_up = decision.reason
+            return False
+        return decision.seconds
+
+    async def _attempt(
+        self,
+        method: str,
+        path: str,
+        conditional: bool,
+        left: float,
+        progress: _Progress,
+        kwargs: dict[str, Any],
+    ) -> Answer:
+        progress.doing, progress.received = "asking", 0
+        timeout = httpx.Timeout(max(0.001, min(self._timeout, left)))
+        async with self._client.stream(method, path, timeout=timeout, **kwargs) as response:
+            status = response.status_code
+            if 200 <= status < 300 or (status == 304 and conditional):
+                content = await self._read_bounded(method, path, response, progress)
+                return Answer(status, response.headers, content, method, path)
+            excerpt = await _read_excerpt(response)
+        if status >= 500 or status == 429:
+            raise _RetryableStatus(status, excerpt, response.headers.get("retry-after"))
+        if 300 <= status < 400 and status != 304:
+            raise BackendError(
+                f"{method} {path}: HTTP {status}: redirects are refused, never followed"
+            )
+        raise BackendError(f"{method} {path}: HTTP {status} {excerpt}".rstrip())
+
+    async def _read_bounded(
+        self, method: str, path: str, response: httpx.Response, progress: _Progress
+    ) -> bytes:
+        bound = self._max_bytes
+        declared = response.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > bound:
+            raise BackendError(
+                f"{method} {path}: answer of Content-Length {int(declared)} is larger than "
+                f"{bound} bytes (BACKEND_MAX_RESPONSE_BYTES), refused unread"
+            )
+        progress.doing = "reading"
+        chunks: list[bytes] = []
+        # decoded bytes: a compressed answer is bounded by what it expands to
+        async for chunk in response.aiter_bytes():
+            progress.received += len(chunk)
+            if progress.received > bound:
+                raise BackendError(
+                    f"{method} {path}: answer larger than {bound} bytes "
+                    "(BACKEND_MAX_RESPONSE_BYTES), refused"
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def post_health(self, report: dict[str, Any]) -> None:
         await self._send("POST", self._node_path("/health"), json=report)
@@ -114,16 +261,18 @@ class BackendClient:
     async def get_desired(self, etag: str | None) -> tuple[str | None, Any]:
         """(ETag, decoded body); the body is NOT_MODIFIED when the backend answered 304."""
         headers = {"If-None-Match": etag} if etag else {}
-        response = await self._send("GET", self._node_path("/workloads"), headers=headers)
-        if response.status_code == 304:
+        answer = await self._send(
+            "GET", self._node_path("/workloads"), conditional=bool(etag), headers=headers
+        )
+        if answer.status_code == 304:
             return etag, NOT_MODIFIED
-        return response.headers.get("etag"), _json(response)
+        return answer.headers.get("etag"), _json(answer)
 
     async def get_manifest(self, name: str, version: str) -> Any:
-        response = await self._send(
+        answer = await self._send(
             "GET", self._node_path(f"/workloads/{name}/manifest"), params={"version": version}
         )
-        return _json(response)
+        return _json(answer)
 
     async def put_version(self, name: str, body: dict[str, Any]) -> None:
         await self._send("PUT", self._node_path(f"/workloads/{name}/version"), json=body)
@@ -132,16 +281,34 @@ class BackendClient:
 NOT_MODIFIED = object()
 
 
-def _json(response: httpx.Response) -> Any:
+def _json(answer: Answer) -> Any:
     try:
-        return response.json()
-    except ValueError:
+        return json.loads(answer.content)
+    except ValueError:  # UnicodeDecodeError is one
         raise BackendError(
-            f"{response.request.method} {response.request.url.path}: "
-            f"answer is not JSON: {_excerpt(response)}"
+            f"{answer.method} {answer.path}: answer is not JSON: {_excerpt(answer.content)}"
         ) from None
+    except RecursionError:
+        raise BackendError(f"{answer.method} {answer.path}: answer nested too deeply") from None
 
 
-def _excerpt(response: httpx.Response) -> str:
-    text = response.text.strip().replace("\n", " ")
-    return text[:200]
+async def _read_excerpt(response: httpx.Response) -> str:
+    """The start of an error answer, to quote; the rest is left unread."""
+    head = b""
+    try:
+        async for chunk in response.aiter_bytes():
+            head += chunk
+            if len(head) >= _EXCERPT_BYTES:
+                break
+    except httpx.HTTPError:
+        pass  # the status says enough
+    return _excerpt(head)
+
+
+def _excerpt(content: bytes) -> str:
+    text = content[:_EXCERPT_BYTES].decode("utf-8", errors="replace")
+    return text.strip().replace("\n", " ")[:200]
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    return f"{type(exc).__name__}: {exc}".rstrip(": ")

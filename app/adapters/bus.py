@@ -8,6 +8,9 @@ Pitfalls handled here, so the worker does not have to know them:
 - `fetch()` raises TimeoutError on an empty stream; here it returns an empty list.
 - the default error callback logs every failed attempt at ERROR (and so to Sentry);
   connection trouble is logged once per state change instead.
+- every reply (requests, JetStream API answers, pull deliveries) comes to the client's
+  inbox prefix, `_INBOX` unless set: a node connects with one of its own
+  (`inbox_prefix`), so its credentials need subscribe on that and on no other inbox.
 """
 
 from __future__ import annotations
@@ -69,6 +72,18 @@ class NatsAuth:
                 context.load_cert_chain(str(self.tls_cert_file), str(self.tls_key_file))
             options["tls"] = context
         return options
+
+
+def inbox_prefix(tier: str, node_id: str) -> str:
+    """The inbox prefix of a node's connection, `_INBOX.wm-<tier>.<node>`: what its NATS
+    user may subscribe to (k8s/nats/auth.conf.example). The node id is one or more subject
+    tokens, as in its events subject `mm.events.<node>.<kind>`."""
+    prefix = f"_INBOX.wm-{tier}.{node_id}"
+    tokens = prefix.split(".")
+    wildcard_or_empty = any(token in ("", "*", ">") for token in tokens)
+    if wildcard_or_empty or any(c.isspace() for c in prefix):
+        raise ValueError(f"node id {node_id!r} cannot be part of a NATS subject")
+    return prefix
 
 
 def _refusal(exc: BaseException) -> str | None:
@@ -201,12 +216,20 @@ class JetStreamBus:
     """The manager's long-lived connection: reconnects forever, reports its state."""
 
     def __init__(
-        self, url: str, *, name: str, timeout: float, auth: NatsAuth | None = None
+        self,
+        url: str,
+        *,
+        name: str,
+        timeout: float,
+        auth: NatsAuth | None = None,
+        inbox_prefix: str | None = None,
     ) -> None:
         self._url = url
         self._name = name
         self._timeout = timeout
         self._auth = auth or NatsAuth()
+        # None: nats-py's `_INBOX` (the operator's tools, whose user may use every subject)
+        self._inbox_prefix = inbox_prefix
         self._nc: Any = None
         self.reconnects = 0
         self.connected = False
@@ -261,6 +284,7 @@ class JetStreamBus:
                 error_cb=self._on_error,
                 disconnected_cb=disconnected,
                 reconnected_cb=reconnected,
+                **({} if self._inbox_prefix is None else {"inbox_prefix": self._inbox_prefix}),
                 **self._auth.options(),
             )
         )
@@ -335,7 +359,11 @@ class JetStreamBus:
         return "updated"
 
     async def ensure_consumer(self, spec: ConsumerSpec) -> str:
+        # named (not only durable): nats-py then creates it on
+        # $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>, a subject a tier's permissions
+        # can pin down, and the server refuses a body whose filter differs from it
         config = api.ConsumerConfig(
+            name=spec.durable,
             durable_name=spec.durable,
             filter_subject=spec.filter_subject,
             ack_policy=api.AckPolicy.EXPLICIT,
@@ -365,30 +393,45 @@ class JetStreamBus:
 
     async def ensure_key_value(self, bucket: str, *, ttl_seconds: float, replicas: int) -> str:
         """Create the key-value bucket (history 1, entries expire `ttl_seconds` after their
-        last write, file storage) unless it exists; returns created | unchanged. An
-        existing bucket is left as it is."""
+        last write, file storage, direct gets) unless it exists; returns created | updated
+        | unchanged. An existing bucket is left as it is but for direct gets, which are
+        switched on (updated) when off: a read then names its key in the subject
+        (`$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`), which permissions can
+        confine to a tier, where the other form names it in the body."""
         try:
             await self._js.key_value(bucket)
-            return "unchanged"
         except nats.js.errors.BucketNotFoundError:
             await self._js.create_key_value(
                 api.KeyValueConfig(
                     bucket=bucket, history=1, ttl=ttl_seconds, replicas=replicas,
-                    storage=api.StorageType.FILE,
+                    storage=api.StorageType.FILE, direct=True,
                     description="workload manager: job idempotency ledger",
                 )
             )  # fmt: skip
             return "created"
+        info = await self._js.stream_info(f"KV_{bucket}")
+        if info.config.allow_direct:
+            return "unchanged"
+        await self._js.update_stream(info.config.evolve(allow_direct=True))
+        return "updated"
 
     async def key_value(self, bucket: str) -> Any:
-        """The existing bucket `bucket`; BucketMissing names the command that makes it."""
+        """The existing bucket `bucket`; BucketMissing names the command that makes it (or
+        that switches on its direct gets, which a tier's permissions need)."""
         try:
-            return await self._js.key_value(bucket)
+            kv = await self._js.key_value(bucket)
+            direct = (await self._js.stream_info(f"KV_{bucket}")).config.allow_direct
         except nats.js.errors.BucketNotFoundError:
             raise BucketMissing(
                 f"the JetStream key-value bucket {bucket} does not exist: "
                 "run `workload-manager init-streams` (or set NATS_AUTO_INIT_STREAMS=true)"
             ) from None
+        if not direct:
+            raise BucketMissing(
+                f"the JetStream key-value bucket {bucket} does not allow direct gets: "
+                "run `workload-manager init-streams` (or set NATS_AUTO_INIT_STREAMS=true)"
+            )
+        return kv
 
     async def consumer_state(self, stream: str, durable: str) -> dict[str, int]:
         info = await self._js.consumer_info(stream, durable)

@@ -2,15 +2,18 @@
 
 Responses are read as raw JSON (`_preload_content=False`) rather than as generated
 models: the manager compares and stores plain objects, and listing a thousand
-Deployments as models costs far more than the request. Status codes are mapped to
-`KubeConflict` (409), `KubeNotFound` (404) and `KubeError`; transport errors, 429 and
-5xx are retried with jittered backoff, and every request has a timeout.
+Deployments as models costs far more than the request. Lists are read in pages
+(`limit`/`continue`, at most `max_pages` of them), so no one answer is larger than a
+page. Status codes are mapped to `KubeConflict` (409), `KubeNotFound` (404) and
+`KubeError`; transport errors, 429 and 5xx are retried with jittered backoff, and every
+request has a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import os
 from collections.abc import Awaitable, Callable
@@ -99,11 +102,15 @@ class KubeDeployments:
         timeout: float,
         attempts: int = 3,
         max_wait: float = 2.0,
+        page_size: int = 500,
+        max_pages: int = 100,
     ) -> None:
         self.namespace = namespace
         self._timeout = timeout
         self._attempts = attempts
         self._max_wait = max_wait
+        self._page_size = page_size
+        self._max_pages = max_pages
         self._api_client = client.ApiClient(configuration)
         # Typed as Any: the generated signatures want models, and the manager sends and
         # reads plain JSON objects (which the client accepts at run time).
@@ -155,28 +162,48 @@ class KubeDeployments:
         raise AssertionError("unreachable: stamina either returns or raises")
 
     async def list_managed(self, label_selector: str) -> list[dict[str, Any]]:
-        body = await self._call(
-            "list deployments",
-            lambda: self._apps.list_namespaced_deployment(
-                self.namespace,
-                label_selector=label_selector,
-                _preload_content=False,
-                _request_timeout=self._timeout,
-            ),
-        )
-        items: list[dict[str, Any]] = body.get("items") or []
-        return items
+        def page(token: str | None) -> Awaitable[Any]:
+            return self._apps.list_namespaced_deployment(  # type: ignore[no-any-return]
+                self.namespace, label_selector=label_selector, **self._paging(token)
+            )
+
+        return await self._list("list deployments", page)
 
     async def list_pods(self) -> list[dict[str, Any]]:
         """The namespace's pods (for crash loops: their container statuses)."""
-        body = await self._call(
-            "list pods",
-            lambda: self._core.list_namespaced_pod(
-                self.namespace, _preload_content=False, _request_timeout=self._timeout
-            ),
+
+        def page(token: str | None) -> Awaitable[Any]:
+            return self._core.list_namespaced_pod(  # type: ignore[no-any-return]
+                self.namespace, **self._paging(token)
+            )
+
+        return await self._list("list pods", page)
+
+    def _paging(self, token: str | None) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "limit": self._page_size, "_preload_content": False,
+            "_request_timeout": self._timeout,
+        }  # fmt: skip
+        if token is not None:
+            options["_continue"] = token
+        return options
+
+    async def _list(
+        self, what: str, page: Callable[[str | None], Awaitable[Any]]
+    ) -> list[dict[str, Any]]:
+        """Every item of a list, page by page (each page retried on its own). A continue
+        token that has expired (410) fails the list; the next one starts over."""
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        for _ in range(self._max_pages):
+            body = await self._call(what, functools.partial(page, token))
+            items += body.get("items") or []
+            token = (body.get("metadata") or {}).get("continue") or None
+            if token is None:
+                return items
+        raise KubeError(
+            f"{what}: more than {self._max_pages} pages of {self._page_size}: refused as too many"
         )
-        items: list[dict[str, Any]] = body.get("items") or []
-        return items
 
     async def read_config_map(self, name: str) -> dict[str, str] | None:
         """A ConfigMap's data in this namespace, or None when there is none."""

@@ -12,8 +12,11 @@ finished key is remembered, the duplicate window of the ledger. Lease times are 
 machine's wall clock, so the nodes sharing a bucket need synchronised clocks (NTP), as
 leases on PostgreSQL need none (they use the server's `now()`).
 
-Keys are the idempotency keys base64url-encoded: a bucket key allows only
-`[-/_=.a-zA-Z0-9]`, an idempotency key anything up to 255 characters.
+Keys are `<tier>.<idempotency key base64url-encoded>`: a bucket key allows only
+`[-/_=.a-zA-Z0-9]`, an idempotency key anything up to 255 characters, and the tier comes
+first so that a tier's NATS permissions can confine it to its own records
+(`$KV.JOB_LEDGER.<tier>.>`; k8s/nats/auth.conf.example). A node reads and writes only
+its own tier's keys.
 """
 
 from __future__ import annotations
@@ -54,12 +57,14 @@ class JetStreamLedger:
         self,
         kv: Any = None,
         *,
+        tier: str,
         node_id: str,
         claimant: str,
         timeout: float,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._kv = kv
+        self.tier = tier
         self.node_id = node_id
         self.claimant = claimant
         self._timeout = timeout
@@ -74,7 +79,7 @@ class JetStreamLedger:
     ) -> tuple[Claim, float]:
         """The claim, with the number of this claim (1 for the first) for CLAIMED and the
         seconds left on the holder's lease for HELD."""
-        name = _name(key)
+        name = key_name(self.tier, key)
         for _race in range(RACES):
             current, revision = await self._read(name)
             decision = decide_claim(
@@ -119,7 +124,7 @@ class JetStreamLedger:
     async def _transition(
         self, key: str, decide: Callable[[LedgerRecord | None], LedgerRecord | None]
     ) -> bool:
-        name = _name(key)
+        name = key_name(self.tier, key)
         for _race in range(RACES):
             current, revision = await self._read(name)
             after = decide(current)
@@ -161,5 +166,6 @@ class JetStreamLedger:
         return True
 
 
-def _name(key: str) -> str:
-    return base64.urlsafe_b64encode(key.encode()).decode()
+def key_name(tier: str, key: str) -> str:
+    """The bucket key of idempotency key `key` in `tier`."""
+    return f"{tier}.{base64.urlsafe_b64encode(key.encode()).decode()}"

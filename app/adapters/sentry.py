@@ -2,12 +2,18 @@
 
 Scheduled loops log their failures with `log.exception`, which the logging
 integration turns into Sentry events; routes are covered by the FastAPI integration.
-Request bodies and headers are not sent (`send_default_pii=False`).
+Request bodies and headers are not sent (`send_default_pii=False`), nor the frames' local
+variables (`include_local_variables=False`). Every event and
+transaction is redacted before it leaves (`_redacted`): each string in it (message and
+its parameters, exception values, breadcrumbs, the request's URL and query, span
+descriptions) goes through the one redaction of `app.domain.redaction`,
+so no URL's password or token and no secret query parameter reaches Sentry.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 import sentry_sdk
 from sentry_sdk.integrations.atexit import AtexitIntegration
@@ -19,6 +25,10 @@ from sentry_sdk.integrations.starlette import StarletteIntegration
 from sentry_sdk.integrations.threading import ThreadingIntegration
 
 from app import __version__
+from app.domain.redaction import scrub
+
+if TYPE_CHECKING:
+    from sentry_sdk.types import Event, Hint
 
 
 def init(*, dsn: str, environment: str, traces_sample_rate: float) -> None:
@@ -27,7 +37,12 @@ def init(*, dsn: str, environment: str, traces_sample_rate: float) -> None:
         environment=environment,
         release=f"workload-manager@{__version__}",
         send_default_pii=False,
+        # no frame variables: a frame may hold a key, a token or a request's headers in a
+        # form no redaction can recognise (bytes, objects)
+        include_local_variables=False,
         traces_sample_rate=traces_sample_rate,
+        before_send=_redacted,
+        before_send_transaction=_redacted,
         # Integrations named, none by default: the auto-enabled ones import every
         # installed library they know just to look for it, and the default `stdlib` one
         # imports botocore (some 5 MiB, installed for the S3 version file) to patch it.
@@ -44,6 +59,12 @@ def init(*, dsn: str, environment: str, traces_sample_rate: float) -> None:
             AtexitIntegration(),
         ],
     )
+
+
+def _redacted(event: Event, _hint: Hint) -> Event:
+    """The event with every string in it redacted (it is serialized by now: plain data)."""
+    cleaned: dict[str, Any] = scrub(dict(event))
+    return cleaned  # type: ignore[return-value]
 
 
 def flush(timeout: float = 2.0) -> None:

@@ -4,18 +4,26 @@ An https:// URL is read with plain GETs (a public object). An s3://bucket/key UR
 with GETs signed with AWS Signature V4 (botocore signs them; the credentials come from
 botocore's standard chain: environment variables, web identity as on EKS, shared config
 and credentials files, container and instance metadata). Both are sent with httpx, with the
-same timeout, size limit and ETag handling. botocore is imported only when an s3:// URL is
-read, so nodes without one do not load it.
+same timeout (for each whole exchange), size limit and ETag handling. botocore is imported
+only when an s3:// URL is read, so nodes without one do not load it.
 
 A 304 means unchanged; anything that is not a 200 with a small body is an error the caller
-shows and ignores. The body is read streamed, and reading stops once it passes the limit.
-For S3, the error's code and message from S3's XML answer (never the rest of it: it may
-echo the signed request) are added to the error.
+shows and ignores. A redirect is one of those: it is never followed, so the file comes from
+the configured location or not at all. The body is read streamed, and reading stops once
+it passes the limit. For S3, the error's code and message from S3's XML answer (never the
+rest of it: it may echo the signed request) are added to the error.
+
+With a public key (SELF_UPDATE_PUBLIC_KEY), each new content of the file is taken only with
+a valid detached Ed25519 signature over its exact bytes, read from the same location plus
+`.sig` through the same path (plain or SigV4-signed GET); a missing, malformed or wrong
+signature is an error, and nothing of that content is kept (not even its ETag), so the next
+fetch reads it again in full. `sign_version_file` makes such a signature.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import re
@@ -24,8 +32,19 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import httpx
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from app.domain.updates import MAX_VERSION_FILE_BYTES
+from app.domain.redaction import redact_text
+from app.domain.updates import (
+    MAX_SIGNATURE_BYTES,
+    MAX_VERSION_FILE_BYTES,
+    SIGNATURE_SUFFIX,
+    SignatureError,
+    parse_public_key,
+    parse_signature,
+    signature_location,
+)
 
 if TYPE_CHECKING:
     from botocore.credentials import Credentials, ReadOnlyCredentials
@@ -41,7 +60,21 @@ _VIRTUAL_HOST_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 
 
 class VersionSourceError(RuntimeError):
-    """The file could not be fetched (the message is shown in /v1/status)."""
+    """The file could not be fetched (the message is shown in /v1/status and logged, so it
+    is redacted: a presigned URL's signature and credential never appear in it)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(message))
+
+
+class VersionSignatureError(VersionSourceError):
+    """The file's signature is missing, malformed or does not verify: the file is refused."""
+
+
+def sign_version_file(content: bytes, key: Ed25519PrivateKey) -> bytes:
+    """The detached signature file of a version file: base64 of the Ed25519 signature over
+    its exact bytes, and a newline."""
+    return base64.b64encode(key.sign(content)) + b"\n"
 
 
 def split_s3_url(url: str) -> tuple[str, str]:
@@ -53,13 +86,24 @@ def split_s3_url(url: str) -> tuple[str, str]:
 
 
 class VersionFile:
-    def __init__(self, url: str, *, timeout: float, s3_endpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float,
+        s3_endpoint: str | None = None,
+        public_key: str | None = None,
+    ) -> None:
         self.url = url
         self._timeout = timeout
         self._s3 = S3Object(url, endpoint=s3_endpoint) if url.startswith("s3://") else None
-        # a signed request is not sent on to wherever a redirect points
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout), follow_redirects=self._s3 is None
+        # never follow a redirect: the file is read from its configured location only (and
+        # a signed S3 request is not sent on to wherever a redirect points)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), follow_redirects=False)
+        self._key = (
+            Ed25519PublicKey.from_public_bytes(parse_public_key(public_key))
+            if public_key is not None
+            else None
         )
         self._etag: str | None = None
         self._body: bytes | None = None
@@ -72,46 +116,92 @@ class VersionFile:
 
         Read streamed and only up to MAX_VERSION_FILE_BYTES: a larger (or endless) body
         is an error as soon as its Content-Length or its bytes pass the limit, and the
-        rest is never read.
+        rest is never read. With a public key, new content is returned only once its
+        signature verifies.
         """
-        headers = {"If-None-Match": self._etag} if self._etag and self._body is not None else {}
-        target = self.url
+        conditional = self._etag is not None and self._body is not None
+        headers = {"If-None-Match": self._etag} if conditional and self._etag else {}
+        got = await self._get(self.url, "", headers, MAX_VERSION_FILE_BYTES)
+        if got is None:  # 304
+            assert self._body is not None
+            return self._body
+        body, etag = got
+        if self._key is not None:
+            await self._verify(body, self._key)
+        self._etag = etag
+        self._body = body
+        return body
+
+    async def _verify(self, body: bytes, key: Ed25519PublicKey) -> None:
+        location = signature_location(self.url)
+        where = f"signature of {self.url} (GET {location})"
+        try:
+            got = await self._get(location, SIGNATURE_SUFFIX, {}, MAX_SIGNATURE_BYTES)
+        except VersionSourceError as exc:
+            raise VersionSignatureError(
+                f"{where}: {str(exc).removeprefix(f'GET {location}: ')} "
+                "(SELF_UPDATE_PUBLIC_KEY is set: the version file must be signed); nothing decided"
+            ) from None
+        assert got is not None  # never conditional
+        try:
+            key.verify(parse_signature(got[0]), body)
+        except SignatureError as exc:
+            raise VersionSignatureError(f"{where}: {exc}; nothing decided") from None
+        except InvalidSignature:
+            raise VersionSignatureError(
+                f"{where}: does not verify the version file with the key in "
+                "SELF_UPDATE_PUBLIC_KEY; nothing decided"
+            ) from None
+
+    async def _get(
+        self, shown: str, suffix: str, headers: dict[str, str], limit: int
+    ) -> tuple[bytes, str | None] | None:
+        """GET the file (or, with `suffix`, the object beside it): (body, ETag), or None
+        for a 304 to a conditional request. `shown` is the location errors name."""
+        target, conditional = shown, "If-None-Match" in headers
         if self._s3 is not None:
             try:
                 async with asyncio.timeout(self._timeout):
-                    target, headers = await self._s3.signed_get(headers)
+                    target, headers = await self._s3.signed_get(headers, suffix=suffix)
             except TimeoutError:
                 raise VersionSourceError(
-                    f"GET {self.url}: finding AWS credentials took longer than {self._timeout:g} s"
+                    f"GET {shown}: finding AWS credentials took longer than {self._timeout:g} s"
                 ) from None
         try:
-            async with self._client.stream("GET", target, headers=headers) as response:
-                if response.status_code == 304 and self._body is not None:
-                    return self._body
-                if response.status_code != 200:
+            # the whole exchange, not only each read: a body sent a byte at a time ends here
+            async with (
+                asyncio.timeout(self._timeout),
+                self._client.stream("GET", target, headers=headers) as response,
+            ):
+                status = response.status_code
+                if status == 304 and conditional:
+                    return None
+                if 300 <= status < 400:
+                    raise VersionSourceError(
+                        f"GET {shown}: HTTP {status}: a redirect, refused (the version file is "
+                        "read from SELF_UPDATE_URL itself, never from where it points)"
+                    )
+                if status != 200:
                     why = await _s3_error(response) if self._s3 is not None else ""
-                    raise VersionSourceError(f"GET {self.url}: HTTP {response.status_code}{why}")
+                    raise VersionSourceError(f"GET {shown}: HTTP {status}{why}")
                 declared = response.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > MAX_VERSION_FILE_BYTES:
-                    raise self._too_large()
+                if declared.isdigit() and int(declared) > limit:
+                    raise _too_large(shown, limit)
                 body = bytearray()
                 async for chunk in response.aiter_bytes():
                     body += chunk
-                    if len(body) > MAX_VERSION_FILE_BYTES:
-                        raise self._too_large()
+                    if len(body) > limit:
+                        raise _too_large(shown, limit)
                 etag = response.headers.get("etag")
-        except httpx.TimeoutException:
-            raise VersionSourceError(f"GET {self.url}: timed out") from None
+        except (httpx.TimeoutException, TimeoutError):
+            raise VersionSourceError(f"GET {shown}: timed out") from None
         except httpx.TransportError as exc:
-            raise VersionSourceError(f"GET {self.url}: {type(exc).__name__}: {exc}") from None
-        self._etag = etag
-        self._body = bytes(body)
-        return self._body
+            raise VersionSourceError(f"GET {shown}: {type(exc).__name__}: {exc}") from None
+        return bytes(body), etag
 
-    def _too_large(self) -> VersionSourceError:
-        return VersionSourceError(
-            f"GET {self.url}: body larger than {MAX_VERSION_FILE_BYTES} bytes (not read further)"
-        )
+
+def _too_large(shown: str, limit: int) -> VersionSourceError:
+    return VersionSourceError(f"GET {shown}: body larger than {limit} bytes (not read further)")
 
 
 async def _s3_error(response: httpx.Response) -> str:
@@ -151,19 +241,22 @@ class S3Object:
         self._region: str | None = None
         self._credentials: Credentials | None = None
 
-    async def signed_get(self, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
-        """The URL to GET and the headers (`headers` and the signature's) to send with it."""
+    async def signed_get(
+        self, headers: dict[str, str], *, suffix: str = ""
+    ) -> tuple[str, dict[str, str]]:
+        """The URL to GET and the headers (`headers` and the signature's) to send with it;
+        with `suffix`, of the object whose key is this one's followed by it."""
         credentials, region = await asyncio.to_thread(self._credentials_and_region)
         from botocore.auth import S3SigV4Auth
         from botocore.awsrequest import AWSRequest
 
-        url = self.http_url(region)
+        url = self.http_url(region, suffix=suffix)
         request = AWSRequest(method="GET", url=url, headers=headers)
         S3SigV4Auth(credentials, "s3", region).add_auth(request)
         return url, dict(request.headers.items())
 
-    def http_url(self, region: str) -> str:
-        key = quote(self.key, safe="/~")
+    def http_url(self, region: str, *, suffix: str = "") -> str:
+        key = quote(self.key + suffix, safe="/~")
         if self._endpoint is not None:
             return f"{self._endpoint}/{self.bucket}/{key}"
         domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"

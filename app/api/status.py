@@ -1,4 +1,9 @@
-"""Status for the backend and operators: the node, its components and every workload."""
+"""Status for the backend and operators: the node, its components and every workload.
+
+Everything the snapshot says passes through the one redaction (`app.domain.redaction`):
+a component's reason, error and detail may name a configured URL or quote an error that
+does, and neither a URL's password or token nor a secret query parameter is ever shown.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from app.api.schemas import (
     WorkloadList,
 )
 from app.domain.health import is_workload_name
+from app.domain.redaction import redact_text, scrub
 from app.domain.reports import WorkloadView
 from app.services.runtime import Runtime
 
@@ -29,7 +35,7 @@ router = APIRouter(
 
 
 def _workload(view: WorkloadView) -> WorkloadInfo:
-    return WorkloadInfo(**asdict(view))
+    return WorkloadInfo(**scrub(asdict(view)))
 
 
 def build_status(rt: Runtime) -> Status:
@@ -46,9 +52,10 @@ def build_status(rt: Runtime) -> Status:
             managed_namespace=rt.settings.managed_namespace,
         ),
         components={
-            name: ComponentInfo(**component.as_dict()) for name, component in rt.components.items()
+            name: ComponentInfo(**scrub(component.as_dict()))
+            for name, component in rt.components.items()
         },
-        tasks={name: TaskInfo(**task) for name, task in rt.supervisor.status().items()},
+        tasks={name: TaskInfo(**scrub(task)) for name, task in rt.supervisor.status().items()},
         workloads=[_workload(v) for v in rt.book.views()],
         report=ReportInfo(
             interval_seconds=rt.settings.report_interval_seconds,
@@ -59,12 +66,17 @@ def build_status(rt: Runtime) -> Status:
         sync=SyncInfo(
             interval_seconds=rt.settings.sync_interval_seconds,
             next_at=rt.scheduler.next_run("sync"),
-            last=rt.syncer.last.as_dict() if rt.syncer and rt.syncer.last else None,
+            last=scrub(rt.syncer.last.as_dict()) if rt.syncer and rt.syncer.last else None,
             last_change=(
-                rt.syncer.last_change.as_dict() if rt.syncer and rt.syncer.last_change else None
+                scrub(rt.syncer.last_change.as_dict())
+                if rt.syncer and rt.syncer.last_change
+                else None
             ),
         ),
-        alerts=[AlertInfo(at=a.at, key=a.key, text=a.text) for a in reversed(rt.alerts.recent)],
+        alerts=[
+            AlertInfo(at=a.at, key=a.key, text=redact_text(a.text))
+            for a in reversed(rt.alerts.recent)
+        ],
     )
 
 

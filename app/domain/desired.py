@@ -1,8 +1,8 @@
 """The desired state of a node: which workloads, at which versions (CONTRACTS §2).
 
-Parsed strictly where it matters (names, versions, duplicates) and leniently where the
-backend may grow (unknown fields are ignored). A response that does not parse is a
-`DesiredStateError`, and a sync that gets one changes nothing on the node.
+Parsed strictly where it matters (names, versions, duplicates, how many) and leniently
+where the backend may grow (unknown fields are ignored). A response that does not parse
+is a `DesiredStateError`, and a sync that gets one changes nothing on the node.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.domain.health import is_workload_name
+
+# the MAX_DESIRED_WORKLOADS default
+DEFAULT_MAX_WORKLOADS = 200
 
 Version = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][\w.+-]*$")]
 
@@ -65,8 +68,15 @@ class DesiredState(BaseModel):
         return {w.name: w for w in self.workloads}
 
 
-def parse_desired(data: Any) -> DesiredState:
-    """Validate a decoded response body; raise DesiredStateError naming the field."""
+def parse_desired(data: Any, *, max_workloads: int = DEFAULT_MAX_WORKLOADS) -> DesiredState:
+    """Validate a decoded response body; raise DesiredStateError naming the field. More
+    than `max_workloads` workloads is refused whole, before any of them is read."""
+    listed = data.get("workloads") if isinstance(data, dict) else None
+    if isinstance(listed, list) and len(listed) > max_workloads:
+        raise DesiredStateError(
+            f"workloads: {len(listed)} workloads, more than MAX_DESIRED_WORKLOADS "
+            f"({max_workloads}); refused whole"
+        )
     try:
         return DesiredState.model_validate(data)
     except ValidationError as exc:

@@ -3,8 +3,10 @@
 `prepare_manifest` turns a manifest from the backend into exactly what the manager
 applies: the right kind and name, the managed namespace, the manager's labels and
 annotations, the ping address and token in every container, and nothing the policy
-forbids. The applied spec is recorded in an annotation so that `find_drift` can tell,
-from the live object alone, whether someone changed a field the manager owns.
+forbids: the Pod Security Standard's profile (`app.domain.pod_security`), and the
+manager's own bounds (size, depth, replicas, ServiceAccount, priority class). The
+applied spec is recorded in an annotation so that `find_drift` can tell, from the live
+object alone, whether someone changed a field the manager owns.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from app.domain.pod_security import Exceptions, Level, Violation, check_pod_template
+
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "workload-manager"
 WORKLOAD_LABEL = "workload-manager.io/workload"
@@ -29,6 +33,15 @@ MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
 ENV_MANAGER_URL = "WORKLOAD_MANAGER_URL"
 ENV_PING_TOKEN = "WORKLOAD_MANAGER_PING_TOKEN"
 ENV_WORKLOAD_NAME = "WORKLOAD_NAME"
+
+# a Deployment nests about a dozen levels deep; far more is no manifest but an attack on
+# whatever walks it
+MAX_DEPTH = 32
+# violations named in one hold; the rest are counted
+MAX_LISTED = 10
+# ServiceAccounts a workload may name besides its own (the one named like the workload)
+SHARED_ACCOUNTS = ("", "default")
+RESERVED_PRIORITY_PREFIX = "system-"
 
 # List items matched by these keys when comparing live objects with what was applied,
 # the same keys Kubernetes merges them by.
@@ -45,10 +58,25 @@ class ManifestRejected(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ManifestPolicy:
+    """What a manifest must meet (MANIFEST_* settings); the ALLOW_* flags are the
+    operator's exceptions to the matching controls of the standard."""
+
     allow_privileged: bool = False
     allow_host_namespaces: bool = False
     allow_host_path: bool = False
     allow_host_ports: bool = False
+    level: Level = Level.BASELINE
+    max_replicas: int = 10
+    max_bytes: int = 64 * 1024
+
+    @property
+    def exceptions(self) -> Exceptions:
+        return Exceptions(
+            privileged=self.allow_privileged,
+            host_namespaces=self.allow_host_namespaces,
+            host_path=self.allow_host_path,
+            host_ports=self.allow_host_ports,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +103,7 @@ def prepare_manifest(
 ) -> dict[str, Any]:
     if not isinstance(raw, Mapping):
         raise ManifestRejected("manifest is not a JSON object")
+    check_size(raw, policy.max_bytes)
     if raw.get("apiVersion") != "apps/v1" or raw.get("kind") != "Deployment":
         raise ManifestRejected(
             f"manifest must be an apps/v1 Deployment, got {raw.get('apiVersion')}/{raw.get('kind')}"
@@ -91,6 +120,9 @@ def prepare_manifest(
     if not isinstance(containers, list) or not containers:
         raise ManifestRejected("spec.template.spec.containers must list at least one container")
     assert isinstance(spec, dict) and isinstance(pod, dict)
+    for key in ("containers", "initContainers"):
+        if not all(isinstance(c, dict) for c in pod.get(key) or []):
+            raise ManifestRejected("every container must be an object")
 
     _must_be_object("metadata.labels", metadata.get("labels", {}))
     _must_be_object("metadata.annotations", metadata.get("annotations", {}))
@@ -108,13 +140,15 @@ def prepare_manifest(
     template_meta = spec["template"].setdefault("metadata", {})
     template_meta.setdefault("labels", {})[WORKLOAD_LABEL] = name
 
-    violations = _violations(pod, policy)
+    violations = _violations(spec, name=name, policy=policy)
     if violations:
-        raise ManifestRejected("policy forbids " + "; ".join(violations))
+        listed = "; ".join(str(v) for v in violations[:MAX_LISTED])
+        more = len(violations) - MAX_LISTED
+        raise ManifestRejected(
+            f"policy forbids {listed}" + (f"; and {more} more" if more > 0 else "")
+        )
 
-    for container in [*containers, *pod.get("initContainers", [])]:
-        if not isinstance(container, dict):
-            raise ManifestRejected("every container must be an object")
+    for container in [*containers, *(pod.get("initContainers") or [])]:
         _inject(container, name=name, injection=injection)
 
     annotations = metadata.setdefault("annotations", {})
@@ -137,29 +171,65 @@ def _dig(value: Any, *keys: str) -> Any:
     return value
 
 
-def _violations(pod: dict[str, Any], policy: ManifestPolicy) -> list[str]:
-    found: list[str] = []
-    if not policy.allow_host_namespaces:
-        found += [f"{key}" for key in ("hostNetwork", "hostPID", "hostIPC") if pod.get(key)]
-    if not policy.allow_host_path:
-        found += [
-            f"hostPath volume {v.get('name')!r}"
-            for v in pod.get("volumes") or []
-            if isinstance(v, dict) and "hostPath" in v
+def check_size(raw: Any, max_bytes: int) -> None:
+    """Refuse a manifest nested deeper than MAX_DEPTH or larger than `max_bytes` as JSON,
+    before anything walks it recursively."""
+    level: list[Any] = [raw]
+    for _depth in range(MAX_DEPTH):
+        level = [
+            child
+            for value in level
+            if isinstance(value, dict | list)
+            for child in (value.values() if isinstance(value, dict) else value)
         ]
-    for container in [*(pod.get("containers") or []), *(pod.get("initContainers") or [])]:
-        if not isinstance(container, dict):
-            continue
-        cname = container.get("name")
-        security = container.get("securityContext") or {}
-        if not policy.allow_privileged and security.get("privileged"):
-            found.append(f"privileged container {cname!r}")
-        if not policy.allow_host_ports:
-            found += [
-                f"hostPort {p['hostPort']} in container {cname!r}"
-                for p in container.get("ports") or []
-                if isinstance(p, dict) and p.get("hostPort")
-            ]
+        if not level:
+            break
+    else:
+        if any(isinstance(v, dict | list) and v for v in level):
+            raise ManifestRejected(
+                f"policy forbids a manifest nested deeper than {MAX_DEPTH} levels (manager: Size)"
+            )
+    size = len(json.dumps(raw, separators=(",", ":"), ensure_ascii=False, default=str).encode())
+    if size > max_bytes:
+        raise ManifestRejected(
+            f"policy forbids a manifest of {size} bytes, more than MANIFEST_MAX_BYTES "
+            f"({max_bytes}) (manager: Size)"
+        )
+
+
+def _violations(spec: dict[str, Any], *, name: str, policy: ManifestPolicy) -> list[Violation]:
+    found = _own_rules(spec, name=name, max_replicas=policy.max_replicas)
+    return found + check_pod_template(
+        spec["template"], level=policy.level, exceptions=policy.exceptions
+    )
+
+
+def _own_rules(spec: dict[str, Any], *, name: str, max_replicas: int) -> list[Violation]:
+    """The manager's rules beyond the standard: a bounded replica count, no other
+    workload's ServiceAccount (the manager's own among them), no node-critical priority."""
+    found: list[Violation] = []
+    replicas = spec.get("replicas")
+    if replicas is not None:
+        if type(replicas) is not int or replicas < 0:
+            detail = f"replicas must be a whole number, not {replicas!r}"
+            found.append(Violation("spec.replicas", "manager: Replicas", detail))
+        elif replicas > max_replicas:
+            detail = f"{replicas} replicas, more than MANIFEST_MAX_REPLICAS ({max_replicas})"
+            found.append(Violation("spec.replicas", "manager: Replicas", detail))
+    pod = spec["template"]["spec"]
+    for key in ("serviceAccountName", "serviceAccount"):
+        account = pod.get(key)
+        if account is not None and account not in (name, *SHARED_ACCOUNTS):
+            detail = f"ServiceAccount {account!r}: only {name!r} (its own) or the default"
+            found.append(Violation(f"spec.template.spec.{key}", "manager: ServiceAccount", detail))
+    priority = pod.get("priorityClassName")
+    if priority is not None and (
+        not isinstance(priority, str) or priority.startswith(RESERVED_PRIORITY_PREFIX)
+    ):
+        detail = f"priority class {priority!r} is reserved for the cluster's own components"
+        found.append(
+            Violation("spec.template.spec.priorityClassName", "manager: PriorityClass", detail)
+        )
     return found
 
 

@@ -1,10 +1,17 @@
 """Self-update: read the published version file, and decide whether to move to it.
 
 The version file is a bare version (`1.4.2`) or JSON `{"version": "1.4.2", "image":
-"repo/name:1.4.2"}`. `decide_update` is pure: only a newer version (PEP 440 ordering),
-only within the configured image repository (the tag or digest is all that changes),
-never one that failed before, pre-releases only when allowed, and only inside the
+"repo/name:1.4.2"}`. `decide_update` is pure: only an image of the configured repository
+whose tag is the version (or which pins a sha256 digest, a tag beside it being the
+version), never a version below the highest one confirmed on this node, only a newer
+version than the running one (PEP 440 ordering), never one that failed before,
+pre-releases (of the version or the tag) only when allowed, and only inside the
 maintenance window when one is set.
+
+When a public key is configured the file must carry a detached Ed25519 signature over its
+exact bytes (base64, at the file's location plus `.sig`): `parse_public_key`,
+`parse_signature` and `signature_location` are the pure half of that check, which the
+fetching adapter does before anything here sees the content.
 
 An update in flight is recorded on the own Deployment (annotations), not in memory, so any
 manager instance can see it through: `pending_update` says, from those annotations, the
@@ -14,12 +21,15 @@ confirming or rolling back), a rollback, or the bookkeeping of a rollback alread
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, time
 from enum import StrEnum
+from urllib.parse import urlsplit, urlunsplit
 
 from packaging.version import InvalidVersion, Version
 
@@ -70,16 +80,127 @@ def parse_version_file(content: bytes) -> Published:
     return published
 
 
-def split_image(image: str) -> tuple[str, str | None]:
-    """(repository, tag or digest) of an image reference."""
-    if "@" in image:
-        repository, _, digest = image.partition("@")
-        return repository, digest
-    slash = image.rfind("/")
-    colon = image.rfind(":")
+# From the OCI distribution reference grammar (github.com/distribution/reference): a tag
+# is `[\w][\w.-]{0,127}`; of the digests only sha256 is taken (the OCI image spec's
+# registered sha256 form: 64 lowercase hex digits).
+_TAG = re.compile(r"[\w][\w.-]{0,127}", re.ASCII)
+_SHA256_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    repository: str
+    tag: str | None = None
+    digest: str | None = None
+
+
+def parse_image(image: str) -> ImageRef:
+    """The parts of `repository[:tag][@digest]`, as written (not checked)."""
+    name, at, digest = image.partition("@")
+    slash, colon = name.rfind("/"), name.rfind(":")
     if colon > slash:
-        return image[:colon], image[colon + 1 :]
-    return image, None
+        repository, tag = name[:colon], name[colon + 1 :]
+    else:
+        repository, tag = name, None
+    return ImageRef(repository, tag, digest if at else None)
+
+
+def split_image(image: str) -> tuple[str, str | None]:
+    """(repository, digest, else tag) of an image reference."""
+    ref = parse_image(image)
+    return ref.repository, ref.digest or ref.tag
+
+
+def same_version(tag: str, version: str) -> bool:
+    """Whether an image tag names `version`: the same text, or the same with a leading `v`
+    on one side only (PEP 440 reads `v1.4.2` as 1.4.2; both tag styles are common).
+    Any other spelling is refused: the tag is what the registry serves, exactly."""
+    return tag.removeprefix("v") == version.removeprefix("v")
+
+
+def image_refusal(image: str, *, version: str, repository: str) -> str | None:
+    """Why `image` may not be what the manager runs as `version`, or None if it may."""
+    ref = parse_image(image)
+    if ref.repository != repository:
+        return f"image {image!r} is not from the configured repository {repository!r}"
+    if ref.digest is not None and not _SHA256_DIGEST.fullmatch(ref.digest):
+        return f"image {image!r}: the digest is not sha256:<64 lowercase hex digits>"
+    if ref.tag is not None and not _TAG.fullmatch(ref.tag):
+        return f"image {image!r}: {ref.tag!r} is not a valid tag"
+    if ref.tag is None and ref.digest is None:
+        return f"image {image!r} has no tag or digest"
+    if ref.tag is not None and not same_version(ref.tag, version):
+        return f"image {image!r}: its tag {ref.tag!r} is not the version {version}"
+    return None
+
+
+def _prerelease_tag(image: str) -> bool:
+    tag = parse_image(image).tag
+    if tag is None:
+        return False
+    try:
+        return Version(tag).is_prerelease
+    except InvalidVersion:
+        return False
+
+
+# --- the version file's signature
+
+MAX_SIGNATURE_BYTES = 1024
+SIGNATURE_SUFFIX = ".sig"
+# RFC 8410: the DER SubjectPublicKeyInfo of an Ed25519 key is this prefix and the 32 bytes
+_ED25519_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
+_PEM_PUBLIC = re.compile(
+    r"-----BEGIN PUBLIC KEY-----\s*([A-Za-z0-9+/=\s]+?)\s*-----END PUBLIC KEY-----"
+)
+
+
+class SignatureError(ValueError):
+    """The version file's signature is missing, malformed or wrong (the message says which)."""
+
+
+def parse_public_key(text: str) -> bytes:
+    """The 32 raw bytes of an Ed25519 public key given as base64 of them, or as a PEM
+    SubjectPublicKeyInfo (`-----BEGIN PUBLIC KEY-----`, RFC 8410)."""
+    text = text.strip()
+    pem = _PEM_PUBLIC.fullmatch(text)
+    try:
+        raw = base64.b64decode("".join((pem.group(1) if pem else text).split()), validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if pem is not None:
+        if len(raw) != len(_ED25519_SPKI_PREFIX) + 32 or not raw.startswith(_ED25519_SPKI_PREFIX):
+            raise ValueError("the PEM public key is not an Ed25519 key")
+        return raw[len(_ED25519_SPKI_PREFIX) :]
+    if len(raw) != 32:
+        raise ValueError(
+            "expected an Ed25519 public key: base64 of its 32 raw bytes, or a PEM "
+            "(-----BEGIN PUBLIC KEY-----)"
+        )
+    return raw
+
+
+def parse_signature(content: bytes) -> bytes:
+    """The 64 bytes of a detached Ed25519 signature file: base64, surrounding white space
+    allowed, at most MAX_SIGNATURE_BYTES."""
+    if len(content) > MAX_SIGNATURE_BYTES:
+        raise SignatureError(f"the signature is larger than {MAX_SIGNATURE_BYTES} bytes")
+    try:
+        raw = base64.b64decode(content.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != 64:
+        raise SignatureError("the signature is not the base64 of a 64-byte Ed25519 signature")
+    return raw
+
+
+def signature_location(url: str) -> str:
+    """Where the signature of the version file at `url` is: the same location, its path
+    followed by `.sig` (an s3:// key, or an http(s) path with its query kept)."""
+    if url.startswith("s3://"):
+        return url + SIGNATURE_SUFFIX
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=parts.path + SIGNATURE_SUFFIX, fragment=""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +214,14 @@ class Choice(StrEnum):
     NOOP = "noop"
     UPDATE = "update"
     SKIP = "skip"
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmed:
+    """The highest version confirmed on this node, and its image when it is known."""
+
+    version: str
+    image: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,33 +249,44 @@ def decide_update(
     failed: frozenset[str],
     policy: UpdatePolicy,
     now: datetime,
+    highest: Confirmed | None = None,
 ) -> UpdateDecision:
+    """Noop, update or skip. The image is judged first: a file naming an image that does
+    not match its version is refused (skip, with the reason), never taken for a noop."""
     try:
         running = Version(current)
     except InvalidVersion:
         return UpdateDecision(Choice.SKIP, f"the running version {current!r} is not a version")
     latest = Version(published.version)
+    image = published.image or f"{policy.repository}:{published.version}"
+    refusal = image_refusal(image, version=published.version, repository=policy.repository)
+    if refusal is not None:
+        return UpdateDecision(Choice.SKIP, refusal, published.version)
+    if highest is not None:
+        floor = Version(highest.version)
+        if latest < floor:
+            return UpdateDecision(
+                Choice.SKIP,
+                f"{published.version} is below {highest.version}, the highest version "
+                "confirmed on this node (a downgrade is refused)",
+                published.version,
+            )
+        if latest == floor and highest.image is not None and image != highest.image:
+            return UpdateDecision(
+                Choice.SKIP,
+                f"{published.version} was confirmed on this node as {highest.image!r}, "
+                f"not {image!r}",
+                published.version,
+            )
     if latest <= running:
         return UpdateDecision(Choice.NOOP, f"running {current}, published {published.version}")
     if published.version in failed:
         return UpdateDecision(
             Choice.SKIP, f"{published.version} failed before and was rolled back", published.version
         )
-    if latest.is_prerelease and not policy.allow_prerelease:
+    if (latest.is_prerelease or _prerelease_tag(image)) and not policy.allow_prerelease:
         return UpdateDecision(
             Choice.SKIP, f"{published.version} is a pre-release (not allowed)", published.version
-        )
-    image = published.image or f"{policy.repository}:{published.version}"
-    repository, reference = split_image(image)
-    if repository != policy.repository:
-        return UpdateDecision(
-            Choice.SKIP,
-            f"image {image!r} is not from the configured repository {policy.repository!r}",
-            published.version,
-        )
-    if reference is None:
-        return UpdateDecision(
-            Choice.SKIP, f"image {image!r} has no tag or digest", published.version
         )
     if not in_window(now, policy.window):
         start, end = policy.window or (time(), time())
@@ -168,6 +308,10 @@ TARGET_IMAGE = "workload-manager.io/update-image"
 UPDATE_STARTED = "workload-manager.io/update-started"
 CONFIRMED_VERSION = "workload-manager.io/update-confirmed"
 FAILED_VERSIONS = "workload-manager.io/failed-versions"
+# the highest version a confirmation recorded on this node, and its image: the floor below
+# which no published version is taken (it outlives pods, as the Deployment does)
+HIGHEST_VERSION = "workload-manager.io/highest-confirmed-version"
+HIGHEST_IMAGE = "workload-manager.io/highest-confirmed-image"
 
 
 def stamp(at: datetime) -> str:
@@ -195,6 +339,17 @@ class UpdateMarks:
     started_at: datetime | None = None
     confirmed_version: str | None = None
     failed: frozenset[str] = frozenset()
+    highest: Confirmed | None = None
+
+
+def _highest(version: str | None, image: str | None) -> Confirmed | None:
+    if not version:
+        return None
+    try:
+        Version(version)
+    except InvalidVersion:
+        return None  # not written by a manager; a floor that cannot be compared is none
+    return Confirmed(version, image or None)
 
 
 def read_marks(annotations: Mapping[str, str] | None) -> UpdateMarks:
@@ -206,7 +361,28 @@ def read_marks(annotations: Mapping[str, str] | None) -> UpdateMarks:
         started_at=_parse_time(notes.get(UPDATE_STARTED)),
         confirmed_version=notes.get(CONFIRMED_VERSION) or None,
         failed=frozenset(v for v in notes.get(FAILED_VERSIONS, "").split(",") if v),
+        highest=_highest(notes.get(HIGHEST_VERSION), notes.get(HIGHEST_IMAGE)),
     )
+
+
+def confirmation(marks: UpdateMarks, version: str, image: str | None) -> dict[str, str | None]:
+    """The annotations a confirmation of `version` (run as `image`) writes: the confirmed
+    version, and the highest confirmed one when this one is higher (or the same and the
+    image was not known). Never lowers the floor."""
+    notes: dict[str, str | None] = {CONFIRMED_VERSION: version}
+    try:
+        confirmed = Version(version)
+    except InvalidVersion:
+        return notes
+    highest = marks.highest
+    if (
+        highest is None
+        or confirmed > Version(highest.version)
+        or (confirmed == Version(highest.version) and highest.image is None)
+    ):
+        notes[HIGHEST_VERSION] = version
+        notes[HIGHEST_IMAGE] = image
+    return notes
 
 
 class Owed(StrEnum):
@@ -223,6 +399,7 @@ class Pending:
     version: str | None = None
     previous_image: str | None = None
     remaining: float = 0.0  # WATCH: seconds left of the update's deadline
+    image: str | None = None  # WATCH: the image the update set, when recorded
 
 
 def pending_update(
@@ -276,7 +453,7 @@ def pending_update(
     if rollout is RolloutPhase.READY:
         return Pending(
             Owed.WATCH, "the new pod is available; to be confirmed", target, previous,
-            max(remaining, 0.0),
+            max(remaining, 0.0), marks.target_image,
         )  # fmt: skip
     if remaining <= 0:
         return Pending(
@@ -285,4 +462,6 @@ def pending_update(
             target,
             previous,
         )
-    return Pending(Owed.WATCH, "the new pod is rolling out", target, previous, remaining)
+    return Pending(
+        Owed.WATCH, "the new pod is rolling out", target, previous, remaining, marks.target_image
+    )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from app.domain.redaction import redact_text
 from app.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ class Alerter:
             self._metrics.alerts.labels("suppressed").inc()
             return False
         self._last[key] = now
-        message = f"[{self._node_id}] {text}"
+        # the text may quote an error that names a URL: redacted for the room and the log
+        message = redact_text(f"[{self._node_id}] {text}")
         log.warning("alert: %s", message)
         self._recent.append(RaisedAlert(datetime.fromtimestamp(now, UTC), key, message))
         self._metrics.alerts.labels("raised").inc()

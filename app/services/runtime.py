@@ -26,6 +26,7 @@ from app import __version__
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.signing import NodeSigner, load_config_file, load_private_key, node_id_for
 from app.domain.components import Component, ComponentState
+from app.domain.redaction import redact_text
 from app.metrics import Metrics
 from app.services.alerting import Alerter
 from app.services.healthwatch import HealthWatch
@@ -114,7 +115,7 @@ def _components(settings: Settings, signer: NodeSigner | None) -> dict[str, Comp
             "to sign with"
         )
     else:
-        report_reason = f"signed reports to {settings.node_system_endpoint}"
+        report_reason = f"signed reports to {redact_url(settings.node_system_endpoint)}"
     embedded = settings.embedded_services and not settings.is_production
 
     def data_service(name: str, configured: str | None, variable: str) -> Component:
@@ -153,7 +154,9 @@ def _alerts_component(settings: Settings) -> Component:
     if missing:
         return Component("alerts", False, f"{', '.join(missing)} not set: alerts go to the log")
     return Component(
-        "alerts", True, f"Matrix room {settings.matrix_room_id} on {settings.matrix_homeserver}"
+        "alerts",
+        True,
+        f"Matrix room {settings.matrix_room_id} on {redact_url(settings.matrix_homeserver or '')}",
     )
 
 
@@ -207,7 +210,8 @@ def _self_update_component(settings: Settings) -> Component:
     return Component(
         "self_update",
         True,
-        f"{settings.self_update_url} -> {settings.pod_namespace}/{settings.self_deployment_name}",
+        f"{redact_url(settings.self_update_url)} -> "
+        f"{settings.pod_namespace}/{settings.self_deployment_name}",
     )
 
 
@@ -215,7 +219,8 @@ def _sync_component(settings: Settings, signer: NodeSigner | None) -> Component:
     if not settings.sync_enabled:
         return Component("sync", False, "switched off by SYNC_ENABLED=false")
     if settings.node_system_endpoint and signer:
-        return Component("sync", True, f"desired state from {settings.node_system_endpoint}")
+        source = redact_url(settings.node_system_endpoint)
+        return Component("sync", True, f"desired state from {source}")
     if settings.desired_state_dir is not None:
         return Component("sync", True, f"desired state from folder {settings.desired_state_dir}")
     return Component(
@@ -561,11 +566,13 @@ async def _probe_nats(rt: Runtime) -> None:
 
 async def _probe(component: Component, url: str, check: Awaitable[dict[str, object]]) -> None:
     """Record whether a configured server answers; never raises."""
-    component.detail["url"] = redact_url(url)
+    shown = component.detail["url"] = redact_url(url)
     try:
         info = await check
     except Exception as exc:  # any failure to connect is reported, not raised
-        component.failed(datetime.now(UTC), f"{type(exc).__name__}: {exc}")
-        log.warning("%s at %s is not reachable: %s", component.name, component.detail["url"], exc)
+        # drivers may quote the URL they were given in their errors
+        error = redact_text(f"{type(exc).__name__}: {exc}")
+        component.failed(datetime.now(UTC), error)
+        log.warning("%s at %s is not reachable: %s", component.name, shown, error)
     else:
         component.succeeded(datetime.now(UTC), **info)

@@ -24,13 +24,19 @@ from app.adapters.backend import NOT_MODIFIED, BackendClient, BackendError
 from app.adapters.desired_files import DesiredFiles, DesiredFilesError
 from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, KubeNotFound
 from app.domain.components import Component
-from app.domain.desired import DesiredState, DesiredStateError, parse_desired
+from app.domain.desired import (
+    DEFAULT_MAX_WORKLOADS,
+    DesiredState,
+    DesiredStateError,
+    parse_desired,
+)
 from app.domain.health import crashlooping_workloads, rollout_of
 from app.domain.manifests import (
     MANAGED_SELECTOR,
     Injection,
     ManifestPolicy,
     ManifestRejected,
+    check_size,
     prepare_manifest,
 )
 from app.domain.planning import Action, ActionKind, LiveDeployment, SyncPolicy, plan_sync
@@ -62,8 +68,11 @@ class DesiredSource(Protocol):
 class BackendSource:
     """The backend's desired state, with the last answer kept for `If-None-Match`."""
 
-    def __init__(self, backend: BackendClient, endpoint: str) -> None:
+    def __init__(
+        self, backend: BackendClient, endpoint: str, *, max_workloads: int = DEFAULT_MAX_WORKLOADS
+    ) -> None:
         self._backend = backend
+        self._max_workloads = max_workloads
         self._etag: str | None = None
         self._cached: DesiredState | None = None
         self.description = f"backend {endpoint}"
@@ -72,7 +81,7 @@ class BackendSource:
         etag, body = await self._backend.get_desired(self._etag if self._cached else None)
         if body is NOT_MODIFIED and self._cached is not None:
             return self._cached
-        state = parse_desired(body)
+        state = parse_desired(body, max_workloads=self._max_workloads)
         self._etag, self._cached = etag, state
         return state
 
@@ -85,12 +94,13 @@ class BackendSource:
 
 
 class FolderSource:
-    def __init__(self, files: DesiredFiles) -> None:
+    def __init__(self, files: DesiredFiles, *, max_workloads: int = DEFAULT_MAX_WORKLOADS) -> None:
         self._files = files
+        self._max_workloads = max_workloads
         self.description = files.description
 
     async def desired(self) -> DesiredState:
-        return parse_desired(await self._files.load_desired())
+        return parse_desired(await self._files.load_desired(), max_workloads=self._max_workloads)
 
     async def manifest(self, name: str, version: str) -> Any:
         return await self._files.load_manifest(name, version)
@@ -178,6 +188,7 @@ class Syncer:
         self._metrics = metrics
         self._component = component
         self._lock = cluster_lock
+        # raw manifests by (name, version); one over MANIFEST_MAX_BYTES is kept as its hold
         self._manifests: dict[tuple[str, str], Any] = {}
         # versions owed to the backend, and the last one it confirmed, per workload
         self._unreported: dict[str, str] = {}
@@ -317,7 +328,13 @@ class Syncer:
         raw = self._manifests.get(key)
         if raw is None:
             raw = await self.source.manifest(action.name, action.version)
+            try:
+                check_size(raw, self._manifest_policy.max_bytes)
+            except ManifestRejected as exc:
+                raw = exc
             self._manifests[key] = raw
+        if isinstance(raw, ManifestRejected):
+            raise ManifestRejected(str(raw))
         return prepare_manifest(
             raw,
             name=action.name,

@@ -8,10 +8,14 @@ is still going (then confirming it or rolling it back), a rollback, or recording
 that someone else already did. `resume()` does the same at start-up, so a restarted
 manager finishes what the one before it began.
 
-When nothing is owed, the version file is read and a pure `decide_update` says noop,
-update or skip. An update patches only the manager container's image and the annotations;
-then the old pod (this one, still serving: maxUnavailable 0) watches the rollout. If the new
-ReplicaSet is available it writes the confirmation; if it is not available by the deadline
+When nothing is owed, the version file is read (and, with a public key, its signature
+verified) and a pure `decide_update` says noop, update or skip; it never takes a version
+below the highest one confirmed on this node, which each confirmation records on the own
+Deployment, so it outlives pods and managers. An update patches only the manager
+container's image (the published one: a pinned digest is patched as such) and the
+annotations; then the old pod (this one, still serving: maxUnavailable 0) watches the
+rollout. If the new ReplicaSet is available it writes the confirmation (and raises the
+floor); if it is not available by the deadline
 (counted from the recorded start), or the Deployment reports ProgressDeadlineExceeded, the
 previous image is put back and the version recorded as failed (skipped from then on). The
 rollback is retried with jittered exponential backoff for up to the deadline; if it still
@@ -36,7 +40,6 @@ from app.adapters.versions import VersionFile, VersionSourceError
 from app.domain.components import Component
 from app.domain.health import RolloutPhase, rollout_of
 from app.domain.updates import (
-    CONFIRMED_VERSION,
     FAILED_VERSIONS,
     PREVIOUS_IMAGE,
     TARGET_IMAGE,
@@ -49,11 +52,12 @@ from app.domain.updates import (
     UpdateMarks,
     UpdatePolicy,
     VersionFileError,
+    confirmation,
     decide_update,
+    parse_image,
     parse_version_file,
     pending_update,
     read_marks,
-    split_image,
     stamp,
 )
 from app.metrics import Metrics
@@ -121,7 +125,7 @@ class SelfUpdater:
         own = await self._own()
         marks = read_marks(_annotations(own))
         pending = self._pending(own, marks)
-        current = self._current_version(own)
+        current = self._current_version(own, marks)
         if pending.owed is not Owed.NOTHING:
             self.last = {
                 "checked_at": datetime.now(UTC),
@@ -142,7 +146,7 @@ class SelfUpdater:
         published = parse_version_file(content)
         decision = decide_update(
             current=current, published=published, failed=marks.failed, policy=self._policy,
-            now=datetime.now(UTC),
+            now=datetime.now(UTC), highest=marks.highest,
         )  # fmt: skip
         self.last = {
             "checked_at": datetime.now(UTC),
@@ -234,8 +238,9 @@ class SelfUpdater:
                                    f"self-update applied: {decision.reason}")  # fmt: skip
             generation = int((patched.get("metadata") or {}).get("generation") or 0)
             pending = Pending(
-                Owed.WATCH, decision.reason, decision.version, previous, self._deadline
-            )
+                Owed.WATCH, decision.reason, decision.version, previous, self._deadline,
+                decision.image,
+            )  # fmt: skip
             return await self._see_through(pending, generation, read_marks(_annotations(own)))
 
     async def _settle(self, pending: Pending, own: dict[str, Any]) -> str:
@@ -256,7 +261,7 @@ class SelfUpdater:
         assert pending.version is not None and pending.previous_image is not None
         outcome, why = await self._watch(generation, pending.remaining)
         if outcome == "available":
-            await self._confirm(pending.version)
+            await self._confirm(pending.version, pending.image, marks)
             return outcome
         return await self._roll_back(
             pending.version, pending.previous_image, why, marks, put_image_back=True
@@ -282,13 +287,16 @@ class SelfUpdater:
                 return "failed", f"the new pod was not available within {self._deadline:.0f} s"
             await asyncio.sleep(self._poll)
 
-    async def _confirm(self, version: str) -> None:
+    async def _confirm(self, version: str, image: str | None, marks: UpdateMarks) -> None:
+        """Record the confirmation, and the highest confirmed version (the floor below
+        which nothing is taken) when this one is higher, in one patch."""
         log.info("self-update to %s is available; confirmed", version)
         self._metrics.self_updates.labels("available").inc()
         self._component.succeeded(datetime.now(UTC), owed=None, confirmed=version)
         try:
             await self._kube.patch(
-                self._deployment, {"metadata": {"annotations": {CONFIRMED_VERSION: version}}}
+                self._deployment,
+                {"metadata": {"annotations": confirmation(marks, version, image)}},
             )
         except KubeError as exc:
             # harmless: whichever manager runs next sees the finished rollout and confirms
@@ -387,11 +395,19 @@ class SelfUpdater:
                 return str(container["image"])
         raise KubeError(f"no container named {self._container!r} in the own Deployment")
 
-    def _current_version(self, own: dict[str, Any]) -> str:
-        """The image tag of the own container when it is a version, else the package's."""
-        _repository, tag = split_image(self._container_image(own))
-        if tag and not tag.startswith("sha256:"):
+    def _current_version(self, own: dict[str, Any], marks: UpdateMarks) -> str:
+        """The image tag of the own container; for an image pinned by digest alone, the
+        version a confirmed update set it for; else the package's."""
+        image = self._container_image(own)
+        tag = parse_image(image).tag
+        if tag:
             return tag.removeprefix("v")
+        if (
+            marks.target_image == image
+            and marks.target_version is not None
+            and marks.confirmed_version == marks.target_version
+        ):
+            return marks.target_version.removeprefix("v")
         return __version__
 
 

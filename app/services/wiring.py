@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.domain.components import Component
+from app.domain.redaction import redact_text
 from app.domain.requirements import NodeProfile, Tier
 from app.metrics import Metrics
 from app.services.alerting import Alerter
@@ -57,6 +58,8 @@ def open_backend(
         timeout=settings.backend_timeout_seconds,
         attempts=settings.backend_retry_attempts,
         max_wait=settings.backend_retry_max_wait_seconds,
+        deadline=settings.backend_deadline_seconds,
+        max_response_bytes=settings.backend_max_response_bytes,
     )
     stack.push_async_callback(backend.aclose)
     return backend
@@ -116,14 +119,19 @@ async def open_syncer(
     from app.adapters.desired_files import DesiredFiles
     from app.domain.manifests import Injection, ManifestPolicy
     from app.domain.planning import SyncPolicy
+    from app.domain.pod_security import Level
     from app.domain.tokens import ping_token
     from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
 
     source: DesiredSource
     if backend is not None and settings.node_system_endpoint is not None:
-        source = BackendSource(backend, settings.node_system_endpoint)
+        source = BackendSource(
+            backend, settings.node_system_endpoint, max_workloads=settings.max_desired_workloads
+        )
     elif settings.desired_state_dir is not None:
-        source = FolderSource(DesiredFiles(settings.desired_state_dir))
+        source = FolderSource(
+            DesiredFiles(settings.desired_state_dir), max_workloads=settings.max_desired_workloads
+        )
     else:
         component.switch_off("no desired-state source")
         return None
@@ -156,6 +164,9 @@ async def open_syncer(
             allow_host_namespaces=settings.allow_host_namespaces,
             allow_host_path=settings.allow_host_path,
             allow_host_ports=settings.allow_host_ports,
+            level=Level(settings.manifest_policy),
+            max_replicas=settings.manifest_max_replicas,
+            max_bytes=settings.manifest_max_bytes,
         ),
         injection_for=injection_for,
         concurrency=settings.sync_concurrency,
@@ -164,7 +175,7 @@ async def open_syncer(
         cluster_lock=cluster_lock,
         alerts=alerts,
     )
-    component.reason = (
+    component.reason = redact_text(
         f"{source.description} -> namespace {settings.managed_namespace} via {cluster_source}"
     )
     return syncer
@@ -301,7 +312,7 @@ async def open_worker(
     if settings.job_ledger == "postgres" and heartbeat is None:
         component.switch_off("JOB_LEDGER=postgres but the registry is not running")
         return None
-    from app.adapters.bus import BusError, JetStreamBus
+    from app.adapters.bus import BusError, JetStreamBus, inbox_prefix
     from app.adapters.kv_ledger import BUCKET, JetStreamLedger
     from app.adapters.registry import AsyncpgLedger
     from app.adapters.workload_http import WorkloadHttp
@@ -310,9 +321,14 @@ async def open_worker(
     from app.services.working import Ledger, Worker, WorkerConfig, request_timeout
 
     tier = (settings.node_tier or DEVELOPMENT_TIER).value
+    try:
+        inbox = inbox_prefix(tier, node_id)  # the only inboxes the tier's NATS user may read
+    except ValueError as exc:
+        component.switch_off(str(exc))
+        return None
     bus = JetStreamBus(
         nats_url, name=f"workload-manager/{node_id}", timeout=settings.backend_timeout_seconds,
-        auth=nats_auth(settings),
+        auth=nats_auth(settings), inbox_prefix=inbox,
     )  # fmt: skip
     http = WorkloadHttp(
         timeout=settings.http_job_timeout_seconds,
@@ -353,7 +369,7 @@ async def open_worker(
         # a lease (2 x ack wait) holds several tries of renewing it: else a failover of
         # the bucket's leader outlasts the lease and another node runs the job again
         ledger = kv_ledger = JetStreamLedger(
-            node_id=node_id, claimant=claimant,
+            tier=tier, node_id=node_id, claimant=claimant,
             timeout=min(
                 settings.backend_timeout_seconds, request_timeout(settings.job_ack_wait_seconds)
             ),
@@ -500,6 +516,7 @@ async def open_self_updater(
         settings.self_update_url,
         timeout=settings.self_update_timeout_seconds,
         s3_endpoint=settings.self_update_s3_endpoint,
+        public_key=settings.self_update_public_key,
     )
     stack.push_async_callback(source.aclose)
     return SelfUpdater(

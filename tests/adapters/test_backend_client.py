@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from email.utils import formatdate
+from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -11,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from app.adapters.backend import BackendClient, BackendError
 from app.adapters.signing import NodeSigner
 from tests.support.backend import LocalBackend
-from tests.support.servers import ThreadedServer
+from tests.support.servers import ThreadedServer, serve
 
 NODE = "node-test-1"
 KEY = Ed25519PrivateKey.generate()
@@ -37,14 +39,23 @@ def backend(served: tuple[LocalBackend, ThreadedServer]) -> LocalBackend:
 
 
 def make_client(
-    server_url: str, *, timeout: float = 2.0, attempts: int = 3, signer: NodeSigner | None = None
+    server_url: str,
+    *,
+    timeout: float = 2.0,
+    attempts: int = 3,
+    signer: NodeSigner | None = None,
+    max_wait: float = 0.05,
+    deadline: float = 10.0,
+    max_response_bytes: int = 1024 * 1024,
 ) -> BackendClient:
     return BackendClient(
         base_url=server_url,
         signer=signer or NodeSigner(NODE, KEY),
         timeout=timeout,
         attempts=attempts,
-        max_wait=0.05,
+        max_wait=max_wait,
+        deadline=deadline,
+        max_response_bytes=max_response_bytes,
     )
 
 
@@ -122,3 +133,171 @@ async def test_unreachable_backend_is_a_backend_error() -> None:
             await client.post_health(REPORT)
     finally:
         await client.aclose()
+
+
+# ------------------------------------------------------- a backend that hangs or floods
+
+
+async def test_a_trickled_answer_ends_at_the_deadline(backend: LocalBackend, url: str) -> None:
+    backend.set_desired([{"name": "api", "version": "1.0.0"}])
+    # a byte every 0.1 s: the per-read timeout (2 s) never fires
+    backend.fail("workloads", "trickle", times=None, interval=0.1)
+    client = make_client(url, timeout=2.0, attempts=3, deadline=1.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(BackendError, match=r"deadline of 1 s.*still arriving"):
+            await client.get_desired(None)
+    finally:
+        await client.aclose()
+    assert time.monotonic() - started < 2.0
+    # one attempt, abandoned: the deadline left no time for another
+    assert [r.status for r in backend.wait_for_requests(1)] == [499]
+
+
+async def test_the_deadline_covers_every_attempt_and_wait(backend: LocalBackend, url: str) -> None:
+    backend.fail("health", "timeout", times=None, delay=30)
+    client = make_client(url, timeout=0.5, attempts=10, max_wait=0.2, deadline=1.2)
+    started = time.monotonic()
+    try:
+        with pytest.raises(BackendError, match=r"deadline of 1\.2 s"):
+            await client.post_health(REPORT)
+    finally:
+        await client.aclose()
+    assert time.monotonic() - started < 2.0
+    assert 2 <= len(backend.wait_for_requests(2)) < 10
+
+
+async def test_a_huge_answer_is_refused_past_the_bound(backend: LocalBackend, url: str) -> None:
+    backend.set_desired([{"name": "api", "version": "1.0.0"}])
+    backend.fail("workloads", "huge", times=None, size=4 * 1024 * 1024)
+    client = make_client(url, max_response_bytes=64 * 1024)
+    try:
+        with pytest.raises(BackendError, match="answer larger than 65536 bytes"):
+            await client.get_desired(None)
+    finally:
+        await client.aclose()
+    # not retried: the same backend would send the same answer
+    assert [r.injected_failure for r in backend.wait_for_requests(1)] == ["huge"]
+
+
+async def test_a_declared_length_past_the_bound_is_refused_unread(
+    backend: LocalBackend, url: str
+) -> None:
+    big = {"kind": "Deployment", "metadata": {"name": "api"}, "padding": "x" * 100_000}
+    backend.set_manifest("api", "1.0.0", big)
+    client = make_client(url, max_response_bytes=64 * 1024)
+    try:
+        with pytest.raises(BackendError, match=r"Content-Length 100\d+ is larger than 65536"):
+            await client.get_manifest("api", "1.0.0")
+    finally:
+        await client.aclose()
+
+
+async def test_an_answer_within_the_bound_is_read_whole(backend: LocalBackend, url: str) -> None:
+    big = {"kind": "Deployment", "metadata": {"name": "api"}, "padding": "x" * 50_000}
+    backend.set_manifest("api", "1.0.0", big)
+    client = make_client(url, max_response_bytes=64 * 1024)
+    try:
+        assert await client.get_manifest("api", "1.0.0") == big
+    finally:
+        await client.aclose()
+
+
+REDIRECTS = ["workloads", "health", "version"]
+
+
+@pytest.mark.parametrize("route", REDIRECTS)
+async def test_a_redirect_is_an_error_and_never_followed(
+    backend: LocalBackend, url: str, route: str
+) -> None:
+    backend.set_desired([{"name": "api", "version": "1.0.0"}])
+    backend.fail(route, "redirect", times=None)  # type: ignore[arg-type]
+    client = make_client(url)
+    status = 302 if route == "workloads" else 307
+    try:
+        with pytest.raises(BackendError, match=f"HTTP {status}: redirects are refused"):
+            if route == "workloads":
+                await client.get_desired(None)
+            elif route == "health":
+                await client.post_health(REPORT)
+            else:
+                await client.put_version("api", {"version": "1.0.0", "applied_at": APPLIED})
+    finally:
+        await client.aclose()
+    # asked once, not retried, not followed: the backend stored nothing
+    assert [r.status for r in backend.requests] == [status]
+    assert backend.reports == [] and backend.versions == []
+
+
+APPLIED = "2026-11-29T12:00:00Z"
+
+
+async def test_retry_after_in_seconds_is_honoured(backend: LocalBackend, url: str) -> None:
+    # longer than any backoff of its own (at most 0.2 s plus 1 s of jitter)
+    backend.fail("health", "429", times=1, retry_after="2")
+    client = make_client(url, max_wait=3.0, deadline=10.0)
+    try:
+        await client.post_health(REPORT)
+    finally:
+        await client.aclose()
+    first, second = backend.requests
+    assert (first.status, second.status) == (429, 202)
+    assert second.received_at - first.received_at >= 2.0
+
+
+async def test_retry_after_as_an_http_date_is_honoured(backend: LocalBackend, url: str) -> None:
+    # an HTTP date has whole seconds: 3 s ahead is more than 2 s ahead once rounded down
+    backend.fail("health", "503", times=1, retry_after=formatdate(time.time() + 3, usegmt=True))
+    client = make_client(url, max_wait=3.0, deadline=10.0)
+    try:
+        await client.post_health(REPORT)
+    finally:
+        await client.aclose()
+    first, second = backend.requests
+    assert (first.status, second.status) == (503, 202)
+    assert second.received_at - first.received_at >= 1.9
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "deadline", "reason"),
+    [
+        ("120", 2.0, r"Retry-After 120 s is past the 2 s left of the deadline"),
+        ("5", 10.0, r"Retry-After 5 s is longer than the longest wait \(3 s\)"),
+    ],
+)
+async def test_a_retry_after_too_far_away_gives_up_at_once(
+    backend: LocalBackend, url: str, retry_after: str, deadline: float, reason: str
+) -> None:
+    backend.fail("health", "503", times=None, retry_after=retry_after)
+    client = make_client(url, max_wait=3.0, deadline=deadline)
+    started = time.monotonic()
+    try:
+        with pytest.raises(BackendError, match=reason):
+            await client.post_health(REPORT)
+    finally:
+        await client.aclose()
+    assert time.monotonic() - started < 1.0
+    assert len(backend.requests) == 1
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # 200 kB: inside the size bound, past any parser's depth
+
+
+async def _deep_json(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Any GET: 200 with JSON nested 100 000 deep (a backend's answer is not verified, so
+    a plain server stands in for it)."""
+    if scope["type"] != "http":
+        return
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(DEEP))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": DEEP})
+
+
+async def test_an_answer_nested_too_deeply_is_a_backend_error() -> None:
+    with serve(_deep_json) as server:
+        client = make_client(server.url)
+        try:
+            with pytest.raises(BackendError, match="answer nested too deeply"):
+                await client.get_manifest("api", "1.0.0")
+        finally:
+            await client.aclose()

@@ -140,3 +140,66 @@ async def test_no_kubeconfig_means_cluster_unavailable(tmp_path: Path) -> None:
     (tmp_path / "bad").write_text("{not: [valid")
     with pytest.raises(ClusterUnavailable, match="not usable"):
         await load_configuration(tmp_path / "bad")
+
+
+async def paged(served: RealCluster, tmp_path: Path, page_size: int) -> KubeDeployments:
+    configuration, _ = await load_configuration(served.write_kubeconfig(tmp_path / "kp", NS))
+    return KubeDeployments(
+        configuration, namespace=NS, timeout=5.0, max_wait=0.05, page_size=page_size
+    )
+
+
+async def test_list_managed_reads_every_page(served: RealCluster, tmp_path: Path) -> None:
+    for i in range(5):
+        served.add_deployment(deployment(f"paged-{i}", labels={"m": "wm"}))
+    served.clear_requests()
+    kube = await paged(served, tmp_path, page_size=2)
+    try:
+        names = sorted(d["metadata"]["name"] for d in await kube.list_managed("m=wm"))
+    finally:
+        await kube.aclose()
+    assert names == [f"paged-{i}" for i in range(5)]
+    lists = [r for r in served.requests if r.method == "GET" and r.path.endswith("/deployments")]
+    assert [r.query.get("limit") for r in lists] == ["2", "2", "2"]
+    assert "continue" not in lists[0].query
+    assert all(r.query.get("continue") for r in lists[1:])
+    assert all(r.query["labelSelector"] == "m=wm" for r in lists)
+
+
+def pod(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {"paged": "yes"}},
+        "spec": {"containers": [{"name": "c", "image": "r/x:1"}]},
+    }
+
+
+async def test_list_pods_reads_every_page(served: RealCluster, tmp_path: Path) -> None:
+    names = [f"paged-pod-{i}" for i in range(5)]
+    served.plane.apply(*(pod(n) for n in names))
+    kube = await paged(served, tmp_path, page_size=2)
+    try:
+        served.clear_requests()
+        listed = {p["metadata"]["name"] for p in await kube.list_pods()}
+        lists = [r for r in served.requests if r.path.endswith("/pods")]
+    finally:
+        await kube.aclose()
+        served.plane.kubectl("-n", NS, "delete", "pods", "-l", "paged=yes", "--wait=false")
+    assert set(names) <= listed
+    assert len(lists) >= 3 and {r.query.get("limit") for r in lists} == {"2"}
+    assert all(r.query.get("continue") for r in lists[1:])
+
+
+async def test_a_listing_of_more_pages_than_the_bound_is_refused(
+    served: RealCluster, tmp_path: Path
+) -> None:
+    for i in range(3):
+        served.add_deployment(deployment(f"many-{i}", labels={"m": "wm"}))
+    configuration, _ = await load_configuration(served.write_kubeconfig(tmp_path / "kb", NS))
+    kube = KubeDeployments(configuration, namespace=NS, timeout=5.0, page_size=1, max_pages=2)
+    try:
+        with pytest.raises(KubeError, match="more than 2 pages of 1"):
+            await kube.list_managed("m=wm")
+    finally:
+        await kube.aclose()

@@ -14,7 +14,7 @@ import pytest
 from nats.js import api
 
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
-from app.adapters.kv_ledger import JetStreamLedger, LedgerUnavailable
+from app.adapters.kv_ledger import JetStreamLedger, LedgerUnavailable, key_name
 from app.adapters.registry import AsyncpgLedger, AsyncpgRegistry
 from app.domain.ledger import Claim
 from app.services import migrating
@@ -49,7 +49,7 @@ async def make_ledger(
     kv = await js.create_key_value(api.KeyValueConfig(bucket=bucket, history=1, ttl=3600))
 
     def on_jetstream(claimant: str, node_id: str = "node-1") -> Ledger:
-        return JetStreamLedger(kv, node_id=node_id, claimant=claimant, timeout=5)
+        return JetStreamLedger(kv, tier="A", node_id=node_id, claimant=claimant, timeout=5)
 
     yield on_jetstream
     await js.delete_key_value(bucket)
@@ -163,10 +163,33 @@ async def test_a_garbled_bucket_record_is_an_error_not_a_run(nats_server: Embedd
     bucket = f"LEDGER_TEST_{uuid.uuid4().hex[:8]}"
     kv = await js.create_key_value(api.KeyValueConfig(bucket=bucket, history=1))
     try:
-        ledger = JetStreamLedger(kv, node_id="n", claimant="c", timeout=5)
-        await kv.put("Z2FyYmxlZA==", b"not json")  # base64url of "garbled"
+        ledger = JetStreamLedger(kv, tier="A", node_id="n", claimant="c", timeout=5)
+        await kv.put("A.Z2FyYmxlZA==", b"not json")  # tier A, base64url of "garbled"
         with pytest.raises(LedgerUnavailable, match="not JSON"):
             await claim(ledger, "garbled")
+    finally:
+        await js.delete_key_value(bucket)
+        await nc.close()
+
+
+async def test_bucket_keys_are_the_tier_then_the_idempotency_key(
+    nats_server: EmbeddedNats,
+) -> None:
+    """`<tier>.<base64url key>`, so a tier's NATS permissions can confine it to its own
+    records (`$KV.JOB_LEDGER.<tier>.>`): the same idempotency key in two tiers is two
+    records, and a tier's ledger never reads another's."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    bucket = f"LEDGER_TEST_{uuid.uuid4().hex[:8]}"
+    kv = await js.create_key_value(api.KeyValueConfig(bucket=bucket, history=1))
+    try:
+        tier_a = JetStreamLedger(kv, tier="A", node_id="n", claimant="a", timeout=5)
+        tier_c = JetStreamLedger(kv, tier="C", node_id="n", claimant="c", timeout=5)
+        assert await claim(tier_a, "k/1") is Claim.CLAIMED
+        assert await tier_a.complete(key="k/1", result=None)
+        assert await claim(tier_c, "k/1") is Claim.CLAIMED
+        assert sorted(await kv.keys()) == ["A.ay8x", "C.ay8x"]  # base64url of "k/1"
+        assert key_name("B", "k/1") == "B.ay8x"
     finally:
         await js.delete_key_value(bucket)
         await nc.close()

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from app.adapters.bus import JetStreamBus, NatsAuth, NatsRefused, server_info
+from app.adapters.bus import JetStreamBus, NatsAuth, NatsRefused, inbox_prefix, server_info
 from app.adapters.embedded import EmbeddedNats
+from app.main import create_app
 from app.services.streams import consumer_specs, init_streams
 from app.settings import Settings, redact_url
+from tests.conftest import SettingsFactory, running
 from tests.support.nats_auth import NkeyUser, new_nkey_user, operator_url, start_server
 
 
@@ -48,9 +50,12 @@ async def topology(secured: EmbeddedNats) -> None:
 async def tier_c(
     secured: EmbeddedNats, users: dict[str, NkeyUser], *, request_timeout: float
 ) -> JetStreamBus:
-    """A connected bus with tier C's nkey seed file."""
+    """A connected bus with tier C's nkey seed file and a node's inbox prefix."""
     auth = NatsAuth(nkey_seed_file=users["C"].seed_file)
-    bus = JetStreamBus(secured.url, name="tier-c", timeout=request_timeout, auth=auth)
+    bus = JetStreamBus(
+        secured.url, name="tier-c", timeout=request_timeout, auth=auth,
+        inbox_prefix=inbox_prefix("C", "node-c"),
+    )  # fmt: skip
     await bus.connect()
     return bus
 
@@ -68,10 +73,36 @@ async def test_a_tier_user_works_its_own_consumer(
             assert await bus.ensure_consumer(consumer) == "unchanged"
         await bus.publish("mm.events.node-c.node.online", {"hello": True}, msg_id="auth-1")
         kv = await bus.key_value("JOB_LEDGER")
-        await kv.create("a2V5", b"{}")
+        await kv.create("C.a2V5", b"{}")  # a key of tier C
         assert bus.refusal is None
     finally:
         await bus.drain()
+
+
+async def test_without_its_inbox_prefix_a_node_is_refused_its_replies(
+    secured: EmbeddedNats, users: dict[str, NkeyUser], topology: None
+) -> None:
+    """nats-py's default `_INBOX` is every node's: a tier user may not subscribe to it, so
+    the manager connects with `_INBOX.wm-<tier>.<node>` (above) and nothing else works."""
+    auth = NatsAuth(nkey_seed_file=users["C"].seed_file)
+    bus = JetStreamBus(secured.url, name="tier-c", timeout=2, auth=auth)
+    await bus.connect()
+    try:
+        (consumer, *_rest) = consumer_specs(settings(), ("C",))
+        with pytest.raises(TimeoutError) as denied:
+            await bus.ensure_consumer(consumer)
+        explained = bus.explain(denied.value)
+        assert isinstance(explained, NatsRefused)
+        assert "subscription" in str(explained).lower() and "_inbox." in str(explained).lower()
+    finally:
+        await bus.drain()
+
+
+@pytest.mark.parametrize("node", ["", "a..b", "a b", "*", "node.>", "node."])
+def test_a_node_id_that_is_no_subject_has_no_inbox(node: str) -> None:
+    with pytest.raises(ValueError, match="cannot be part of a NATS subject"):
+        inbox_prefix("C", node)
+    assert inbox_prefix("C", "node-c.eu") == "_INBOX.wm-C.node-c.eu"
 
 
 async def test_another_tiers_consumer_is_refused_by_name(
@@ -112,3 +143,17 @@ async def test_user_and_password_in_the_url_work_and_are_never_shown(
     shown = redact_url(url)
     assert "operator-pass" not in shown and shown.endswith(f"@{secured.host}:{secured.port}")
     assert redact_url("nats://s3cr3t-token@nats.example:4222") == "nats://***@nats.example:4222"
+
+
+async def test_a_node_id_that_is_no_subject_switches_the_worker_off(
+    secured: EmbeddedNats, make_settings: SettingsFactory
+) -> None:
+    """Its inbox prefix and events subject could not be written: the worker says so in
+    /v1/status instead of running with subjects its user may not use."""
+    app = create_app(
+        make_settings(nats_url=secured.url, node_id="node c", node_tier="C", worker_enabled=True)
+    )
+    async with running(app) as client:
+        worker = (await client.get("/v1/status")).json()["components"]["worker"]
+    assert worker["state"] == "off"
+    assert "cannot be part of a NATS subject" in worker["reason"]

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from app.adapters.versions import S3Object, VersionFile, VersionSourceError
+from app.adapters.versions import S3Object, VersionFile, VersionSourceError, sign_version_file
 from tests.support.moto_s3 import (
     KEY,
     REGION,
@@ -158,6 +160,39 @@ async def test_a_web_identity_as_on_eks_is_exchanged_for_credentials(
     assert token.read_text() not in caplog.text
 
 
+RELEASE_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+RELEASE_PUBLIC = (
+    RELEASE_KEY.public_key()
+    .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    .decode()
+)
+
+
+async def test_with_a_public_key_the_signature_is_read_beside_the_object_with_the_same_keys(
+    s3: S3World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_keys(monkeypatch, s3.reader)
+    body = b'{"version": "0.2.0"}'
+    source = VersionFile(
+        s3.version_file, timeout=5.0, s3_endpoint=s3.url, public_key=RELEASE_PUBLIC
+    )
+    try:
+        with pytest.raises(VersionSourceError) as caught:  # no signature yet
+            await source.fetch()
+        assert str(caught.value) == (
+            f"signature of {s3.version_file} (GET {s3.version_file}.sig): HTTP 404 NoSuchKey: "
+            "The specified key does not exist. (SELF_UPDATE_PUBLIC_KEY is set: the version "
+            "file must be signed); nothing decided"
+        )
+        s3.put(b"bm90IGEgc2lnbmF0dXJl", key=f"{KEY}.sig")
+        with pytest.raises(VersionSourceError, match="not the base64 of a 64-byte Ed25519"):
+            await source.fetch()
+        s3.put(sign_version_file(body, RELEASE_KEY), key=f"{KEY}.sig")
+        assert await source.fetch() == body
+    finally:
+        await source.aclose()
+
+
 @pytest.mark.parametrize(
     ("url", "endpoint", "expected"),
     [
@@ -171,6 +206,7 @@ async def test_a_web_identity_as_on_eks_is_exchanged_for_credentials(
 )  # fmt: skip
 def test_the_object_url(url: str, endpoint: str | None, expected: str) -> None:
     assert S3Object(url, endpoint=endpoint).http_url(REGION) == expected
+    assert S3Object(url, endpoint=endpoint).http_url(REGION, suffix=".sig") == expected + ".sig"
 
 
 def test_botocore_is_loaded_only_for_an_s3_url() -> None:

@@ -22,6 +22,8 @@ from tests.support.version_file import OWN_NS, REPO, VersionFileServer, own_depl
 
 FAILED_VERSIONS = "workload-manager.io/failed-versions"
 CONFIRMED = "workload-manager.io/update-confirmed"
+HIGHEST = "workload-manager.io/highest-confirmed-version"
+HIGHEST_IMAGE = "workload-manager.io/highest-confirmed-image"
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,10 @@ async def test_a_good_image_rolls_out_and_is_confirmed(
     await updater.run_scheduled()
     deployed = own(control_plane)
     assert image(deployed) == f"{REPO}:0.2.0"
-    assert deployed["metadata"]["annotations"][CONFIRMED] == "0.2.0"
+    annotations = deployed["metadata"]["annotations"]
+    assert annotations[CONFIRMED] == "0.2.0"
+    # the floor is written with the confirmation, by the manager's own account
+    assert (annotations[HIGHEST], annotations[HIGHEST_IMAGE]) == ("0.2.0", f"{REPO}:0.2.0")
     status = deployed["status"]
     assert status["updatedReplicas"] == status["availableReplicas"] == status["replicas"] == 1
 
@@ -108,3 +113,19 @@ async def test_an_image_that_never_becomes_ready_is_rolled_back_and_skipped(
     assert bad in deployed["metadata"]["annotations"][FAILED_VERSIONS]
     decision = await updater.check()
     assert decision.choice.value == "skip" and "failed" in decision.reason
+
+
+async def test_a_version_below_the_confirmed_one_is_refused_after_a_rollback_by_hand(
+    control_plane: ControlPlane,
+    updater: SelfUpdater,
+    version_file: tuple[VersionFileServer, ThreadedServer],
+) -> None:
+    version_file[0].set(body=b"0.3.0")
+    await updater.run_scheduled()
+    assert own(control_plane)["metadata"]["annotations"][HIGHEST] == "0.3.0"
+    control_plane.kubectl("-n", OWN_NS, "set", "image", "deployment/workload-manager",
+                          f"manager={REPO}:0.1.0")  # fmt: skip
+    version_file[0].set(body=b"0.2.0")
+    decision = await updater.check()
+    assert decision.choice.value == "skip", decision
+    assert "below 0.3.0, the highest version confirmed on this node" in decision.reason

@@ -68,3 +68,20 @@ def test_reported_version_is_advisory(given: Any, read: str | None) -> None:
 def test_reported_version_may_be_absent() -> None:
     desired = parse_desired({"workloads": [{"name": "api", "version": "1.0.0"}]})
     assert desired.workloads[0].reported_version is None
+
+
+def workloads(count: int) -> dict[str, Any]:
+    return {"workloads": [{"name": f"w{i}", "version": "1"} for i in range(count)]}
+
+
+def test_a_desired_state_with_more_workloads_than_the_bound_is_refused_whole() -> None:
+    assert len(parse_desired(workloads(200)).workloads) == 200
+    with pytest.raises(
+        DesiredStateError, match=r"201 workloads, more than MAX_DESIRED_WORKLOADS \(200\)"
+    ):
+        parse_desired(workloads(201))
+    with pytest.raises(
+        DesiredStateError, match=r"3 workloads, more than MAX_DESIRED_WORKLOADS \(2\)"
+    ):
+        parse_desired(workloads(3), max_workloads=2)
+    assert len(parse_desired(workloads(2), max_workloads=2).workloads) == 2

@@ -279,3 +279,77 @@ def test_a_quantity_written_differently_by_the_server_is_no_drift() -> None:
     )
     # outside resources, a string is a string
     assert first_difference({"env": "1000m"}, {"env": "1"}, "spec") == "spec.env"
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "control"),
+    [
+        (lambda m: m["spec"].update(replicas=11), "spec.replicas", "manager: Replicas"),
+        (lambda m: m["spec"].update(replicas="3"), "spec.replicas", "manager: Replicas"),
+        (lambda m: pod(m).update(serviceAccountName="workload-manager"),
+         "spec.template.spec.serviceAccountName", "manager: ServiceAccount"),
+        (lambda m: pod(m).update(serviceAccount="workload-manager"),
+         "spec.template.spec.serviceAccount", "manager: ServiceAccount"),
+        (lambda m: pod(m).update(priorityClassName="system-node-critical"),
+         "spec.template.spec.priorityClassName", "manager: PriorityClass"),
+    ],
+)  # fmt: skip
+def test_the_managers_own_rules_beyond_the_standard(
+    change: Callable[[dict[str, Any]], None], field: str, control: str
+) -> None:
+    with pytest.raises(ManifestRejected) as caught:
+        prepare(edit(change))
+    assert field in str(caught.value)
+    assert control in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m["spec"].update(replicas=10),
+        lambda m: m["spec"].update(replicas=0),
+        lambda m: pod(m).update(serviceAccountName="api"),
+        lambda m: pod(m).update(serviceAccountName="default"),
+        lambda m: pod(m).update(priorityClassName="high"),
+    ],
+)
+def test_what_the_managers_own_rules_allow(change: Callable[[dict[str, Any]], None]) -> None:
+    assert prepare(edit(change))["metadata"]["name"] == "api"
+
+
+def test_the_replica_bound_is_the_policys() -> None:
+    raw = edit(lambda m: m["spec"].update(replicas=4))
+    with pytest.raises(ManifestRejected, match=r"more than MANIFEST_MAX_REPLICAS \(3\)"):
+        prepare(raw, ManifestPolicy(max_replicas=3))
+    assert prepare(raw, ManifestPolicy(max_replicas=4))["spec"]["replicas"] == 4
+
+
+def test_a_manifest_larger_than_the_bound_is_held_saying_its_size() -> None:
+    big = edit(lambda m: m["metadata"].update(annotations={"note": "x" * 70_000}))
+    with pytest.raises(
+        ManifestRejected, match=r"more than MANIFEST_MAX_BYTES \(65536\) \(manager: Size\)"
+    ):
+        prepare(big)
+    assert prepare(big, ManifestPolicy(max_bytes=80_000))["metadata"]["name"] == "api"
+
+
+def test_a_manifest_nested_too_deep_is_held_not_crashed() -> None:
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(5_000):
+        inner["x"] = {}
+        inner = inner["x"]
+    raw = edit(lambda m: m["metadata"].update(annotations={}, extra=deep))
+    with pytest.raises(ManifestRejected, match="nested deeper than"):
+        prepare(raw)
+
+
+def test_many_violations_are_listed_up_to_a_bound() -> None:
+    adds = [f"CAP_{i}" for i in range(500)]
+    raw = edit(lambda m: pod(m)["containers"][0].update(
+        securityContext={"capabilities": {"add": adds}}))  # fmt: skip
+    with pytest.raises(ManifestRejected) as caught:
+        prepare(raw)
+    message = str(caught.value)
+    assert "add[0]" in message and "and 490 more" in message
+    assert len(message) < 4_000

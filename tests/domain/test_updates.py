@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import replace
 from datetime import UTC, datetime, time, timedelta
 
@@ -11,21 +12,32 @@ from app.domain.health import RolloutPhase
 from app.domain.updates import (
     CONFIRMED_VERSION,
     FAILED_VERSIONS,
+    HIGHEST_IMAGE,
+    HIGHEST_VERSION,
+    MAX_SIGNATURE_BYTES,
     PREVIOUS_IMAGE,
     TARGET_IMAGE,
     TARGET_VERSION,
     UPDATE_STARTED,
     Choice,
+    Confirmed,
+    ImageRef,
     Owed,
     Published,
+    SignatureError,
     UpdateMarks,
     UpdatePolicy,
     VersionFileError,
+    confirmation,
     decide_update,
     in_window,
+    parse_image,
+    parse_public_key,
+    parse_signature,
     parse_version_file,
     pending_update,
     read_marks,
+    signature_location,
     split_image,
     stamp,
 )
@@ -33,6 +45,8 @@ from app.domain.updates import (
 REPO = "ghcr.io/node-system/workload-manager"
 POLICY = UpdatePolicy(repository=REPO)
 NOON = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+DIGEST = "0123456789abcdef" * 4
+NEW_IMAGE = f"{REPO}:1.1.0"
 
 
 @pytest.mark.parametrize(
@@ -78,6 +92,7 @@ def test_garbage_version_files_are_refused(content: bytes, says: str) -> None:
         ("registry:5000/repo/x:1.2", ("registry:5000/repo/x", "1.2")),
         ("registry:5000/repo/x", ("registry:5000/repo/x", None)),
         ("repo/x@sha256:abc", ("repo/x", "sha256:abc")),
+        ("repo/x:1.2@sha256:abc", ("repo/x", "sha256:abc")),
         ("x", ("x", None)),
     ],
 )
@@ -102,13 +117,53 @@ def test_split_image(image: str, parts: tuple[str, str | None]) -> None:
          "not from the configured repository"),
         ("1.4.1", Published("1.4.2", f"{REPO}"), frozenset(), POLICY, Choice.SKIP,
          "no tag or digest"),
-        ("1.4.1", Published("1.4.2", f"{REPO}@sha256:0123"), frozenset(), POLICY,
-         Choice.UPDATE, "1.4.2"),
         ("dev-build", Published("1.4.2"), frozenset(), POLICY, Choice.SKIP, "not a version"),
         ("1.4.1", Published("1.4.2"), frozenset(),
          UpdatePolicy(REPO, window=(time(2), time(5))), Choice.SKIP, "maintenance window 02:00"),
         ("1.4.1", Published("1.4.2"), frozenset(),
          UpdatePolicy(REPO, window=(time(11), time(13))), Choice.UPDATE, "1.4.2"),
+        # the image's tag is the version: a newer version cannot carry an older image
+        ("1.4.1", Published("9.9.9", f"{REPO}:0.0.1"), frozenset(), POLICY, Choice.SKIP,
+         "tag '0.0.1' is not the version 9.9.9"),
+        ("1.4.1", Published("1.4.2", f"{REPO}:latest"), frozenset(), POLICY, Choice.SKIP,
+         "tag 'latest' is not the version 1.4.2"),
+        ("1.4.1", Published("1.4.2", f"{REPO}:1.4.2"), frozenset(), POLICY, Choice.UPDATE,
+         "1.4.1 -> 1.4.2"),
+        # a leading `v` is the same version (PEP 440), in the tag or in the version
+        ("1.4.1", Published("1.4.2", f"{REPO}:v1.4.2"), frozenset(), POLICY, Choice.UPDATE,
+         "1.4.2"),
+        ("1.4.1", Published("v1.4.2", f"{REPO}:1.4.2"), frozenset(), POLICY, Choice.UPDATE,
+         "1.4.2"),
+        # but no other spelling: the tag is what the registry serves, exactly
+        ("1.4.1", Published("1.5.0rc1", f"{REPO}:1.5.0-rc1"), frozenset(),
+         UpdatePolicy(REPO, allow_prerelease=True), Choice.SKIP, "is not the version 1.5.0rc1"),
+        # a pre-release image under a release version is refused, whatever the policy
+        ("1.4.1", Published("1.5.0", f"{REPO}:1.5.0-rc1"), frozenset(), POLICY, Choice.SKIP,
+         "tag '1.5.0-rc1' is not the version 1.5.0"),
+        ("1.4.1", Published("1.5.0", f"{REPO}:1.5.0rc1"), frozenset(),
+         UpdatePolicy(REPO, allow_prerelease=True), Choice.SKIP, "is not the version 1.5.0"),
+        # a pinned digest: sha256 and 64 lowercase hex digits, and a tag beside it is the version
+        ("1.4.1", Published("1.4.2", f"{REPO}@sha256:{DIGEST}"), frozenset(), POLICY,
+         Choice.UPDATE, "1.4.2"),
+        ("1.4.1", Published("1.4.2", f"{REPO}:1.4.2@sha256:{DIGEST}"), frozenset(), POLICY,
+         Choice.UPDATE, "1.4.2"),
+        ("1.4.1", Published("1.4.2", f"{REPO}:0.0.1@sha256:{DIGEST}"), frozenset(), POLICY,
+         Choice.SKIP, "tag '0.0.1' is not the version 1.4.2"),
+        ("1.4.1", Published("1.4.2", f"{REPO}@sha256:0123"), frozenset(), POLICY, Choice.SKIP,
+         "not sha256:<64 lowercase hex digits>"),
+        ("1.4.1", Published("1.4.2", f"{REPO}@sha256:{DIGEST.upper()}"), frozenset(), POLICY,
+         Choice.SKIP, "not sha256:<64 lowercase hex digits>"),
+        ("1.4.1", Published("1.4.2", f"{REPO}@md5:{DIGEST[:32]}"), frozenset(), POLICY,
+         Choice.SKIP, "not sha256:<64 lowercase hex digits>"),
+        ("1.4.1", Published("1.4.2", f"{REPO}@sha256:{DIGEST}@sha256:{DIGEST}"), frozenset(),
+         POLICY, Choice.SKIP, "not sha256:<64 lowercase hex digits>"),
+        ("1.4.1", Published("1.4.2", f"{REPO}:1.4.2 "), frozenset(), POLICY, Choice.SKIP,
+         "is not a valid tag"),
+        ("1.4.1", Published("1.4.2", f"{REPO}:1.4.2:1.4.2"), frozenset(), POLICY, Choice.SKIP,
+         "not from the configured repository"),
+        # the image is judged before the version: a bad image is refused, never a noop
+        ("1.5.0", Published("1.4.2", f"{REPO}:0.0.1"), frozenset(), POLICY, Choice.SKIP,
+         "is not the version 1.4.2"),
     ],
 )  # fmt: skip
 def test_decide_update(
@@ -124,6 +179,192 @@ def test_decide_update(
     )
     assert decision.choice is choice
     assert says in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("image", "ref"),
+    [
+        ("repo/x:1.2", ImageRef("repo/x", "1.2")),
+        ("registry:5000/repo/x", ImageRef("registry:5000/repo/x")),
+        ("registry:5000/repo/x:1.2", ImageRef("registry:5000/repo/x", "1.2")),
+        (f"repo/x@sha256:{DIGEST}", ImageRef("repo/x", None, f"sha256:{DIGEST}")),
+        (f"repo/x:1.2@sha256:{DIGEST}", ImageRef("repo/x", "1.2", f"sha256:{DIGEST}")),
+        ("repo/x:", ImageRef("repo/x", "")),
+        ("repo/x@", ImageRef("repo/x", None, "")),
+    ],
+)
+def test_parse_image(image: str, ref: ImageRef) -> None:
+    assert parse_image(image) == ref
+
+
+@pytest.mark.parametrize(
+    ("image", "says"),
+    [
+        (f"{REPO}:", "'' is not a valid tag"),
+        (f"{REPO}@", "the digest is not sha256"),
+        (f"{REPO}:{'1' * 129}", "is not a valid tag"),
+        (f"{REPO}:-1.4.2", "is not a valid tag"),
+    ],
+)
+def test_malformed_images_are_refused(image: str, says: str) -> None:
+    decision = decide_update(
+        current="1.0.0", published=Published("1.4.2", image), failed=frozenset(), policy=POLICY,
+        now=NOON,
+    )  # fmt: skip
+    assert decision.choice is Choice.SKIP and says in decision.reason, decision
+
+
+def test_a_pinned_digest_is_what_gets_patched() -> None:
+    for image in (f"{REPO}@sha256:{DIGEST}", f"{REPO}:1.1.0@sha256:{DIGEST}"):
+        decision = decide_update(
+            current="1.0.0", published=Published("1.1.0", image), failed=frozenset(),
+            policy=POLICY, now=NOON,
+        )  # fmt: skip
+        assert decision.choice is Choice.UPDATE and decision.image == image
+
+
+PRE = UpdatePolicy(REPO, allow_prerelease=True)
+AT_1_5 = Confirmed("1.5.0", f"{REPO}:1.5.0")
+
+
+@pytest.mark.parametrize(
+    ("current", "published", "highest", "choice", "says"),
+    [
+        # the node was moved back (a rollback outside the self-update): not below the floor
+        ("1.0.0", Published("1.4.9"), AT_1_5, Choice.SKIP,
+         "1.4.9 is below 1.5.0, the highest version confirmed on this node"),
+        ("1.0.0", Published("1.5.0rc1"), AT_1_5, Choice.SKIP, "below 1.5.0"),
+        ("1.0.0", Published("1.4.9", f"{REPO}@sha256:{DIGEST}"), AT_1_5, Choice.SKIP,
+         "below 1.5.0"),
+        # the steady state after an update: nothing to do, and said so
+        ("1.5.0", Published("1.5.0"), AT_1_5, Choice.NOOP, "running 1.5.0, published 1.5.0"),
+        # a downgrade published to a node at the floor is refused, not a quiet noop
+        ("1.5.0", Published("1.4.2"), AT_1_5, Choice.SKIP, "a downgrade is refused"),
+        # the floor's own version, as it was confirmed: back to it
+        ("1.0.0", Published("1.5.0"), AT_1_5, Choice.UPDATE, "1.0.0 -> 1.5.0"),
+        ("1.0.0", Published("1.5.0", f"{REPO}:1.5.0"), AT_1_5, Choice.UPDATE, "1.5.0"),
+        # the floor's version as another image: refused
+        ("1.0.0", Published("1.5.0", f"{REPO}@sha256:{DIGEST}"), AT_1_5, Choice.SKIP,
+         f"1.5.0 was confirmed on this node as '{REPO}:1.5.0'"),
+        ("1.5.0", Published("1.5.0", f"{REPO}:1.5.0@sha256:{DIGEST}"), AT_1_5, Choice.SKIP,
+         "was confirmed on this node as"),
+        # the floor's image not known (recorded without it): its version is enough
+        ("1.0.0", Published("1.5.0", f"{REPO}@sha256:{DIGEST}"), Confirmed("1.5.0"),
+         Choice.UPDATE, "1.5.0"),
+        # above the floor: as without one
+        ("1.5.0", Published("1.6.0"), AT_1_5, Choice.UPDATE, "1.5.0 -> 1.6.0"),
+        ("1.0.0", Published("1.6.0"), AT_1_5, Choice.UPDATE, "1.0.0 -> 1.6.0"),
+        ("1.5.0", Published("1.6.0rc1"), AT_1_5, Choice.SKIP, "pre-release"),
+    ],
+)  # fmt: skip
+def test_no_version_below_the_highest_confirmed_one(
+    current: str, published: Published, highest: Confirmed, choice: Choice, says: str
+) -> None:
+    decision = decide_update(
+        current=current, published=published, failed=frozenset(), policy=POLICY, now=NOON,
+        highest=highest,
+    )  # fmt: skip
+    assert decision.choice is choice, decision
+    assert says in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("highest", "version", "image", "written"),
+    [
+        (None, "1.1.0", NEW_IMAGE, {HIGHEST_VERSION: "1.1.0", HIGHEST_IMAGE: NEW_IMAGE}),
+        (Confirmed("1.0.0", "x"), "1.1.0", NEW_IMAGE,
+         {HIGHEST_VERSION: "1.1.0", HIGHEST_IMAGE: NEW_IMAGE}),
+        (Confirmed("1.1.0"), "1.1.0", NEW_IMAGE,
+         {HIGHEST_VERSION: "1.1.0", HIGHEST_IMAGE: NEW_IMAGE}),
+        (None, "1.1.0", None, {HIGHEST_VERSION: "1.1.0", HIGHEST_IMAGE: None}),
+        # never lowered, nor its image replaced
+        (Confirmed("1.1.0", NEW_IMAGE), "1.1.0", "other", {}),
+        (Confirmed("2.0.0", "x"), "1.1.0", NEW_IMAGE, {}),
+        (None, "not-a-version", NEW_IMAGE, {}),
+    ],
+)  # fmt: skip
+def test_a_confirmation_raises_the_floor_and_never_lowers_it(
+    highest: Confirmed | None, version: str, image: str | None, written: dict[str, str | None]
+) -> None:
+    assert confirmation(UpdateMarks(highest=highest), version, image) == {
+        CONFIRMED_VERSION: version,
+        **written,
+    }
+
+
+SIGNATURE = bytes(range(64))
+RAW_KEY = bytes(range(32))
+SPKI = bytes.fromhex("302a300506032b6570032100") + RAW_KEY
+
+
+def pem(der: bytes) -> str:
+    body = base64.b64encode(der).decode()
+    return f"-----BEGIN PUBLIC KEY-----\n{body}\n-----END PUBLIC KEY-----\n"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [base64.b64encode(RAW_KEY).decode(), f"  {base64.b64encode(RAW_KEY).decode()}\n", pem(SPKI)],
+)
+def test_public_keys(text: str) -> None:
+    assert parse_public_key(text) == RAW_KEY
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "base64 of its 32 raw bytes"),
+        ("not base64!", "base64 of its 32 raw bytes"),
+        (base64.b64encode(RAW_KEY[:31]).decode(), "base64 of its 32 raw bytes"),
+        (RAW_KEY.hex(), "base64 of its 32 raw bytes"),  # hex is not taken: ambiguous
+        (pem(bytes.fromhex("302a300506032b6571032100") + RAW_KEY), "not an Ed25519 key"),  # X448
+        (pem(SPKI[:-1]), "not an Ed25519 key"),
+        ("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----", "32 raw bytes"),
+    ],
+)
+def test_unusable_public_keys_are_refused(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        parse_public_key(text)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [base64.b64encode(SIGNATURE), base64.b64encode(SIGNATURE) + b"\n",
+     b"\r\n " + base64.b64encode(SIGNATURE) + b" \n"],
+)  # fmt: skip
+def test_signatures(content: bytes) -> None:
+    assert parse_signature(content) == SIGNATURE
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"", "not the base64 of a 64-byte"),
+        (b"<Error><Code>NoSuchKey</Code></Error>", "not the base64 of a 64-byte"),
+        (base64.b64encode(SIGNATURE[:63]), "not the base64 of a 64-byte"),
+        (base64.b64encode(SIGNATURE + b"x"), "not the base64 of a 64-byte"),
+        (SIGNATURE, "not the base64 of a 64-byte"),  # raw bytes, not base64
+        (SIGNATURE.hex().encode(), "not the base64 of a 64-byte"),
+        (b" " * (MAX_SIGNATURE_BYTES + 1), f"larger than {MAX_SIGNATURE_BYTES} bytes"),
+    ],
+)
+def test_unusable_signatures_are_refused(content: bytes, says: str) -> None:
+    with pytest.raises(SignatureError, match=says):
+        parse_signature(content)
+
+
+@pytest.mark.parametrize(
+    ("url", "location"),
+    [
+        ("https://releases.example/wm/version.json", "https://releases.example/wm/version.json.sig"),
+        ("https://releases.example/wm/version?channel=stable#x",
+         "https://releases.example/wm/version.sig?channel=stable"),
+        ("http://127.0.0.1:8000/version", "http://127.0.0.1:8000/version.sig"),
+        ("s3://wm-releases/wm/version.json", "s3://wm-releases/wm/version.json.sig"),
+    ],
+)  # fmt: skip
+def test_signature_location(url: str, location: str) -> None:
+    assert signature_location(url) == location
 
 
 def test_an_update_names_the_image_in_the_configured_repository() -> None:
@@ -215,6 +456,8 @@ def test_pending_update(
     assert pending.remaining == pytest.approx(remaining)
     if owed is not Owed.NOTHING:
         assert pending.version == "1.1.0" and pending.previous_image == OLD
+    if owed is Owed.WATCH:  # what a confirmation records as the floor's image
+        assert pending.image == marks.target_image
 
 
 @pytest.mark.parametrize(
@@ -235,6 +478,13 @@ def test_pending_update(
          UpdateMarks()),
         ({UPDATE_STARTED: "2026-11-29T11:59:00"},
          UpdateMarks(started_at=NOON - timedelta(seconds=60))),  # no zone: UTC
+        ({HIGHEST_VERSION: "1.1.0", HIGHEST_IMAGE: NEW},
+         UpdateMarks(highest=Confirmed("1.1.0", NEW))),
+        ({HIGHEST_VERSION: "1.1.0"}, UpdateMarks(highest=Confirmed("1.1.0"))),
+        ({HIGHEST_VERSION: "one", HIGHEST_IMAGE: NEW}, UpdateMarks()),
+        ({HIGHEST_IMAGE: NEW}, UpdateMarks()),
+        # the last confirmation alone sets no floor (it may predate the floor's checks)
+        ({CONFIRMED_VERSION: "9.9.9"}, UpdateMarks(confirmed_version="9.9.9")),
     ],
 )  # fmt: skip
 def test_read_marks(annotations: dict[str, str] | None, marks: UpdateMarks) -> None:

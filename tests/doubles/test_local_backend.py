@@ -565,6 +565,113 @@ def test_fail_rejects_unknown_route_and_mode(backend: LocalBackend) -> None:
         backend.fail("nodes", "500")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         backend.fail("health", "418")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="retry_after"):
+        backend.fail("health", "500", retry_after="1")
+    with pytest.raises(ValueError, match="interval"):
+        backend.fail("health", "trickle", interval=0)
+
+
+@pytest.mark.parametrize("mode", ["429", "503"])
+def test_retry_after_is_sent_when_asked(backend: LocalBackend, call: Call, mode: str) -> None:
+    backend.fail("workloads", "429" if mode == "429" else "503", retry_after="7")
+
+    response = call("GET", WORKLOADS)
+
+    assert response.status_code == int(mode)
+    assert response.headers["retry-after"] == "7"
+
+
+def test_trickle_sends_a_good_answer_one_byte_at_a_time(backend: LocalBackend, call: Call) -> None:
+    backend.fail("health", "trickle", interval=0.02)
+    started = time.monotonic()
+
+    response = call("POST", HEALTH, json_body=health_report())
+
+    # a patient client gets a whole 2xx answer, late; the report itself was not stored
+    assert response.status_code == 200
+    assert response.json() == {"accepted": True}
+    assert int(response.headers["content-length"]) == len(response.content)
+    assert time.monotonic() - started >= 0.02 * len(response.content)
+    assert only_request(backend).injected_failure == "trickle"
+    assert backend.reports == []
+
+
+def test_trickle_is_recorded_as_abandoned_when_the_client_hangs_up(
+    backend: LocalBackend, base_url: str, node_key: Ed25519PrivateKey
+) -> None:
+    revision = backend.set_desired([{"name": "api", "version": "1.4.2"}])
+    backend.fail("workloads", "trickle", interval=0.05)
+    request = signed_request(base_url, "GET", WORKLOADS, node_key)
+
+    with httpx.Client(timeout=5.0) as client:
+        response = client.send(request, stream=True)
+        # the headers come at once: a per-read timeout never fires
+        assert response.status_code == 200
+        assert response.headers["etag"] == f'"{revision}"'
+        first = next(response.iter_raw(1))
+        response.close()
+
+    assert first == b"{"
+    (recorded,) = backend.wait_for_requests(1, timeout=5.0)
+    assert recorded.status == STATUS_CLIENT_CLOSED
+    assert recorded.injected_failure == "trickle"
+
+
+def test_huge_streams_a_good_answer_padded_past_the_size(backend: LocalBackend, call: Call) -> None:
+    revision = backend.set_desired([{"name": "api", "version": "1.4.2"}])
+    backend.fail("workloads", "huge", size=1024 * 1024)
+
+    response = call("GET", WORKLOADS)
+
+    assert response.status_code == 200
+    assert "content-length" not in response.headers  # only counting tells the size
+    assert len(response.content) == 1024 * 1024
+    # JSON whitespace: a client without a bound would take it as the desired state
+    assert response.json()["revision"] == revision
+    assert only_request(backend).injected_failure == "huge"
+
+
+def test_huge_answer_to_a_write_stores_nothing(backend: LocalBackend, call: Call) -> None:
+    backend.fail("version", "huge", size=200_000)
+
+    response = call("PUT", VERSION, json_body=VERSION_BODY)
+
+    assert response.status_code == 200
+    assert len(response.content) == 200_000
+    assert backend.versions == []
+
+
+REDIRECT_CASES = {
+    "workloads": ("GET", WORKLOADS, None, 302, 200),
+    "health": ("POST", HEALTH, health_report(), 307, 202),
+    "version": ("PUT", VERSION, VERSION_BODY, 307, 204),
+}
+
+
+@pytest.mark.parametrize("route", REDIRECT_CASES.keys())
+def test_redirect_points_at_itself_where_the_request_would_be_accepted(
+    backend: LocalBackend, base_url: str, node_key: Ed25519PrivateKey, route: Route
+) -> None:
+    method, path, body, redirect_status, final_status = REDIRECT_CASES[route]
+    backend.fail(route, "redirect", times=None)
+    request = signed_request(base_url, method, path, node_key, json_body=body)
+
+    with httpx.Client(timeout=5.0) as client:
+        refused = client.send(request)
+        followed = client.send(request, follow_redirects=True)
+
+    assert refused.status_code == redirect_status
+    port = base_url.rsplit(":", 1)[1]
+    assert refused.headers["location"] == f"http://localhost:{port}{path}"
+    # 307 keeps the method and the body, and the signature covers neither host nor scheme
+    assert followed.status_code == final_status
+    assert [r.status for r in backend.requests] == [redirect_status, redirect_status, final_status]
+    assert [r.injected_failure for r in backend.requests] == ["redirect", "redirect", None]
+    assert backend.rejected == []
+    if route == "health":
+        assert backend.reports == [health_report()]
+    if route == "version":
+        assert [name for name, _ in backend.versions] == ["api"]
 
 
 # ----------------------------------------------------------------------- helpers

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 import os
@@ -18,6 +17,7 @@ import nats
 import pytest
 
 from app.adapters.embedded import EmbeddedNats
+from app.adapters.kv_ledger import key_name
 from app.domain.jobs import job_subject
 from app.services.streams import new_job, publish_job
 from tests.support.jobs_world import (
@@ -192,12 +192,12 @@ async def test_a_worker_only_node_runs_on_three_variables(tmp_path: Path) -> Non
         server.stop()
 
 
-async def kv_record(url: str, key: str) -> dict[str, Any]:
-    """The JetStream ledger's record of `key`, as another client reads it."""
+async def kv_record(url: str, key: str, tier: str = "C") -> dict[str, Any]:
+    """The JetStream ledger's record of `key` in `tier`, as another client reads it."""
     nc = await nats.connect(url)
     try:
         bucket = await nc.jetstream().key_value("JOB_LEDGER")
-        entry = await bucket.get(base64.urlsafe_b64encode(key.encode()).decode())
+        entry = await bucket.get(key_name(tier, key))
         record: dict[str, Any] = json.loads(entry.value or b"{}")
         return record
     finally:

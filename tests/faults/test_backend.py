@@ -1,4 +1,5 @@
-"""Backend faults: 5xx, timeouts and garbage on every route the manager calls.
+"""Backend faults: 5xx, timeouts and garbage on every route the manager calls; answers
+that trickle, flood or redirect on the desired state, the version PUT and the report.
 
 Garbage is injected only where the manager reads the answer (the desired state and the
 manifests); for the version PUT and the health report the contract accepts any 2xx.
@@ -6,11 +7,20 @@ manifests); for the version PUT and the health report the contract accepts any 2
 
 from __future__ import annotations
 
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
 import pytest
 
-from tests.faults.conftest import Rig
-from tests.support.backend import FailureMode, Route
-from tests.support.sync_world import desire
+from tests.faults.conftest import Rig, start_manager
+from tests.support.backend import REDIRECT_HOST, FailureMode, LocalBackend, Route
+from tests.support.process import manager
+from tests.support.real_cluster import RealCluster
+from tests.support.servers import ThreadedServer
+from tests.support.sync_world import NAMESPACE, NODE, WRITES, desire, key_seed, manifest
 
 CASES: list[tuple[Route, FailureMode]] = [
     ("workloads", "500"),
@@ -58,3 +68,188 @@ def test_a_backend_fault_loses_nothing_and_heals_on_its_own(
     rig.local.wait_for(lambda: "quiet-during-the-outage" in rig.last_report_names(), timeout=30)
     rig.local.wait_for(lambda: rig.component("report") == "ok", timeout=10)
     assert rig.local.rejected == [], "every request kept the contract, signatures included"
+
+
+# ------------------------------------------- answers that trickle, flood or redirect
+
+DEADLINE = 2.0
+MAX_BYTES = 65536
+BOUNDS_ENV = {
+    "BACKEND_DEADLINE_SECONDS": f"{DEADLINE:g}",
+    "BACKEND_MAX_RESPONSE_BYTES": str(MAX_BYTES),
+    # longer than the trickle's gap between two bytes: a per-read timeout never fires
+    "BACKEND_TIMEOUT_SECONDS": "1.5",
+    "BACKEND_RETRY_ATTEMPTS": "3",
+    "BACKEND_RETRY_MAX_WAIT_SECONDS": "0.2",
+}
+TRICKLE_INTERVAL = 0.5
+HUGE = 4 * 1024 * 1024
+# what each mode's failure says, as /v1/status and the log show it
+CAUSE = {
+    "trickle": f"deadline of {DEADLINE:g} s (BACKEND_DEADLINE_SECONDS) passed",
+    "huge": f"answer larger than {MAX_BYTES} bytes",
+    "redirect": "redirects are refused, never followed",
+}
+BOUNDED: list[FailureMode] = ["trickle", "huge", "redirect"]
+# a failure is recorded within the deadline of the call that met it, plus the time to the
+# next tick and a margin for a busy machine
+RECORDED_WITHIN = DEADLINE + 6.0
+
+
+def _metric(url: str, sample: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    found = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def _component(url: str, name: str) -> dict[str, object]:
+    component: dict[str, object] = httpx.get(f"{url}/v1/status", timeout=5).json()["components"][
+        name
+    ]
+    return component
+
+
+def _failing_with(url: str, name: str, cause: str) -> bool:
+    component = _component(url, name)
+    return component["state"] == "failing" and cause in str(component.get("last_error"))
+
+
+def _followed(local: LocalBackend) -> list[str]:
+    """Requests that arrived under the redirect's host: a client that followed it."""
+    return [r.target for r in local.requests if r.headers.get("host", "").startswith(REDIRECT_HOST)]
+
+
+@pytest.mark.parametrize("mode", BOUNDED)
+def test_a_report_answered_slowly_hugely_or_by_a_redirect_is_not_sent(
+    backend: tuple[LocalBackend, ThreadedServer], tmp_path: Path, mode: FailureMode
+) -> None:
+    local, server = backend
+    env = {
+        "NODE_ID": NODE,
+        "NODE_SYSTEM_ENDPOINT": server.url,
+        "NODE_PRIVATE_KEY": key_seed(),
+        "REPORT_INTERVAL_SECONDS": "0.5",
+        "SCHEDULER_JITTER_FRACTION": "0",
+    } | BOUNDS_ENV
+    with manager(env=env, workdir=tmp_path) as m:
+        local.wait_for_reports(1, timeout=15)
+        local.fail("health", mode, times=None, interval=TRICKLE_INTERVAL, size=HUGE)
+        injected = time.monotonic()
+        local.wait_for(lambda: _failing_with(m.url, "report", CAUSE[mode]), RECORDED_WITHIN)
+        assert time.monotonic() - injected < RECORDED_WITHIN
+        sent = _metric(m.url, 'workload_manager_reports_total{outcome="sent"}')
+        failed = _metric(m.url, 'workload_manager_reports_total{outcome="failed"}')
+        # the next report fails the same way, and none counts as sent meanwhile
+        local.wait_for(
+            lambda: _metric(m.url, 'workload_manager_reports_total{outcome="failed"}') > failed,
+            RECORDED_WITHIN,
+        )
+        assert _metric(m.url, 'workload_manager_reports_total{outcome="sent"}') == sent
+        assert _followed(local) == []
+        stored = len(local.reports)
+
+        local.clear_failures()
+        local.wait_for(lambda: len(local.reports) > stored, timeout=15)
+        local.wait_for(lambda: _component(m.url, "report")["state"] == "ok", timeout=15)
+        assert local.rejected == []
+    log = m.log()
+    assert CAUSE[mode] in log
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
+@pytest.fixture
+def bounded_rig(
+    cluster: RealCluster, backend: tuple[LocalBackend, ThreadedServer], tmp_path: Path
+) -> Iterator[Rig]:
+    """The fault rig with a short backend deadline and a small response bound."""
+    local, server = backend
+    theirs = manifest("theirs", "1")
+    theirs["metadata"]["namespace"] = NAMESPACE
+    created = cluster.add_deployment(theirs)
+    desire(local, ("api", "1.0.0"), ("worker", "1.0.0"))
+    process = start_manager(tmp_path, server.url, cluster, **BOUNDS_ENV)
+    rig = Rig(cluster, local, server.url, tmp_path, process, created["metadata"]["generation"])
+    try:
+        local.wait_for(lambda: rig.reported("api", "1.0.0") and rig.reported("worker", "1.0.0"))
+        yield rig
+        assert rig.process.running, f"the manager died:\n{rig.process.log()}"
+    finally:
+        rig.process.stop()
+    log = rig.process.log()
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
+def _deployment_writes(rig: Rig) -> list[str]:
+    return [
+        f"{r.method} {r.path}"
+        for r in rig.cluster.requests
+        if r.method in WRITES and "/deployments" in r.path
+    ]
+
+
+@pytest.mark.parametrize("mode", BOUNDED)
+def test_a_desired_state_that_trickles_floods_or_redirects_changes_nothing(
+    bounded_rig: Rig, mode: FailureMode
+) -> None:
+    rig = bounded_rig
+    rig.local.clear_records()
+    rig.cluster.clear_requests()
+    rig.local.fail("workloads", mode, times=None, interval=TRICKLE_INTERVAL, size=HUGE)
+    # what a client without bounds would read (and apply) once the answer is complete
+    desire(rig.local, ("api", "1.1.0"), ("worker", "1.0.0"))
+    injected = time.monotonic()
+    url = rig.process.url
+    rig.local.wait_for(lambda: _failing_with(url, "sync", CAUSE[mode]), RECORDED_WITHIN)
+    assert time.monotonic() - injected < RECORDED_WITHIN
+    assert "nothing changed" in str(_component(url, "sync")["last_error"])
+    aborted = _metric(url, 'workload_manager_syncs_total{outcome="aborted"}')
+    assert aborted >= 1
+    # the cluster lock was let go: the next sync ran, and met the fault again
+    met = sum(1 for r in rig.local.requests if r.route == "workloads")
+    rig.local.wait_for(
+        lambda: sum(1 for r in rig.local.requests if r.route == "workloads") > met,
+        RECORDED_WITHIN,
+    )
+    rig.local.wait_for(
+        lambda: _metric(url, 'workload_manager_syncs_total{outcome="aborted"}') > aborted,
+        RECORDED_WITHIN,
+    )
+    rig.untouched()
+    assert rig.image("api") == "registry.example/api:1.0.0"
+    assert _deployment_writes(rig) == []
+    assert _followed(rig.local) == []
+
+    rig.local.clear_failures()
+    rig.converged("1.1.0")
+    assert rig.local.rejected == []
+
+
+@pytest.mark.parametrize("mode", BOUNDED)
+def test_a_version_put_that_trickles_floods_or_redirects_stays_owed(
+    bounded_rig: Rig, mode: FailureMode
+) -> None:
+    rig = bounded_rig
+    rig.local.clear_records()
+    rig.local.fail("version", mode, times=None, interval=TRICKLE_INTERVAL, size=HUGE)
+    desire(rig.local, ("api", "1.1.0"), ("worker", "1.0.0"))
+    # the Deployment is updated; telling the backend fails, with the cause in the log
+    rig.local.wait_for(lambda: rig.image("api") == "registry.example/api:1.1.0", timeout=30)
+    rig.local.wait_for(
+        lambda: (
+            "version 1.1.0 of api not reported yet" in rig.process.log()
+            and CAUSE[mode] in rig.process.log()
+        ),
+        RECORDED_WITHIN,
+    )
+    # still owed, so the next sync (the lock let go) tells it again
+    rig.local.wait_for(
+        lambda: sum(1 for r in rig.local.requests if r.route == "version") >= 2,
+        RECORDED_WITHIN,
+    )
+    assert not rig.reported("api", "1.1.0")
+    assert _followed(rig.local) == []
+    rig.untouched()
+
+    rig.local.clear_failures()
+    rig.converged("1.1.0")
+    assert rig.local.rejected == []

@@ -34,6 +34,8 @@ MANIFEST_SUFFIXES = (".yaml", ".yml")
 
 MANAGER_NAMESPACE = "workload-manager"
 MANAGED_NAMESPACE = "workloads"
+# where Prometheus runs (kube-prometheus and kube-prometheus-stack's usual namespace)
+MONITORING_NAMESPACE = "monitoring"
 MANAGER_ACCOUNT = (MANAGER_NAMESPACE, "workload-manager")
 SYNC_VERBS = ("get", "list", "create", "patch", "delete")
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
@@ -462,6 +464,87 @@ def test_worker_service_selects_worker_pods() -> None:
     assert service["spec"]["selector"].items() <= labels.items()
 
 
+# --- who may reach the pods (networkpolicy.yaml)
+
+
+def policy_sources(policy: Doc) -> set[tuple[str, int, str]]:
+    """(namespace, port, protocol) for every peer a NetworkPolicy lets in. Only whole
+    namespaces named by their `kubernetes.io/metadata.name` label are accepted: a rule with
+    no `from` (everyone), an ipBlock or a podSelector fails here."""
+    found: set[tuple[str, int, str]] = set()
+    for rule in policy["spec"].get("ingress") or []:
+        assert rule.get("from"), f"{label(policy)}: a rule without `from` lets everyone in"
+        assert rule.get("ports"), f"{label(policy)}: a rule without `ports` opens every port"
+        for peer in rule["from"]:
+            assert set(peer) == {"namespaceSelector"}, peer
+            selector = peer["namespaceSelector"]
+            assert set(selector) == {"matchLabels"}, selector
+            (namespace,) = selector["matchLabels"].values()
+            assert list(selector["matchLabels"]) == ["kubernetes.io/metadata.name"], selector
+            for port in rule["ports"]:
+                assert set(port) == {"port", "protocol"}, port
+                found.add((namespace, port["port"], port["protocol"]))
+    return found
+
+
+def http_port(workload: Doc) -> int:
+    (port,) = [p["containerPort"] for p in container(workload)["ports"] if p["name"] == "http"]
+    assert isinstance(port, int)
+    assert env(workload)["PORT"]["value"] == str(port)
+    return port
+
+
+def assert_policy_guards(docs: list[Doc], kind: str, sources: set[str]) -> None:
+    """One NetworkPolicy for the workload's pods and no one else's: ingress only, from
+    exactly `sources` (namespaces), on the pods' HTTP port only."""
+    workload = only(docs, kind)
+    policy = only(docs, "NetworkPolicy")
+    assert policy["metadata"]["namespace"] == workload["metadata"]["namespace"]
+    selector = policy["spec"]["podSelector"]
+    assert set(selector) == {"matchLabels"}, selector
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert selector["matchLabels"] == workload["spec"]["selector"]["matchLabels"]
+    assert selector["matchLabels"].items() <= labels.items()
+    # Ingress only: the manager's egress (API server, backend, NATS, PostgreSQL, S3, DNS)
+    # goes to addresses the operator configures, and is not restricted here.
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    port = http_port(workload)
+    assert policy_sources(policy) == {(source, port, "TCP") for source in sources}
+
+
+def test_only_the_workloads_and_prometheus_reach_the_manager() -> None:
+    docs = folder_docs(K8S)
+    managed = env(only(docs, "Deployment"))["MANAGED_NAMESPACE"]["value"]
+    assert_policy_guards(docs, "Deployment", {managed, MONITORING_NAMESPACE})
+
+
+def test_only_prometheus_reaches_a_worker() -> None:
+    """A worker manages no workloads, so nothing pings it."""
+    assert_policy_guards(folder_docs(WORKER), "DaemonSet", {MONITORING_NAMESPACE})
+
+
+def test_the_policies_of_manager_and_worker_select_their_own_pods() -> None:
+    base = only(folder_docs(K8S), "NetworkPolicy")
+    worker = only(folder_docs(WORKER), "NetworkPolicy")
+    assert base["metadata"]["name"] != worker["metadata"]["name"]
+    assert base["spec"]["podSelector"] != worker["spec"]["podSelector"]
+
+
+@pytest.mark.parametrize(("folder", "kind"), [(K8S, "Deployment"), (WORKER, "DaemonSet")])
+def test_only_the_manager_mounts_an_api_token(folder: Path, kind: str) -> None:
+    """The manager's Deployment talks to the API server (sync, self-update, uptime); a
+    worker never does, and its pods get no ServiceAccount token at all."""
+    docs = folder_docs(folder)
+    pod = pod_spec(only(docs, kind))
+    account = (MANAGER_NAMESPACE, pod["serviceAccountName"])
+    if kind == "Deployment":
+        assert grants(docs, account), "the manager uses the API"
+        assert pod.get("automountServiceAccountToken", True) is True
+    else:
+        assert grants(docs, account) == []
+        assert pod["automountServiceAccountToken"] is False
+
+
 # --- what `kubectl apply -k` sends
 
 
@@ -519,6 +602,13 @@ def test_rendered_worker_rbac() -> None:
     assert_worker_has_no_rights(docs)
 
 
+@needs_kubectl
+def test_rendered_network_policies() -> None:
+    base, worker = list(render("base")), list(render("worker"))
+    assert_policy_guards(base, "Deployment", {MANAGED_NAMESPACE, MONITORING_NAMESPACE})
+    assert_policy_guards(worker, "DaemonSet", {MONITORING_NAMESPACE})
+
+
 def test_every_environment_variable_in_the_manifests_is_a_setting() -> None:
     from app.settings import Settings
 
@@ -533,3 +623,15 @@ def test_every_environment_variable_in_the_manifests_is_a_setting() -> None:
                 names |= {e["name"] for e in container.get("env", [])}
     assert names, "no container environment found under k8s/"
     assert names - known - informational == set()
+
+
+def test_the_managed_namespace_enforces_the_baseline_pod_security_standard() -> None:
+    from app.domain.pod_security import STANDARD_VERSION
+
+    labels = only(load(K8S / "workloads-namespace.yaml"), "Namespace")["metadata"]["labels"]
+    prefix = "pod-security.kubernetes.io/"
+    assert {k: v for k, v in labels.items() if k.startswith(prefix)} == {
+        f"{prefix}enforce": "baseline", f"{prefix}enforce-version": STANDARD_VERSION,
+        f"{prefix}warn": "restricted", f"{prefix}warn-version": STANDARD_VERSION,
+        f"{prefix}audit": "restricted", f"{prefix}audit-version": STANDARD_VERSION,
+    }  # fmt: skip

@@ -29,7 +29,14 @@ import yaml
 from app.adapters.embedded import EmbeddedNats
 from app.services.streams import TIERS
 from tests.k8s.test_manifests import KUBERNETES_VERSION, KUSTOMIZATION, MANIFEST_SUFFIXES
-from tests.support.nats_auth import OPERATOR, worker_permissions
+from tests.support.nats_auth import (
+    NODE_NAME_TEMPLATE,
+    OPERATOR,
+    Permissions,
+    tier_permissions,
+    worker_permissions,
+)
+from tests.support.nats_jwt import Fleet
 
 NATS = Path(__file__).resolve().parents[2] / "k8s" / "nats"
 BASE = NATS / "base"
@@ -599,6 +606,19 @@ def test_the_servers_run_unprivileged(variant: str, source: str) -> None:
 
 
 @pytest.mark.parametrize(("variant", "source"), BUILDS)
+def test_the_servers_get_no_api_token_and_a_uid_of_their_own(variant: str, source: str) -> None:
+    """nats-server never talks to the Kubernetes API: no ServiceAccount token in its pods.
+    Its UID is above the range hosts give their own users (10000), and not the manager's."""
+    made = build(variant, source)
+    assert pod(made)["automountServiceAccountToken"] is False
+    security = pod(made)["securityContext"]
+    assert security["runAsUser"] >= 10000
+    assert security["runAsGroup"] == security["fsGroup"] == security["runAsUser"]
+    manager = yaml.safe_load((NATS.parent / "deployment.yaml").read_text())["spec"]["template"]
+    assert security["runAsUser"] != manager["spec"]["securityContext"]["runAsUser"]
+
+
+@pytest.mark.parametrize(("variant", "source"), BUILDS)
 def test_only_the_servers_reach_the_route_port(variant: str, source: str) -> None:
     made = build(variant, source)
     policy = made.only("NetworkPolicy")["spec"]
@@ -712,3 +732,30 @@ def test_the_example_grants_each_tier_what_a_worker_needs(tier: str) -> None:
     (user,) = [u for u in example_users() if u.get("nkey") == PLACEHOLDER_NKEY.format(tier=tier)]
     assert set(user) == {"nkey", "permissions"}
     assert user["permissions"] == ConfReader({}).value(worker_permissions(tier))
+
+
+# --- per-node identities (operator mode; k8s/nats/README.md)
+
+README = NATS / "README.md"
+
+
+def test_nats_server_accepts_operator_mode_in_place_of_the_example(tmp_path: Path) -> None:
+    """What `nsc generate config --mem-resolver` writes (operator, accounts, resolver), as
+    the Secret's auth.conf with the shipped nats.conf."""
+    made = build("production", "files")
+    auth = Fleet(TIERS).server_config()
+    result = check_config(tmp_path, made, auth, {"POD_NAME": "nats-0"})
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_readmes_signing_key_template_is_what_a_worker_needs() -> None:
+    """The `nsc edit signing-key` block grants tier C's nodes exactly `tier_permissions`
+    with the user's name for the node."""
+    (block,) = [
+        b for b in re.findall(r"```sh\n(.*?)```", README.read_text(), re.S)
+        if "nsc edit signing-key" in b
+    ]  # fmt: skip
+    assert "--role tier-C" in block
+    publish = tuple(re.findall(r"--allow-pub '([^']+)'", block))
+    subscribe = tuple(re.findall(r"--allow-sub '([^']+)'", block))
+    assert Permissions(publish, subscribe) == tier_permissions("C", NODE_NAME_TEMPLATE)

@@ -5,6 +5,8 @@ token, and a local version file."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import logging
 import threading
 import time
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -51,11 +55,20 @@ TARGET_IMAGE = "workload-manager.io/update-image"
 STARTED = "workload-manager.io/update-started"
 CONFIRMED = "workload-manager.io/update-confirmed"
 FAILED_VERSIONS = "workload-manager.io/failed-versions"
+HIGHEST = "workload-manager.io/highest-confirmed-version"
+HIGHEST_IMAGE = "workload-manager.io/highest-confirmed-image"
 DEADLINE = 10.0  # the updater's own bound on a rollout, and on retrying its rollback
 PROGRESS_DEADLINE = 2  # the own Deployment's progressDeadlineSeconds
 POLL = 0.05
 BAD = NEVER_READY_VERSION  # kwok never makes a pod of this image Ready
 WORSE = "0.4.0rc666"  # the same, for a second bad version
+DIGEST = "sha256:" + "5e" * 32
+RELEASE_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+RELEASE_PUBLIC = base64.b64encode(
+    RELEASE_KEY.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+).decode()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +84,10 @@ async def runtime(
     version_file: tuple[VersionFileServer, ThreadedServer],
     make_settings: SettingsFactory,
     tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> AsyncIterator[Runtime]:
+    """The self-updater built from the settings; `indirect` parameters add settings."""
+    extra: dict[str, Any] = getattr(request, "param", {})
     files, server = version_file
     files.set(body=b"0.1.0")
     plane = cluster.plane
@@ -92,6 +108,7 @@ async def runtime(
         kube_timeout_seconds=3.0,
         desired_state_dir=tmp_path,  # sync on, for the lock test
         managed_namespace="workloads",
+        **extra,
     )
     rt = build_runtime(settings)
     async with AsyncExitStack() as stack:
@@ -250,6 +267,160 @@ async def test_only_the_configured_repository_is_taken(
     await updater(runtime).run_scheduled()
     assert image_of(cluster) == f"{REPO}:0.1.0"
     assert [r for r in cluster.requests if r.method != "GET"] == []
+
+
+def non_get_requests(cluster: RealCluster) -> list[str]:
+    return [f"{r.method} {r.path}" for r in cluster.requests if r.method != "GET"]
+
+
+@pytest.mark.parametrize(
+    ("published", "says"),
+    [
+        # a newer version naming an older image: it would downgrade, then re-confirm forever
+        ({"version": "9.9.9", "image": f"{REPO}:0.0.1"}, "tag '0.0.1' is not the version 9.9.9"),
+        # a pre-release image under a release version
+        ({"version": "0.2.0", "image": f"{REPO}:0.2.0-rc1"},
+         "tag '0.2.0-rc1' is not the version 0.2.0"),
+        ({"version": "0.2.0", "image": f"{REPO}:latest"}, "tag 'latest' is not the version"),
+        ({"version": "0.2.0", "image": f"{REPO}:0.1.0@{DIGEST}"},
+         "tag '0.1.0' is not the version 0.2.0"),
+        ({"version": "0.2.0", "image": f"{REPO}@sha256:1234"}, "not sha256:<64 lowercase hex"),
+    ],
+)  # fmt: skip
+async def test_an_image_that_is_not_the_published_version_is_refused(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
+    published: dict[str, str], says: str,
+) -> None:  # fmt: skip
+    version_file[0].set(body=json.dumps(published).encode())
+    cluster.clear_requests()
+    await updater(runtime).run_scheduled()
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    assert non_get_requests(cluster) == []
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "skip" and says in last["reason"], last
+
+
+@pytest.mark.parametrize("image", [f"{REPO}@{DIGEST}", f"{REPO}:0.2.0@{DIGEST}"])
+async def test_a_pinned_digest_is_patched_as_published_and_then_is_the_running_version(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
+    image: str,
+) -> None:  # fmt: skip
+    version_file[0].set(body=json.dumps({"version": "0.2.0", "image": image}).encode())
+    await updater(runtime).run_scheduled()
+    assert image_of(cluster) == image
+    annotations = annotations_of(cluster)
+    assert annotations[CONFIRMED] == "0.2.0"
+    assert (annotations[HIGHEST], annotations[HIGHEST_IMAGE]) == ("0.2.0", image)
+    cluster.clear_requests()
+    await updater(runtime).run_scheduled()  # the digest runs 0.2.0: nothing more to do
+    assert non_get_requests(cluster) == []
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "noop" and last["running"] == "0.2.0", last
+
+
+async def test_a_confirmation_records_the_highest_version_on_the_deployment(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
+    fresh_updater: SelfUpdater,
+) -> None:  # fmt: skip
+    version_file[0].set(body=b"0.2.0")
+    await updater(runtime).run_scheduled()
+    annotations = annotations_of(cluster)
+    assert (annotations[HIGHEST], annotations[HIGHEST_IMAGE]) == ("0.2.0", f"{REPO}:0.2.0")
+    # the pod moved back to 0.1.0 outside the self-update, and a manager that starts
+    # afresh (only the Deployment remembers) is offered 0.1.5: refused
+    cluster.edit_deployment(
+        OWN_NS, "workload-manager",
+        lambda obj: obj["spec"]["template"]["spec"]["containers"][0].update(image=f"{REPO}:0.1.0"),
+    )  # fmt: skip
+    version_file[0].set(body=b"0.1.5")
+    cluster.clear_requests()
+    await fresh_updater.run_scheduled()
+    assert non_get_requests(cluster) == []
+    last = fresh_updater.last
+    assert last is not None and last["decision"] == "skip", last
+    assert "0.1.5 is below 0.2.0, the highest version confirmed on this node" in last["reason"]
+
+
+def with_floor(cluster: RealCluster, version: str, image: str) -> None:
+    """The annotations an earlier confirmation of `version` left on the own Deployment."""
+    cluster.edit_deployment(
+        OWN_NS, "workload-manager",
+        lambda obj: obj["metadata"].setdefault("annotations", {}).update(
+            {HIGHEST: version, HIGHEST_IMAGE: image}
+        ),
+    )  # fmt: skip
+
+
+async def test_a_version_below_the_highest_confirmed_one_is_refused_and_nothing_patched(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    # 0.3.0 was confirmed here once; the node now runs 0.1.0 (moved back by hand)
+    with_floor(cluster, "0.3.0", f"{REPO}:0.3.0")
+    for published, says in [
+        (b"0.2.0", "0.2.0 is below 0.3.0, the highest version confirmed on this node"),
+        (json.dumps({"version": "0.3.0", "image": f"{REPO}@{DIGEST}"}).encode(),
+         f"0.3.0 was confirmed on this node as '{REPO}:0.3.0'"),
+    ]:  # fmt: skip
+        version_file[0].set(body=published)
+        cluster.clear_requests()
+        await updater(runtime).run_scheduled()
+        assert non_get_requests(cluster) == []
+        assert image_of(cluster) == f"{REPO}:0.1.0"
+        last = updater(runtime).last
+        assert last is not None and last["decision"] == "skip" and says in last["reason"], last
+    # the confirmed version itself, as it was confirmed, is taken
+    version_file[0].set(body=b"0.3.0")
+    await updater(runtime).run_scheduled()
+    assert image_of(cluster) == f"{REPO}:0.3.0"
+    assert annotations_of(cluster)[HIGHEST] == "0.3.0"
+
+
+SIGNED = pytest.mark.parametrize(
+    "runtime", [{"self_update_public_key": RELEASE_PUBLIC}], indirect=True, ids=["signed"]
+)
+
+
+def sig(key: Ed25519PrivateKey, body: bytes) -> bytes:
+    return base64.b64encode(key.sign(body))
+
+
+@SIGNED
+@pytest.mark.parametrize(
+    ("make_sig", "says"),
+    [
+        (lambda body: None, "HTTP 404 (SELF_UPDATE_PUBLIC_KEY is set: the version file must be "
+         "signed); nothing decided"),
+        (lambda body: b"garbage", "not the base64 of a 64-byte Ed25519 signature"),
+        (lambda body: sig(Ed25519PrivateKey.from_private_bytes(b"\x07" * 32), body),
+         "does not verify the version file with the key in SELF_UPDATE_PUBLIC_KEY"),
+        (lambda body: sig(RELEASE_KEY, b"0.2.0"), "does not verify"),  # another file's
+    ],
+)  # fmt: skip
+async def test_with_a_public_key_a_file_without_its_valid_signature_changes_nothing(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
+    make_sig: Any, says: str,
+) -> None:  # fmt: skip
+    body = json.dumps({"version": "0.2.0", "image": f"{REPO}:0.2.0"}).encode()
+    version_file[0].set(body=body, sig=make_sig(body))
+    cluster.clear_requests()
+    await updater(runtime).run_scheduled()
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    assert non_get_requests(cluster) == []
+    assert updater(runtime).last is None  # nothing was decided
+    component = runtime.components["self_update"]
+    assert component.state == "failing" and says in (component.last_error or ""), component
+    assert (component.last_error or "").startswith("signature of ")
+
+
+@SIGNED
+async def test_with_a_public_key_a_validly_signed_file_is_applied(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    body = b'{"version": "0.2.0"}\n'
+    version_file[0].set(body=body, sig=sig(RELEASE_KEY, body))
+    await updater(runtime).run_scheduled()
+    assert image_of(cluster) == f"{REPO}:0.2.0"
+    assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
 
 
 async def test_sync_and_self_update_never_overlap(

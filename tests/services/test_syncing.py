@@ -159,3 +159,55 @@ async def test_a_restarted_manager_puts_only_what_the_backend_does_not_know(
             await restarted.sync()
             await restarted.sync()
             assert [(n, b["version"]) for n, b in world.backend.versions] == [("api", "1.0.0")]
+
+
+async def test_a_desired_state_over_the_workload_bound_is_refused_whole(world: World) -> None:
+    """More workloads than MAX_DESIRED_WORKLOADS: a failed sync that says why, and nothing
+    on the cluster changes (no creates, and above all no deletes)."""
+    world.desire(("api", "1.0.0"))
+    assert (await world.syncer.sync()).ok
+    settings = world.runtime.settings.model_copy(update={"max_desired_workloads": 3})
+    world.desire(*((f"w{i}", "1.0.0") for i in range(4)))
+    world.forget_requests()
+    async with AsyncExitStack() as stack:
+        bounded = await open_sync_only(runtime := build_runtime(settings), stack)
+        assert bounded is not None
+        outcome = await bounded.sync()
+    assert outcome.aborted is not None and not outcome.ok
+    assert "4 workloads, more than MAX_DESIRED_WORKLOADS (3)" in outcome.aborted
+    assert "nothing changed" in outcome.aborted
+    assert "MAX_DESIRED_WORKLOADS" in (runtime.components["sync"].last_error or "")
+    assert world.kube_writes() == []
+    assert set(world.deployments()) == {"api"}
+    assert not [r for r in world.backend.requests if "manifest" in r.path]
+
+
+async def test_a_manifest_that_could_take_the_node_is_held_and_never_written(
+    world: World,
+) -> None:
+    root = manifest("api", "1.0.0")
+    container = root["spec"]["template"]["spec"]["containers"][0]
+    container["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]}}
+    world.desire(("api", "1.0.0"), ("worker", "1.0.0"), api=root)
+    outcome = await world.syncer.sync()
+    by_name = {r.name: r for r in outcome.results}
+    assert (by_name["api"].action, by_name["api"].outcome) == ("hold", "held")
+    assert "containers[0].securityContext.capabilities.add[0]" in by_name["api"].reason
+    assert "(baseline: Capabilities)" in by_name["api"].reason
+    assert by_name["worker"].outcome == "applied"
+    assert set(world.deployments()) == {"worker"}
+    assert not [w for w in world.kube_writes() if w.endswith("/deployments/api")]
+
+
+async def test_an_oversized_manifest_is_held_and_kept_only_as_its_reason(world: World) -> None:
+    big = manifest("api", "1.0.0", env={"PADDING": "x" * 70_000})
+    world.desire(("api", "1.0.0"), api=big)
+    first = await world.syncer.sync()
+    again = await world.syncer.sync()
+    for outcome in (first, again):
+        (result,) = outcome.results
+        assert result.outcome == "held"
+        assert "more than MANIFEST_MAX_BYTES (65536) (manager: Size)" in result.reason
+    assert world.deployments() == {}
+    fetched = [r.path for r in world.backend.requests if "manifest" in r.path]
+    assert fetched == ["/v1/nodes/node-sync/workloads/api/manifest"]

@@ -3,6 +3,14 @@
 It enforces the signed node API contract (Ed25519 request signing, routes, body shapes),
 records every request including rejected ones, and can be told to fail a route, so a test
 against it proves the manager speaks the contract. Serve it with `backend.serve()`.
+
+Failure modes (`fail`): "500", "503" and "429" answer that status (with `Retry-After` when
+asked); "timeout" holds the request without answering; "garbage" answers 200 with a body
+of the wrong shape; "trickle" sends the headers of a good answer, then its body one byte
+every `interval` seconds; "huge" streams a good answer padded with JSON whitespace to
+`size` bytes, without a Content-Length; "redirect" answers 302 (GET) or 307 (PUT, POST)
+to the same target on `localhost` instead of `127.0.0.1`, where the request would be
+accepted. A failed request is never carried out: nothing is stored.
 """
 
 from __future__ import annotations
@@ -34,18 +42,39 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 Route = Literal["workloads", "manifest", "version", "health"]
-FailureMode = Literal["500", "503", "timeout", "garbage"]
+FailureMode = Literal["500", "503", "429", "timeout", "garbage", "trickle", "huge", "redirect"]
 
 ROUTES: tuple[Route, ...] = ("workloads", "manifest", "version", "health")
-FAILURE_MODES: tuple[FailureMode, ...] = ("500", "503", "timeout", "garbage")
+FAILURE_MODES: tuple[FailureMode, ...] = (
+    "500",
+    "503",
+    "429",
+    "timeout",
+    "garbage",
+    "trickle",
+    "huge",
+    "redirect",
+)
+# the modes that answer with a status and a small error body
+_STATUS_MODES: tuple[FailureMode, ...] = ("500", "503", "429")
 
 HEADER_NODE_ID = "x-node-id"
 HEADER_TIMESTAMP = "x-node-timestamp"
 HEADER_SIGNATURE = "x-node-signature"
 
 # Recorded as the status of a request whose client gave up while a "timeout"
-# failure was stalling it (nginx's convention); no answer ever reached the client.
+# failure was stalling it, or a "trickle" or "huge" answer was still being sent
+# (nginx's convention); no complete answer ever reached the client.
 STATUS_CLIENT_CLOSED = 499
+
+# A redirect points at the same server under this name, which is exempt from "redirect"
+# failures, so a client that followed it would be answered (and its request carried out).
+REDIRECT_HOST = "localhost"
+# what a "huge" answer grows to unless told otherwise: past any sane bound
+HUGE_BYTES = 64 * 1024 * 1024
+_HUGE_CHUNK = 64 * 1024
+# the body of a "trickle" or "huge" answer to a PUT or POST (2xx with any body is success)
+_ACCEPTED = b'{"accepted": true}'
 
 _TIMESTAMP_RE = re.compile(r"[0-9]{1,12}")
 # RFC 3339 section 5.6 date-time: `T` separator and an explicit offset are mandatory,
@@ -83,6 +112,9 @@ class _Failure:
     mode: FailureMode
     remaining: int | None
     delay: float
+    interval: float = 0.5
+    size: int = HUGE_BYTES
+    retry_after: str | None = None
 
 
 @dataclass
@@ -219,8 +251,15 @@ class LocalBackend:
         *,
         times: int | None = 1,
         delay: float = 30.0,
+        interval: float = 0.5,
+        size: int = HUGE_BYTES,
+        retry_after: str | None = None,
     ) -> None:
         """Make `route` fail in `mode` for the next `times` requests (None: until cleared).
+
+        `delay`: how long "timeout" holds a request; `interval`: the seconds between two
+        bytes of a "trickle"; `size`: the bytes of a "huge" answer; `retry_after`: the
+        `Retry-After` value sent with a "429" or "503" (none when None).
 
         Failures apply only to correctly signed requests on a known route, as a
         real backend would authenticate first.
@@ -231,8 +270,19 @@ class LocalBackend:
             raise ValueError(f"unknown failure mode {mode!r}; expected one of {FAILURE_MODES}")
         if times is not None and times < 1:
             raise ValueError("times must be >= 1 or None")
+        if interval <= 0 or size < 1:
+            raise ValueError("interval must be > 0 and size >= 1")
+        if retry_after is not None and mode not in ("429", "503"):
+            raise ValueError("retry_after goes with the 429 and 503 modes only")
         with self._lock:
-            self._failures[route] = _Failure(mode=mode, remaining=times, delay=delay)
+            self._failures[route] = _Failure(
+                mode=mode,
+                remaining=times,
+                delay=delay,
+                interval=interval,
+                size=size,
+                retry_after=retry_after,
+            )
 
     def clear_failures(self) -> None:
         with self._lock:
@@ -240,7 +290,7 @@ class LocalBackend:
             self._release_generation += 1
 
     def release_stalled(self) -> None:
-        """Let requests held by a "timeout" failure answer now."""
+        """Let requests held by a "timeout" failure answer now, and end "trickle" answers."""
         with self._lock:
             self._release_generation += 1
 
@@ -380,14 +430,25 @@ class LocalBackend:
             reply = auth_error.reply()
 
         failure: _Failure | None = None
+        streamed: _Reply | None = None  # a good answer, sent slowly or padded
         if reply is None:
             assert route is not None
-            failure = self._take_failure(route)
+            failure = self._take_failure(route, redirected=_host_name(headers) == REDIRECT_HOST)
             if failure is not None and failure.mode == "timeout":
                 if await self._stall(receive, failure.delay):
                     reply = _Reply(status=STATUS_CLIENT_CLOSED)
+            elif failure is not None and failure.mode in ("trickle", "huge"):
+                streamed = self._good_answer(route, params, query, headers)
+            elif failure is not None and failure.mode == "redirect":
+                reply = _redirect_reply(method, scope, target)
             elif failure is not None:
-                reply = _failure_reply(route, failure.mode)
+                reply = _failure_reply(route, failure)
+
+        if streamed is not None:
+            assert failure is not None
+            sender = _trickle if failure.mode == "trickle" else _pad
+            hung_up = await sender(send, receive, streamed, failure, self._generation)
+            reply = _Reply(status=STATUS_CLIENT_CLOSED) if hung_up else streamed
 
         if reply is None:
             assert route is not None
@@ -412,7 +473,7 @@ class LocalBackend:
                 received_at=received_at,
             )
         )
-        if reply.status != STATUS_CLIENT_CLOSED:
+        if reply.status != STATUS_CLIENT_CLOSED and streamed is None:
             await _send_reply(send, reply)
 
     def _record(self, request: RecordedRequest) -> None:
@@ -514,10 +575,10 @@ class LocalBackend:
                 401, "X-Node-Signature does not verify over method, target, timestamp and body"
             ) from None
 
-    def _take_failure(self, route: Route) -> _Failure | None:
+    def _take_failure(self, route: Route, *, redirected: bool) -> _Failure | None:
         with self._lock:
             failure = self._failures.get(route)
-            if failure is None:
+            if failure is None or (redirected and failure.mode == "redirect"):
                 return None
             if failure.remaining is not None:
                 failure.remaining -= 1
@@ -551,6 +612,25 @@ class LocalBackend:
         finally:
             if not disconnect.done():
                 disconnect.cancel()
+
+    def _good_answer(
+        self,
+        route: Route,
+        params: Mapping[str, str],
+        query: bytes,
+        headers: Mapping[str, list[str]],
+    ) -> _Reply:
+        """What a good answer would be, without carrying out a PUT or POST: the GETs have
+        no side effects, the writes get a 200 with a small body instead of being stored."""
+        if route in ("version", "health"):
+            return _Reply(status=200, body=_ACCEPTED, content_type="application/json")
+        try:
+            if route == "workloads":
+                # unconditional, so there is a body to send even to an If-None-Match
+                return self._get_workloads({})
+            return self._get_manifest(params["name"], query)
+        except _ContractError as exc:
+            return exc.reply()
 
     def _dispatch(
         self,
@@ -669,14 +749,106 @@ def _require_object(body: bytes, parsed: Any) -> dict[str, Any]:
     return parsed
 
 
-def _failure_reply(route: Route, mode: FailureMode) -> _Reply:
+def _failure_reply(route: Route, failure: _Failure) -> _Reply:
+    mode = failure.mode
     if mode == "garbage":
         if route == "workloads":
             # Valid JSON of the wrong shape: catches clients that only check parseability.
             return _Reply(200, body=b'{"workloads": "nope"}', content_type="application/json")
         return _Reply(status=200, body=_GARBAGE_HTML, content_type="text/html")
-    status = int(mode)
-    return _json_reply(status, {"error": f"injected failure {mode} on {route}"})
+    assert mode in _STATUS_MODES, mode
+    reply = _json_reply(int(mode), {"error": f"injected failure {mode} on {route}"})
+    if failure.retry_after is not None:
+        reply.headers.append(("retry-after", failure.retry_after))
+    return reply
+
+
+def _host_name(headers: Mapping[str, list[str]]) -> str:
+    host = ", ".join(headers.get("host", []))
+    return host.rsplit(":", 1)[0] if not host.endswith("]") else host
+
+
+def _redirect_reply(method: str, scope: Scope, target: str) -> _Reply:
+    """302 for a GET, 307 (method and body kept, RFC 9110 15.4.8) for a PUT or POST, to
+    the same target on this server under REDIRECT_HOST."""
+    _, port = scope["server"]
+    status = 302 if method == "GET" else 307
+    reply = _json_reply(status, {"error": f"moved; injected {status}"})
+    reply.headers.append(("location", f"http://{REDIRECT_HOST}:{port}{target}"))
+    return reply
+
+
+def _watch_disconnect(receive: Receive) -> asyncio.Future[Message]:
+    """A future that completes when the client hangs up (the body is already read)."""
+    return asyncio.ensure_future(receive())
+
+
+def _hung_up(watch: asyncio.Future[Message]) -> bool:
+    return watch.done() and watch.result().get("type") == "http.disconnect"
+
+
+async def _trickle(
+    send: Send,
+    receive: Receive,
+    reply: _Reply,
+    failure: _Failure,
+    generation: Callable[[], int],
+) -> bool:
+    """Send the headers (with the full Content-Length), then one byte every interval;
+    True if the client hung up first. release_stalled() ends it, the body unfinished."""
+    started = generation()
+    watch = _watch_disconnect(receive)
+    try:
+        headers = _reply_headers(reply)
+        headers.append((b"content-length", str(len(reply.body)).encode()))
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        loop = asyncio.get_running_loop()
+        for index in range(len(reply.body)):
+            next_byte = loop.time() + failure.interval
+            while (left := next_byte - loop.time()) > 0:
+                # short slices so release_stalled() from another thread is noticed
+                await asyncio.wait({watch}, timeout=min(0.05, left))
+                if _hung_up(watch):
+                    return True
+                if generation() != started:
+                    return False
+            last = index == len(reply.body) - 1
+            chunk = reply.body[index : index + 1]
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+        return _hung_up(watch)
+    finally:
+        if not watch.done():
+            watch.cancel()
+
+
+async def _pad(
+    send: Send,
+    receive: Receive,
+    reply: _Reply,
+    failure: _Failure,
+    generation: Callable[[], int],
+) -> bool:
+    """Stream the answer followed by JSON whitespace up to `size` bytes, chunked (no
+    Content-Length, so only counting tells the size); True if the client hung up first."""
+    del generation  # not stalled: it ends as fast as the client reads
+    watch = _watch_disconnect(receive)
+    try:
+        headers = _reply_headers(reply)
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        await send({"type": "http.response.body", "body": reply.body, "more_body": True})
+        left = max(0, failure.size - len(reply.body))
+        while left > 0:
+            if _hung_up(watch):
+                return True
+            chunk = b" " * min(_HUGE_CHUNK, left)
+            left -= len(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(0)  # let the disconnect watcher run
+        await send({"type": "http.response.body", "body": b""})
+        return _hung_up(watch)
+    finally:
+        if not watch.done():
+            watch.cancel()
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -708,10 +880,15 @@ def _try_json(body: bytes) -> Any:
         return None
 
 
-async def _send_reply(send: Send, reply: _Reply) -> None:
+def _reply_headers(reply: _Reply) -> list[tuple[bytes, bytes]]:
     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers]
     if reply.content_type is not None and reply.body:
         headers.append((b"content-type", reply.content_type.encode("latin-1")))
+    return headers
+
+
+async def _send_reply(send: Send, reply: _Reply) -> None:
+    headers = _reply_headers(reply)
     body = b"" if reply.status in (204, 304) else reply.body
     if reply.status not in (204, 304):  # RFC 9110 8.6: no Content-Length on 204
         headers.append((b"content-length", str(len(body)).encode()))

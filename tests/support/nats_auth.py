@@ -1,7 +1,9 @@
 """A nats-server with users and per-tier permissions, as a fleet's NATS would have them:
 an operator (user and password) who makes the topology, and one nkey user per tier whose
-permissions cover exactly what a worker of that tier needs (its durable consumers, its
-acks, the events stream, the ledger bucket, its inboxes)."""
+permissions cover exactly what a worker of that tier needs: its own durable consumers on
+the job streams by name and filter, their acks, its tier's keys in the ledger bucket, its
+node's events subject and its own inboxes (k8s/nats/auth.conf.example carries the same
+lists; tests/k8s/test_nats_manifests.py keeps the two equal)."""
 
 from __future__ import annotations
 
@@ -12,14 +14,37 @@ from pathlib import Path
 import nkeys
 
 from app.adapters.embedded import EmbeddedNats
+from app.adapters.kv_ledger import BUCKET
+from app.domain.jobs import STREAMS, consumer_filter, consumer_name
 
 OPERATOR = ("operator", "operator-pass")
+# what stands for "any node of the tier" in a tier user's subjects; a per-node identity
+# (a user JWT issued under the tier's signing key) has its own name there instead
+ANY_NODE = "*"
+NODE_NAME_TEMPLATE = "{{name()}}"
 
 
 @dataclass(frozen=True)
 class NkeyUser:
     seed_file: Path
     public_key: str
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+    def conf(self) -> str:
+        """The nats-server configuration form."""
+
+        def allowed(subjects: tuple[str, ...]) -> str:
+            return ", ".join(f'"{subject}"' for subject in subjects)
+
+        return (
+            f"{{publish: {{allow: [{allowed(self.publish)}]}}, "
+            f"subscribe: {{allow: [{allowed(self.subscribe)}]}}}}"
+        )
 
 
 def new_nkey_user(directory: Path, name: str) -> NkeyUser:
@@ -32,18 +57,29 @@ def new_nkey_user(directory: Path, name: str) -> NkeyUser:
     return NkeyUser(path, public_key)
 
 
+def tier_permissions(tier: str, node: str = ANY_NODE) -> Permissions:
+    """What a worker of `tier` on `node` publishes and subscribes, and nothing more."""
+    durable = consumer_name(tier)
+    publish = ["$JS.API.INFO", f"$JS.API.STREAM.INFO.KV_{BUCKET}"]
+    for kind, stream in STREAMS.items():
+        publish += [
+            f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
+            # the filter is part of the subject (the server checks it against the body's)
+            f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{consumer_filter(kind, tier)}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
+            f"$JS.ACK.{stream}.{durable}.>",
+        ]
+    publish += [
+        f"mm.events.{node}.>",
+        f"$KV.{BUCKET}.{tier}.>",
+        f"$JS.API.DIRECT.GET.KV_{BUCKET}.$KV.{BUCKET}.{tier}.>",
+    ]
+    return Permissions(tuple(publish), (f"_INBOX.wm-{tier}.{node}.>",))
+
+
 def worker_permissions(tier: str) -> str:
-    durable = f"wm-{tier}"
-    publish = [
-        "$JS.API.INFO", "$JS.API.STREAM.INFO.*",
-        f"$JS.API.CONSUMER.INFO.*.{durable}", f"$JS.API.CONSUMER.CREATE.*.{durable}",
-        f"$JS.API.CONSUMER.CREATE.*.{durable}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.*.{durable}",
-        f"$JS.API.CONSUMER.MSG.NEXT.*.{durable}", f"$JS.ACK.*.{durable}.>",
-        "mm.events.>", "$KV.JOB_LEDGER.>", "$JS.API.DIRECT.GET.KV_JOB_LEDGER.>",
-        "$JS.API.STREAM.MSG.GET.KV_JOB_LEDGER",
-    ]  # fmt: skip
-    allowed = ", ".join(f'"{subject}"' for subject in publish)
-    return f'{{publish: {{allow: [{allowed}]}}, subscribe: {{allow: ["_INBOX.>"]}}}}'
+    """A tier user's permissions in the nats-server configuration form."""
+    return tier_permissions(tier).conf()
 
 
 def start_server(directory: Path, tiers: dict[str, NkeyUser]) -> EmbeddedNats:

@@ -19,18 +19,29 @@ if TYPE_CHECKING:
 
 
 class VersionFileServer:
-    """Serves /version with a settable status, body and delay (for garbage and timeouts)."""
+    """Serves /version with a settable status, body and delay (for garbage and timeouts),
+    and /version.sig, its signature (a 404 when none is set)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.status = 200
         self.body = b"0.1.0"
         self.delay = 0.0
-        self.app = Starlette(routes=[Route("/version", self._version)])
+        self.sig: bytes | None = None
+        self.app = Starlette(
+            routes=[Route("/version", self._version), Route("/version.sig", self._sig)]
+        )
 
-    def set(self, *, status: int = 200, body: bytes = b"", delay: float = 0.0) -> None:
+    def set(
+        self, *, status: int = 200, body: bytes = b"", delay: float = 0.0, sig: bytes | None = None
+    ) -> None:
         with self.lock:
-            self.status, self.body, self.delay = status, body, delay
+            self.status, self.body, self.delay, self.sig = status, body, delay, sig
+
+    async def _sig(self, request: Request) -> Response:
+        with self.lock:
+            sig = self.sig
+        return Response(status_code=404) if sig is None else Response(sig)
 
     async def _version(self, request: Request) -> Response:
         with self.lock:

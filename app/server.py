@@ -1,0 +1,317 @@
+"""The HTTP server's own bounds: what one connection may cost the manager.
+
+Any pod on the node can connect, so before the application sees a request the server
+bounds it: the request head (request line and header section) is at most
+HTTP_MAX_HEADER_BYTES, refused with 431 before more of it is buffered; a head must be
+complete within HTTP_HEADER_TIMEOUT_SECONDS (the first from the connection's opening,
+later ones from their first byte), else the connection is closed (with 408 if part of a
+head came); an idle kept-alive connection is closed after HTTP_KEEPALIVE_TIMEOUT_SECONDS;
+at most HTTP_MAX_CONNECTIONS connections are held at once, and one more is answered 503
+and closed before anything of it is read.
+
+uvicorn has no head timeout, and llhttp (httptools) buffers a header of any size, so the
+bounds live in `BoundedHttpProtocol`, uvicorn's httptools protocol with the reading of the
+socket wrapped. It relies on the asyncio protocol methods, on httptools' parser callbacks
+(`on_headers_complete`, `on_body`, `on_message_complete`) and on a few names of
+uvicorn's protocol; `check_uvicorn()` and the constructor refuse to run on a uvicorn
+whose protocol lacks one of them, rather than lose a bound silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+if TYPE_CHECKING:
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# After a refusal the response is sent, the sending side shut down, and what the client
+# still sends is read and dropped for a short while, so that it reads the response
+# instead of a reset. Dropped bytes are never buffered; past either bound the connection
+# is closed outright.
+LINGER_SECONDS = 2.0
+LINGER_MAX_BYTES = 1024 * 1024
+
+# uvicorn's protocol must still have these for the bounds to hold (see check_uvicorn)
+_OVERRIDDEN = (
+    "connection_made",
+    "connection_lost",
+    "data_received",
+    "on_headers_complete",
+    "on_body",
+    "on_message_complete",
+    "on_response_complete",
+)
+_USED = ("timeout_keep_alive", "connections", "cycle", "pipeline", "loop", "transport")
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_header_bytes: int
+    header_timeout: float
+    keepalive_timeout: float
+    max_connections: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HttpLimits:
+        return cls(
+            max_header_bytes=settings.http_max_header_bytes,
+            header_timeout=settings.http_header_timeout_seconds,
+            keepalive_timeout=settings.http_keepalive_timeout_seconds,
+            max_connections=settings.http_max_connections,
+        )
+
+
+def _response(status: int, reason: str, *extra: str) -> bytes:
+    body = reason.encode()
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        "content-type: text/plain; charset=utf-8",
+        f"content-length: {len(body)}",
+        "connection: close",
+        *extra,
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+TOO_LARGE = _response(431, "Request Header Fields Too Large")
+TIMED_OUT = _response(408, "Request Timeout")
+TOO_MANY = _response(503, "Service Unavailable", "retry-after: 1")
+
+
+class _RefusalLog:
+    """Refusals logged at most once a minute per kind, with how many there were: an attack
+    must not turn into a flood of log lines."""
+
+    def __init__(self, every: float = 60.0) -> None:
+        self._every = every
+        self._last: dict[str, float] = {}
+        self._counts: Counter[str] = Counter()
+
+    def note(self, kind: str, client: tuple[str, int] | None) -> None:
+        self._counts[kind] += 1
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._every:
+            return
+        self._last[kind] = now
+        count = self._counts.pop(kind)
+        peer = f"{client[0]}:{client[1]}" if client else "unknown peer"
+        log.warning("HTTP: %d connection(s) refused: %s (the last from %s)", count, kind, peer)
+
+
+refusals = _RefusalLog()
+
+
+def check_uvicorn() -> None:
+    """Fail loudly, at start-up, if uvicorn's httptools protocol no longer has what
+    `BoundedHttpProtocol` overrides or sets (a renamed method would lose a bound)."""
+    missing = [name for name in _OVERRIDDEN if not callable(getattr(HttpToolsProtocol, name, None))]
+    if missing:
+        raise RuntimeError(
+            f"uvicorn's HttpToolsProtocol lacks {missing}: HTTP bounds would not hold"
+        )
+    if issubclass(HttpToolsProtocol, asyncio.BufferedProtocol):
+        # asyncio would hand it reads through buffer_updated, past data_received
+        raise RuntimeError(
+            "uvicorn's HttpToolsProtocol reads through a buffer: HTTP bounds would not hold"
+        )
+
+
+_base = HttpToolsProtocol
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the request head bounded in size and time, the
+    keep-alive timeout and the connection cap of `limits`. Without `limits` (as under
+    `serve --reload`, where uvicorn builds the server in a child process) they come from
+    the environment's settings."""
+
+    limits: ClassVar[HttpLimits | None] = None
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._limits = self.limits or _limits_from_environment()
+        missing = [name for name in _USED if name not in vars(self)]
+        if missing:
+            raise RuntimeError(f"uvicorn's HttpToolsProtocol has no {missing}")
+        self.timeout_keep_alive = self._limits.keepalive_timeout  # type: ignore[assignment]
+        self._reading_head = True
+        # what the parser may be holding: the bytes of the head being read, or in a body,
+        # those since the last body byte (chunk framing, trailers). At most
+        # HTTP_MAX_HEADER_BYTES are fed to it at a time, so it never holds more than twice
+        # that (a head that starts inside a read the previous request ended in).
+        self._held = 0
+        # when the head being read began: the connection's opening for the first one,
+        # None between requests. One timer per connection checks it, re-armed when it
+        # fires, not once per request
+        self._head_started: float | None = None
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+        self._pending_refusal: bytes | None = None
+        self._dropped = 0
+
+    # --- asyncio protocol
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self._limits.max_connections:
+            refusals.note("too many connections", self.client)
+            self._refused = True
+            transport.write(TOO_MANY)
+            transport.close()
+            return
+        self._head_began()  # a connection that never sends a head is closed too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            self._dropped += len(data)
+            if self._dropped > LINGER_MAX_BYTES:
+                self.transport.close()
+            return
+        if self._head_started is None and self._reading_head:
+            self._head_began()  # the first bytes of a new head on a kept-alive connection
+        limit = self._limits.max_header_bytes
+        while True:
+            room = limit - self._held
+            if len(data) <= room:  # the common case: a whole small request in one read
+                self._held += len(data)  # the parser's callbacks reset it
+                _base.data_received(self, data)
+                return
+            # feed the parser no more than it may hold; past that it must have finished
+            # the head (or met body bytes) inside what it was given
+            piece, data = data[:room], data[room:]
+            head = self._reading_head
+            self._held += len(piece)
+            if piece:
+                _base.data_received(self, piece)
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return  # refused by the parser, or handed over (a WebSocket upgrade)
+            if head and self._reading_head:
+                self._refuse("request head too large", TOO_LARGE)
+                return
+            if not head and not self._reading_head and self._held >= limit:
+                # chunk framing or trailers with no body byte between: trailers are
+                # buffered whole by the parser, and this request has nothing to answer
+                refusals.note("request trailers too large", self.client)
+                self._refused = True
+                self.transport.close()
+                return
+
+    # --- httptools parser callbacks
+
+    # (the base class is called directly, not through super(): this is the path of
+    # every request)
+
+    def on_headers_complete(self) -> None:
+        self._reading_head = False
+        self._held = 0
+        self._head_started = None
+        _base.on_headers_complete(self)
+
+    def on_body(self, body: bytes) -> None:
+        self._held = 0
+        _base.on_body(self, body)
+
+    def on_message_complete(self) -> None:
+        _base.on_message_complete(self)
+        self._reading_head = True
+        self._held = 0
+
+    # --- the bounds
+
+    def _head_began(self) -> None:
+        if self._head_started is None:  # the first head counts from the connection's opening
+            self._head_started = self.loop.time()
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self._limits.header_timeout, self._head_check)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_check(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self._head_started is None:
+            return  # no head is being read: the next one arms the timer again
+        left = self._head_started + self._limits.header_timeout - self.loop.time()
+        if left > 0:  # a later head than the one the timer was armed for
+            self._head_timer = self.loop.call_later(left, self._head_check)
+            return
+        if self._held == 0:  # nothing was asked: nothing to answer
+            refusals.note("idle connection, no request head in time", self.client)
+            self.transport.close()
+            return
+        self._refuse("request head not complete in time", TIMED_OUT)
+
+    def _refuse(self, why: str, response: bytes) -> None:
+        refusals.note(why, self.client)
+        self._refused = True
+        self._cancel_head_timer()
+        if self._answers_pending():
+            # requests pipelined before this one are answered first, in order; what the
+            # client sends meanwhile is dropped
+            self._pending_refusal = response
+            return
+        self._send_refusal(response)
+
+    def _answers_pending(self) -> bool:
+        cycle = self.cycle  # the request parsed last; earlier ones are answered before it
+        return bool(self.pipeline) or (cycle is not None and not cycle.response_complete)
+
+    def on_response_complete(self) -> None:
+        _base.on_response_complete(self)
+        if self._pending_refusal is not None and not self._answers_pending():
+            response, self._pending_refusal = self._pending_refusal, None
+            self._send_refusal(response)
+
+    def _send_refusal(self, response: bytes) -> None:
+        if self.transport.is_closing():
+            return
+        self.transport.write(response)
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+
+@functools.cache
+def _limits_from_environment() -> HttpLimits:
+    from app.settings import load_settings
+
+    return HttpLimits.from_settings(load_settings(_check_production=False))
+
+
+def bounded_protocol(limits: HttpLimits) -> type[BoundedHttpProtocol]:
+    """The protocol class to give `uvicorn.Config(http=...)`, bound to `limits`."""
+    return type("BoundedHttpProtocol", (BoundedHttpProtocol,), {"limits": limits})
+
+
+check_uvicorn()
+
+# what `serve --reload` gives uvicorn (its child process imports it by name)
+RELOAD_PROTOCOL = f"{__name__}:BoundedHttpProtocol"

@@ -1,0 +1,332 @@
+"""One connection cannot take the manager down: raw sockets against the real process.
+
+Any pod on the node can open connections to the manager, so the request head is bounded in
+size (431 before it is buffered) and in time, idle kept-alive connections are closed, and
+the connections held at once are capped, while pings keep being answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.polling import eventually
+from tests.support.process import ManagerProcess, manager
+
+pytestmark = pytest.mark.e2e
+
+MAX_HEADER = 16 * 1024
+PING_BODY = b'{"status":"healthy","version":"1.0.0"}'
+HALF_HEAD = b"POST /v1/workloads/api/health HTTP/1.1\r\nhost: manager\r\n"
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+def ping_request(name: str = "api") -> bytes:
+    head = (
+        f"POST /v1/workloads/{name}/health HTTP/1.1\r\nhost: manager\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(PING_BODY)}\r\n\r\n"
+    )
+    return head.encode() + PING_BODY
+
+
+@contextmanager
+def running(tmp_path: Path, **settings: str) -> Iterator[ManagerProcess]:
+    env = {"HTTP_MAX_HEADER_BYTES": str(MAX_HEADER), **settings}
+    with manager(env=env, workdir=tmp_path) as m:
+        yield m
+
+
+@asynccontextmanager
+async def connections(m: ManagerProcess, count: int) -> AsyncIterator[list[Stream]]:
+    opened: list[Stream] = []
+    try:
+        for _ in range(count):
+            opened.append(await asyncio.open_connection("127.0.0.1", m.port))
+        yield opened
+    finally:
+        for _, writer in opened:
+            writer.close()
+        for _, writer in opened:
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """Status and body of one response; (0, b"") when the server closed instead."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return 0, b""
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    return status, await reader.readexactly(length)
+
+
+async def read_to_end(reader: asyncio.StreamReader) -> bytes:
+    """What the server sends until it closes the connection (a reset ends it too)."""
+    received = b""
+    with contextlib.suppress(ConnectionError):
+        while chunk := await reader.read(65536):
+            received += chunk
+    return received
+
+
+async def closed_by_server(reader: asyncio.StreamReader) -> bool:
+    await read_to_end(reader)
+    return True
+
+
+async def all_closed(streams: list[Stream], within: float) -> int:
+    """How many of `streams` the server closed within `within` seconds."""
+    return len(await answers_on_close(streams, within))
+
+
+async def answers_on_close(streams: list[Stream], within: float) -> list[bytes]:
+    """What the server sent on each of `streams` it closed within `within` seconds."""
+    tasks = [asyncio.create_task(read_to_end(reader)) for reader, _ in streams]
+    done, pending = await asyncio.wait(tasks, timeout=within)
+    for task in pending:
+        task.cancel()
+    return [task.result() for task in done]
+
+
+async def ping_once(m: ManagerProcess) -> int:
+    """One ping on a new raw connection: its status, 0 when the connection was refused."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", m.port)
+    except ConnectionError:
+        return 0
+    try:
+        writer.write(ping_request())
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        status, _ = await asyncio.wait_for(read_response(reader), timeout=10)
+        return status
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+def peak_rss_reset(pid: int) -> None:
+    """Reset the kernel's peak RSS of the process (VmHWM), so it measures what follows."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc status")
+
+
+async def flood(
+    m: ManagerProcess, prefix: bytes, size: int, suffix: bytes
+) -> tuple[bool, int, int]:
+    """Send `prefix`, `size` bytes of "a", then `suffix` on one connection. Returns whether
+    the server cut the connection while it was sent, the status of its answer (0: none)
+    and how much the process's peak RSS grew meanwhile."""
+    process = psutil.Process(m.pid)
+    peak_rss_reset(m.pid)
+    before = process.memory_info().rss
+    reader, writer = await asyncio.open_connection("127.0.0.1", m.port)
+    cut = False
+    try:
+        writer.write(prefix)
+        chunk = b"a" * (1024 * 1024)
+        for _ in range(size // len(chunk)):
+            writer.write(chunk)
+            await writer.drain()
+        writer.write(suffix)
+        await writer.drain()
+    except ConnectionError:
+        cut = True
+    status, _ = await asyncio.wait_for(read_response(reader), timeout=30)
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return cut, status, max(peak_rss(m.pid), process.memory_info().rss) - before
+
+
+async def test_a_huge_header_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    attack = 16 * 1024 * 1024
+    with running(tmp_path) as m:
+        head = ping_request().split(b"\r\n\r\n")[0] + b"\r\nx-big: "
+        cut, status, grown = await flood(m, head, attack, b"\r\n\r\n" + PING_BODY)
+        assert grown < 4 * 1024 * 1024, f"RSS grew by {grown} bytes on a {attack} byte header"
+        assert status in (0, 431), f"a {attack} byte header was answered {status}"
+        assert cut or status == 431
+        assert await ping_once(m) == 204
+
+
+async def test_huge_trailers_are_refused_before_they_are_read(tmp_path: Path) -> None:
+    attack = 16 * 1024 * 1024
+    with running(tmp_path) as m:
+        head = (
+            ping_request()
+            .split(b"\r\n\r\n")[0]
+            .replace(f"content-length: {len(PING_BODY)}".encode(), b"transfer-encoding: chunked")
+        )
+        chunked = b"%x\r\n" % len(PING_BODY) + PING_BODY + b"\r\n0\r\nx-trailer: "
+        cut, status, grown = await flood(m, head + b"\r\n\r\n" + chunked, attack, b"\r\n\r\n")
+        assert grown < 4 * 1024 * 1024, f"RSS grew by {grown} bytes on a {attack} byte trailer"
+        assert cut, f"a {attack} byte trailer was read whole and answered {status}"
+        assert await ping_once(m) == 204
+
+
+async def test_a_head_just_over_the_limit_gets_431(tmp_path: Path) -> None:
+    with running(tmp_path) as m:
+        async with connections(m, 1) as [(reader, writer)]:
+            padding = b"x-pad: " + b"a" * MAX_HEADER + b"\r\n"
+            writer.write(HALF_HEAD + padding + b"\r\n")
+            await writer.drain()
+            status, body = await asyncio.wait_for(read_response(reader), timeout=10)
+            assert (status, body) == (431, b"Request Header Fields Too Large")
+            assert await closed_by_server(reader)
+        async with connections(m, 1) as [(reader, writer)]:
+            # a long request line counts too
+            writer.write(b"GET /" + b"a" * MAX_HEADER + b" HTTP/1.1\r\nhost: manager\r\n\r\n")
+            await writer.drain()
+            assert (await asyncio.wait_for(read_response(reader), timeout=10))[0] == 431
+        assert await ping_once(m) == 204
+
+
+def padded_ping(head_size: int) -> bytes:
+    """A ping whose head (request line, headers, the blank line) is `head_size` bytes."""
+    head, _, body = ping_request().partition(b"\r\n\r\n")
+    padding = head_size - len(head) - len(b"\r\nx-pad: \r\n\r\n")
+    return head + b"\r\nx-pad: " + b"a" * padding + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize(
+    ("head_size", "status"), [(MAX_HEADER - 1, 204), (MAX_HEADER, 204), (MAX_HEADER + 1, 431)]
+)
+async def test_the_head_limit_is_exact(tmp_path: Path, head_size: int, status: int) -> None:
+    with running(tmp_path) as m:
+        async with connections(m, 1) as [(reader, writer)]:
+            request = padded_ping(head_size)
+            assert request.index(b"\r\n\r\n") + 4 == head_size
+            writer.write(request)
+            await writer.drain()
+            assert (await asyncio.wait_for(read_response(reader), timeout=10))[0] == status
+
+
+async def test_pipelined_pings_are_answered_and_a_large_head_behind_them_refused(
+    tmp_path: Path,
+) -> None:
+    with running(tmp_path) as m:
+        async with connections(m, 1) as [(reader, writer)]:
+            # in one write: the parser meets the second head inside the first read
+            writer.write(ping_request() * 3 + padded_ping(MAX_HEADER + 1))
+            await writer.drain()
+            statuses = [(await asyncio.wait_for(read_response(reader), timeout=10))[0]]
+            while statuses[-1] == 204:
+                statuses.append((await asyncio.wait_for(read_response(reader), timeout=10))[0])
+            assert statuses == [204, 204, 204, 431]
+            assert await closed_by_server(reader)
+
+
+async def test_half_sent_heads_are_closed_after_the_header_timeout(tmp_path: Path) -> None:
+    with running(tmp_path, HTTP_HEADER_TIMEOUT_SECONDS="1") as m:
+        async with connections(m, 50) as streams:
+            for _, writer in streams[:25]:
+                writer.write(HALF_HEAD)
+            # the other 25 send nothing at all
+            answers = await answers_on_close(streams, within=15)
+            assert len(answers) == len(streams), f"{len(answers)} of {len(streams)} closed"
+            assert sorted(answer[:12] for answer in answers) == [b""] * 25 + [b"HTTP/1.1 408"] * 25
+        assert await ping_once(m) == 204
+
+
+async def test_a_head_trickled_byte_by_byte_is_closed_at_the_deadline(tmp_path: Path) -> None:
+    with running(tmp_path, HTTP_HEADER_TIMEOUT_SECONDS="1") as m:
+        async with connections(m, 1) as [(reader, writer)]:
+            reading = asyncio.create_task(read_to_end(reader))
+            head = HALF_HEAD + b"x-slow: " + b"a" * 200
+            for byte in head:
+                if reading.done():
+                    break
+                try:
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                except ConnectionError:
+                    break
+                await asyncio.wait([reading], timeout=0.1)  # the pace of a slow client
+            assert reading.done(), "a head trickled byte by byte was read to its end"
+            assert reading.result().startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+
+
+async def test_pings_are_answered_while_300_slow_connections_are_open(tmp_path: Path) -> None:
+    with running(tmp_path, HTTP_HEADER_TIMEOUT_SECONDS="60") as m:
+        async with connections(m, 300) as slow:
+            for _, writer in slow:
+                writer.write(HALF_HEAD)
+                await writer.drain()
+            limits = httpx.Limits(max_keepalive_connections=0)
+            async with httpx.AsyncClient(base_url=m.url, timeout=5, limits=limits) as client:
+                for _ in range(30):
+                    response = await client.post("/v1/workloads/api/health", content=PING_BODY)
+                    assert response.status_code == 204
+            # the attack was still in place: none of the slow connections was answered
+            assert await all_closed(slow, within=0.2) == 0
+
+
+async def test_connections_beyond_the_cap_are_refused_until_others_go(tmp_path: Path) -> None:
+    cap = 16
+    env = {"HTTP_MAX_CONNECTIONS": str(cap), "HTTP_HEADER_TIMEOUT_SECONDS": "60"}
+    with running(tmp_path, **env) as m:
+        async with connections(m, cap) as held:
+            for _, writer in held:
+                writer.write(HALF_HEAD)
+                await writer.drain()
+
+            async def refused() -> bool:
+                return await ping_once(m) in (0, 503)
+
+            await eventually(refused, within=10)
+        # the held connections are gone: new ones are served again
+
+        async def served() -> bool:
+            return await ping_once(m) == 204
+
+        await eventually(served, within=10)
+
+
+async def test_an_idle_kept_alive_connection_is_closed(tmp_path: Path) -> None:
+    env = {"HTTP_KEEPALIVE_TIMEOUT_SECONDS": "1", "HTTP_HEADER_TIMEOUT_SECONDS": "60"}
+    with running(tmp_path, **env) as m:
+        async with connections(m, 1) as [(reader, writer)]:
+            writer.write(ping_request())
+            await writer.drain()
+            assert (await asyncio.wait_for(read_response(reader), timeout=10))[0] == 204
+            # the default keep-alive (5 s) would outlast this
+            assert await all_closed([(reader, writer)], within=4) == 1
+
+
+async def test_a_busy_kept_alive_connection_outlives_the_header_timeout(tmp_path: Path) -> None:
+    env = {"HTTP_KEEPALIVE_TIMEOUT_SECONDS": "2", "HTTP_HEADER_TIMEOUT_SECONDS": "1"}
+    with running(tmp_path, **env) as m:
+        async with connections(m, 1) as [(reader, writer)]:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            answered = 0
+            while loop.time() - started < 3:  # three header timeouts, each request in time
+                writer.write(ping_request())
+                await writer.drain()
+                assert (await asyncio.wait_for(read_response(reader), timeout=10))[0] == 204
+                answered += 1
+                await asyncio.sleep(0.2)  # the pace of a pinging workload
+            assert answered >= 5
