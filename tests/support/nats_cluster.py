@@ -7,15 +7,16 @@ server that was killed comes back as itself and catches up from the others.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import nats
 
-from app.adapters.embedded import EmbeddedNats, free_port
+from app.adapters.embedded import EmbeddedNats
 
 CLUSTER = "wm-test"
 
@@ -34,7 +35,12 @@ class Member:
 class NatsCluster:
     def __init__(self, directory: Path, size: int = 3) -> None:
         self.members: list[Member] = []
-        routes = {f"n{i}": free_port() for i in range(size)}
+        # every client and route port chosen at once, so no two of them are the same (a
+        # port chosen free later could be a route port not yet bound)
+        ports = distinct_free_ports(2 * size)
+        names = [f"n{i}" for i in range(size)]
+        routes = dict(zip(names, ports[:size], strict=True))
+        clients = dict(zip(names, ports[size:], strict=True))
         for name, route_port in routes.items():
             home = directory / name
             home.mkdir(parents=True, exist_ok=True)
@@ -50,7 +56,7 @@ class NatsCluster:
                 f"  routes: [{others}]\n"
                 f"}}\n"
             )
-            server = EmbeddedNats(home / "data", config=config)
+            server = EmbeddedNats(home / "data", port=clients[name], config=config)
             self.members.append(Member(name, server, route_port))
 
     @property
@@ -67,8 +73,12 @@ class NatsCluster:
         return found
 
     def start(self) -> NatsCluster:
-        for member in self.members:
-            member.server.start()
+        try:
+            for member in self.members:
+                member.server.start()
+        except BaseException:
+            self.stop()  # the members already started end too
+            raise
         return self
 
     def stop(self) -> None:
@@ -90,6 +100,18 @@ class NatsCluster:
             text = log.read_text(errors="replace")[-4000:] if log.exists() else ""
             parts.append(f"--- {member.name} ---\n{text}")
         return "\n".join(parts)
+
+
+def distinct_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` ports free now and different from each other: each socket is held open
+    until all are chosen."""
+    with ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 @contextmanager
