@@ -69,8 +69,11 @@ def _serve(args: argparse.Namespace) -> int:
         log_config=None,
         access_log=False,
         server_header=False,
-        # bounded request heads, head and keep-alive timeouts, the connection cap
-        http=server.bounded_protocol(server.HttpLimits.from_settings(settings)),
+        # bounded request heads, head and keep-alive timeouts, the connection caps; the
+        # refusals counted on /metrics
+        http=server.bounded_protocol(
+            server.HttpLimits.from_settings(settings), app.state.runtime.metrics.http_refusals
+        ),
         # open HTTP requests get a short share of the grace period; the rest is the
         # lifespan's (loops, jobs, the last report)
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_seconds * 0.1)),

@@ -101,8 +101,12 @@ def create_app(
 
 def app_from_environment() -> FastAPI:
     """Factory for `uvicorn --factory` (used by `serve --reload`): settings and logs from env."""
-    from app import logs
+    from app import logs, server
 
     settings = load_settings()
     logs.configure(level=settings.log_level, json_lines=settings.json_logs)
-    return create_app(settings)
+    app = create_app(settings)
+    # the protocol uvicorn imports by name (`server.RELOAD_PROTOCOL`) counts on this app's
+    # metrics: this process serves only this app
+    server.BoundedHttpProtocol.refusal_counter = app.state.runtime.metrics.http_refusals
+    return app

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal, get_args
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,6 +26,16 @@ from prometheus_client.registry import Collector
 from app import __version__
 
 PREFIX = "workload_manager"
+
+# why the HTTP server refused or closed a connection before a request reached the app
+HttpRefusal = Literal[
+    "header-too-large",
+    "header-timeout",
+    "trailer-too-large",
+    "too-many-connections",
+    "too-many-connections-from-client",
+]
+HTTP_REFUSALS: tuple[HttpRefusal, ...] = get_args(HttpRefusal)
 
 
 class _StateCollector(Collector):
@@ -95,6 +105,15 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.http_refusals = Counter(
+            f"{PREFIX}_http_refusals_total",
+            "Connections the HTTP server refused or closed before a request reached the "
+            "application, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in HTTP_REFUSALS:  # every reason from the start: 0, not absent
+            self.http_refusals.labels(reason)
         self.reports = Counter(
             f"{PREFIX}_reports_total",
             "Node health reports by outcome (sent, failed, logged).",

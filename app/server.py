@@ -6,15 +6,18 @@ HTTP_MAX_HEADER_BYTES, refused with 431 before more of it is buffered; a head mu
 complete within HTTP_HEADER_TIMEOUT_SECONDS (the first from the connection's opening,
 later ones from their first byte), else the connection is closed (with 408 if part of a
 head came); an idle kept-alive connection is closed after HTTP_KEEPALIVE_TIMEOUT_SECONDS;
-at most HTTP_MAX_CONNECTIONS connections are held at once, and one more is answered 503
-and closed before anything of it is read.
+at most HTTP_MAX_CONNECTIONS connections are held at once, and at most
+HTTP_MAX_CONNECTIONS_PER_CLIENT from one peer address; one more is answered 503 and closed
+before anything of it is read. Every refusal is counted in
+`workload_manager_http_refusals_total{reason}` when the protocol has the counter.
 
 uvicorn has no head timeout, and llhttp (httptools) buffers a header of any size, so the
 bounds live in `BoundedHttpProtocol`, uvicorn's httptools protocol with the reading of the
 socket wrapped. It relies on the asyncio protocol methods, on httptools' parser callbacks
-(`on_headers_complete`, `on_body`, `on_message_complete`) and on a few names of
-uvicorn's protocol; `check_uvicorn()` and the constructor refuse to run on a uvicorn
-whose protocol lacks one of them, rather than lose a bound silently.
+(`on_headers_complete`, `on_body`, `on_message_complete`), on its WebSocket hand-over
+(`handle_websocket_upgrade`) and on a few names of uvicorn's protocol; `check_uvicorn()`
+and the constructor refuse to run on a uvicorn whose protocol lacks one of them, rather
+than lose a bound silently.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 if TYPE_CHECKING:
+    from prometheus_client import Counter as MetricCounter
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
+    from app.metrics import HttpRefusal
     from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,7 @@ _OVERRIDDEN = (
     "on_body",
     "on_message_complete",
     "on_response_complete",
+    "handle_websocket_upgrade",
 )
 _USED = ("timeout_keep_alive", "connections", "cycle", "pipeline", "loop", "transport")
 
@@ -63,6 +69,7 @@ class HttpLimits:
     header_timeout: float
     keepalive_timeout: float
     max_connections: int
+    max_connections_per_client: int
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HttpLimits:
@@ -71,6 +78,7 @@ class HttpLimits:
             header_timeout=settings.http_header_timeout_seconds,
             keepalive_timeout=settings.http_keepalive_timeout_seconds,
             max_connections=settings.http_max_connections,
+            max_connections_per_client=settings.http_max_connections_per_client,
         )
 
 
@@ -89,6 +97,26 @@ def _response(status: int, reason: str, *extra: str) -> bytes:
 TOO_LARGE = _response(431, "Request Header Fields Too Large")
 TIMED_OUT = _response(408, "Request Timeout")
 TOO_MANY = _response(503, "Service Unavailable", "retry-after: 1")
+
+
+class _ClientCounts:
+    """Connections held at once by peer address, for one server."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, int] = {}
+
+    def enter(self, address: str, cap: int) -> bool:
+        """Count one more connection from `address`; False (not counted) past `cap`."""
+        held = self._held.get(address, 0)
+        if held >= cap:
+            return False
+        self._held[address] = held + 1
+        return True
+
+    def leave(self, address: str) -> None:
+        held = self._held.pop(address, 0) - 1
+        if held > 0:
+            self._held[address] = held
 
 
 class _RefusalLog:
@@ -135,11 +163,14 @@ _base = HttpToolsProtocol
 
 class BoundedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the request head bounded in size and time, the
-    keep-alive timeout and the connection cap of `limits`. Without `limits` (as under
+    keep-alive timeout and the connection caps of `limits`. Without `limits` (as under
     `serve --reload`, where uvicorn builds the server in a child process) they come from
-    the environment's settings."""
+    the environment's settings. Refusals are counted in `refusal_counter` when set."""
 
     limits: ClassVar[HttpLimits | None] = None
+    refusal_counter: ClassVar[MetricCounter | None] = None
+    # shared by the connections of one server (`bounded_protocol` gives each its own)
+    client_counts: ClassVar[_ClientCounts] = _ClientCounts()
 
     def __init__(
         self,
@@ -166,6 +197,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._head_started: float | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        # the peer address this connection is counted under in `client_counts`
+        self._counted_as: str | None = None
         self._pending_refusal: bytes | None = None
         self._dropped = 0
 
@@ -174,16 +207,28 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self._limits.max_connections:
-            refusals.note("too many connections", self.client)
-            self._refused = True
-            transport.write(TOO_MANY)
-            transport.close()
+            self._refuse_connection("too-many-connections", "too many connections")
             return
+        if self.client is not None:  # None: not an IP socket, nothing to count it under
+            address = self.client[0]
+            if not self.client_counts.enter(address, self._limits.max_connections_per_client):
+                self._refuse_connection(
+                    "too-many-connections-from-client", "too many connections from one client"
+                )
+                return
+            self._counted_as = address
         self._head_began()  # a connection that never sends a head is closed too
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._uncount_client()
         super().connection_lost(exc)
+
+    def handle_websocket_upgrade(self) -> None:
+        # the WebSocket protocol takes the connection over, and its end is not seen here:
+        # it leaves the client's count now (the node's cap still counts it)
+        self._uncount_client()
+        _base.handle_websocket_upgrade(self)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -210,12 +255,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             if self.transport.is_closing() or self.transport.get_protocol() is not self:
                 return  # refused by the parser, or handed over (a WebSocket upgrade)
             if head and self._reading_head:
-                self._refuse("request head too large", TOO_LARGE)
+                self._refuse("header-too-large", "request head too large", TOO_LARGE)
                 return
             if not head and not self._reading_head and self._held >= limit:
                 # chunk framing or trailers with no body byte between: trailers are
                 # buffered whole by the parser, and this request has nothing to answer
-                refusals.note("request trailers too large", self.client)
+                self._note("trailer-too-large", "request trailers too large")
                 self._refused = True
                 self.transport.close()
                 return
@@ -262,13 +307,30 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._head_timer = self.loop.call_later(left, self._head_check)
             return
         if self._held == 0:  # nothing was asked: nothing to answer
-            refusals.note("idle connection, no request head in time", self.client)
+            self._note("header-timeout", "idle connection, no request head in time")
             self.transport.close()
             return
-        self._refuse("request head not complete in time", TIMED_OUT)
+        self._refuse("header-timeout", "request head not complete in time", TIMED_OUT)
 
-    def _refuse(self, why: str, response: bytes) -> None:
+    def _note(self, reason: HttpRefusal, why: str) -> None:
         refusals.note(why, self.client)
+        if self.refusal_counter is not None:
+            self.refusal_counter.labels(reason).inc()
+
+    def _uncount_client(self) -> None:
+        if self._counted_as is not None:
+            self.client_counts.leave(self._counted_as)
+            self._counted_as = None
+
+    def _refuse_connection(self, reason: HttpRefusal, why: str) -> None:
+        """Refuse a new connection with 503 before anything of it is read."""
+        self._note(reason, why)
+        self._refused = True
+        self.transport.write(TOO_MANY)
+        self.transport.close()
+
+    def _refuse(self, reason: HttpRefusal, why: str, response: bytes) -> None:
+        self._note(reason, why)
         self._refused = True
         self._cancel_head_timer()
         if self._answers_pending():
@@ -306,9 +368,16 @@ def _limits_from_environment() -> HttpLimits:
     return HttpLimits.from_settings(load_settings(_check_production=False))
 
 
-def bounded_protocol(limits: HttpLimits) -> type[BoundedHttpProtocol]:
-    """The protocol class to give `uvicorn.Config(http=...)`, bound to `limits`."""
-    return type("BoundedHttpProtocol", (BoundedHttpProtocol,), {"limits": limits})
+def bounded_protocol(
+    limits: HttpLimits, refusal_counter: MetricCounter | None = None
+) -> type[BoundedHttpProtocol]:
+    """The protocol class to give `uvicorn.Config(http=...)`, bound to `limits`, counting
+    refusals in `refusal_counter` (by reason), with its own per-client counts."""
+    return type(
+        "BoundedHttpProtocol",
+        (BoundedHttpProtocol,),
+        {"limits": limits, "refusal_counter": refusal_counter, "client_counts": _ClientCounts()},
+    )
 
 
 check_uvicorn()

@@ -72,11 +72,13 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".data")
     shutdown_grace_seconds: float = _ranged(20.0, 0.0, 600.0)
     # HTTP server bounds: any pod on the node can connect, so a request head is bounded in
-    # size and time, and the connections held at once are capped
+    # size and time, and the connections held at once are capped, for the node and for
+    # each client address
     http_max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
     http_header_timeout_seconds: float = _ranged(10.0, 0.1, 300.0)
     http_keepalive_timeout_seconds: float = _ranged(5.0, 0.1, 300.0)
     http_max_connections: int = Field(default=1_000, ge=8, le=100_000)
+    http_max_connections_per_client: int = Field(default=64, ge=1, le=100_000)
 
     # --- identity and backend
     node_id: str | None = None

@@ -2,7 +2,8 @@
 
 Any pod on the node can open connections to the manager, so the request head is bounded in
 size (431 before it is buffered) and in time, idle kept-alive connections are closed, and
-the connections held at once are capped, while pings keep being answered.
+the connections held at once are capped, for the node and for each client address, while
+pings keep being answered. Every refusal is counted on /metrics.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from tests.support.process import ManagerProcess, manager
 pytestmark = pytest.mark.e2e
 
 MAX_HEADER = 16 * 1024
+# Linux routes all of 127.0.0.0/8 to lo: a socket bound to another loopback address is
+# another client to the manager listening on 127.0.0.1
+CLIENT = "127.0.0.1"
+OTHER_CLIENT = "127.0.0.2"
 PING_BODY = b'{"status":"healthy","version":"1.0.0"}'
 HALF_HEAD = b"POST /v1/workloads/api/health HTTP/1.1\r\nhost: manager\r\n"
 
@@ -45,11 +50,15 @@ def running(tmp_path: Path, **settings: str) -> Iterator[ManagerProcess]:
 
 
 @asynccontextmanager
-async def connections(m: ManagerProcess, count: int) -> AsyncIterator[list[Stream]]:
+async def connections(
+    m: ManagerProcess, count: int, source: str = CLIENT
+) -> AsyncIterator[list[Stream]]:
     opened: list[Stream] = []
     try:
         for _ in range(count):
-            opened.append(await asyncio.open_connection("127.0.0.1", m.port))
+            opened.append(
+                await asyncio.open_connection("127.0.0.1", m.port, local_addr=(source, 0))
+            )
         yield opened
     finally:
         for _, writer in opened:
@@ -103,10 +112,11 @@ async def answers_on_close(streams: list[Stream], within: float) -> list[bytes]:
     return [task.result() for task in done]
 
 
-async def ping_once(m: ManagerProcess) -> int:
-    """One ping on a new raw connection: its status, 0 when the connection was refused."""
+async def ping_once(m: ManagerProcess, source: str = CLIENT) -> int:
+    """One ping on a new raw connection from `source`: its status, 0 when the connection was
+    refused."""
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", m.port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", m.port, local_addr=(source, 0))
     except ConnectionError:
         return 0
     try:
@@ -119,6 +129,20 @@ async def ping_once(m: ManagerProcess) -> int:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+async def refusals_counted(m: ManagerProcess, reason: str) -> float:
+    """`workload_manager_http_refusals_total{reason}` on /metrics (read from another client
+    address than the tests' connections, so their cap does not refuse it)."""
+    transport = httpx.AsyncHTTPTransport(local_address=OTHER_CLIENT)
+    async with httpx.AsyncClient(base_url=m.url, transport=transport, timeout=10) as client:
+        response = await client.get("/metrics")
+    assert response.status_code == 200
+    sample = f'workload_manager_http_refusals_total{{reason="{reason}"}} '
+    for line in response.text.splitlines():
+        if line.startswith(sample):
+            return float(line.removeprefix(sample))
+    return 0.0
 
 
 def peak_rss_reset(pid: int) -> None:
@@ -170,6 +194,7 @@ async def test_a_huge_header_is_refused_before_it_is_read(tmp_path: Path) -> Non
         assert status in (0, 431), f"a {attack} byte header was answered {status}"
         assert cut or status == 431
         assert await ping_once(m) == 204
+        assert await refusals_counted(m, "header-too-large") == 1
 
 
 async def test_huge_trailers_are_refused_before_they_are_read(tmp_path: Path) -> None:
@@ -185,6 +210,7 @@ async def test_huge_trailers_are_refused_before_they_are_read(tmp_path: Path) ->
         assert grown < 4 * 1024 * 1024, f"RSS grew by {grown} bytes on a {attack} byte trailer"
         assert cut, f"a {attack} byte trailer was read whole and answered {status}"
         assert await ping_once(m) == 204
+        assert await refusals_counted(m, "trailer-too-large") == 1
 
 
 async def test_a_head_just_over_the_limit_gets_431(tmp_path: Path) -> None:
@@ -202,6 +228,7 @@ async def test_a_head_just_over_the_limit_gets_431(tmp_path: Path) -> None:
             await writer.drain()
             assert (await asyncio.wait_for(read_response(reader), timeout=10))[0] == 431
         assert await ping_once(m) == 204
+        assert await refusals_counted(m, "header-too-large") == 2
 
 
 def padded_ping(head_size: int) -> bytes:
@@ -249,6 +276,7 @@ async def test_half_sent_heads_are_closed_after_the_header_timeout(tmp_path: Pat
             assert len(answers) == len(streams), f"{len(answers)} of {len(streams)} closed"
             assert sorted(answer[:12] for answer in answers) == [b""] * 25 + [b"HTTP/1.1 408"] * 25
         assert await ping_once(m) == 204
+        assert await refusals_counted(m, "header-timeout") == 50
 
 
 async def test_a_head_trickled_byte_by_byte_is_closed_at_the_deadline(tmp_path: Path) -> None:
@@ -271,7 +299,13 @@ async def test_a_head_trickled_byte_by_byte_is_closed_at_the_deadline(tmp_path: 
 
 async def test_pings_are_answered_while_300_slow_connections_are_open(tmp_path: Path) -> None:
     with running(tmp_path, HTTP_HEADER_TIMEOUT_SECONDS="60") as m:
-        async with connections(m, 300) as slow:
+        async with contextlib.AsyncExitStack() as stack:
+            # from five addresses, each under the per-client cap (64)
+            slow = [
+                stream
+                for source in ("127.0.0.10", "127.0.0.11", "127.0.0.12", "127.0.0.13", "127.0.0.14")
+                for stream in await stack.enter_async_context(connections(m, 60, source=source))
+            ]
             for _, writer in slow:
                 writer.write(HALF_HEAD)
                 await writer.drain()
@@ -303,6 +337,40 @@ async def test_connections_beyond_the_cap_are_refused_until_others_go(tmp_path: 
             return await ping_once(m) == 204
 
         await eventually(served, within=10)
+        assert await refusals_counted(m, "too-many-connections") >= 1
+        assert await refusals_counted(m, "too-many-connections-from-client") == 0
+
+
+async def test_one_client_beyond_its_cap_is_refused_while_others_are_served(
+    tmp_path: Path,
+) -> None:
+    cap = 8
+    env = {
+        "HTTP_MAX_CONNECTIONS_PER_CLIENT": str(cap),
+        "HTTP_MAX_CONNECTIONS": "1000",
+        "HTTP_HEADER_TIMEOUT_SECONDS": "60",
+    }
+    with running(tmp_path, **env) as m:
+        async with connections(m, cap, source=CLIENT) as held:  # idle: they send nothing
+            # one more from the same address: 503, before anything of it is read
+            async with connections(m, 1, source=CLIENT) as extra:
+                answers = await answers_on_close(extra, within=10)
+                assert [answer[:12] for answer in answers] == [b"HTTP/1.1 503"], answers
+            # another address is still served, and the held connections are still open
+            assert await ping_once(m, source=OTHER_CLIENT) == 204
+            assert await all_closed(held, within=0.2) == 0
+            assert await refusals_counted(m, "too-many-connections-from-client") == 1
+            # two of the held connections go: the address is served again
+            for _, writer in held[:2]:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+
+            async def served() -> bool:
+                return await ping_once(m, source=CLIENT) == 204
+
+            await eventually(served, within=10)
+        assert await refusals_counted(m, "too-many-connections") == 0
 
 
 async def test_an_idle_kept_alive_connection_is_closed(tmp_path: Path) -> None:

@@ -29,6 +29,8 @@ class ManagerProcess:
             "DATA_DIR": str(workdir / "data"),
             "EMBEDDED_SERVICES": "false",
             "LOG_LEVEL": "INFO",
+            # the child imports the same `app` as the tests (a checkout on PYTHONPATH)
+            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}),
             **env,
         }
         self._workdir = workdir
