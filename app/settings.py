@@ -76,6 +76,7 @@ class Settings(BaseSettings):
     # each client address
     http_max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
     http_header_timeout_seconds: float = _ranged(10.0, 0.1, 300.0)
+    http_body_timeout_seconds: float = _ranged(10.0, 0.1, 300.0)
     http_keepalive_timeout_seconds: float = _ranged(5.0, 0.1, 300.0)
     http_max_connections: int = Field(default=1_000, ge=8, le=100_000)
     http_max_connections_per_client: int = Field(default=64, ge=1, le=100_000)
@@ -107,6 +108,8 @@ class Settings(BaseSettings):
     report_enabled: bool = True
     report_interval_seconds: float = _ranged(60.0, 0.2, 86_400.0)
     sync_interval_seconds: float = _ranged(600.0, 1.0, 86_400.0)
+    # one sync, every backend call and cluster write of it, ends within this
+    sync_deadline_seconds: float = _ranged(300.0, 1.0, 86_400.0)
     heartbeat_interval_seconds: float = _ranged(30.0, 0.2, 3_600.0)
     self_update_enabled: bool = True
     self_update_url: str | None = None
@@ -125,6 +128,8 @@ class Settings(BaseSettings):
     # an Ed25519 public key (base64 of the 32 raw bytes, or PEM): when set, the version file
     # must carry a valid signature by it, checked before anything is decided
     self_update_public_key: str | None = None
+    # where the signature is, when not beside the file (a presigned SELF_UPDATE_URL)
+    self_update_signature_url: str | None = None
     scheduler_jitter_fraction: float = _ranged(0.1, 0.0, 0.5)
 
     # --- cluster and desired state
