@@ -7,7 +7,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from app import __version__
@@ -34,6 +35,13 @@ class ManagerApp(FastAPI):
             await self.fast_path(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """A client that went away in the middle of its body (or was closed by the server's
+    body timeout) is no application error: no traceback, no Sentry event. The answer is
+    never sent; the server drops it."""
+    return Response(status_code=400)
 
 
 @asynccontextmanager
@@ -73,6 +81,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.runtime = runtime
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.include_router(pings.router)
     app.include_router(status.router)
     app.include_router(probes.router)

@@ -31,6 +31,7 @@ PREFIX = "workload_manager"
 HttpRefusal = Literal[
     "header-too-large",
     "header-timeout",
+    "body-timeout",
     "trailer-too-large",
     "too-many-connections",
     "too-many-connections-from-client",

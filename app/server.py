@@ -5,7 +5,9 @@ bounds it: the request head (request line and header section) is at most
 HTTP_MAX_HEADER_BYTES, refused with 431 before more of it is buffered; a head must be
 complete within HTTP_HEADER_TIMEOUT_SECONDS (the first from the connection's opening,
 later ones from their first byte), else the connection is closed (with 408 if part of a
-head came); an idle kept-alive connection is closed after HTTP_KEEPALIVE_TIMEOUT_SECONDS;
+head came); a request's body must be complete within HTTP_BODY_TIMEOUT_SECONDS of its
+head's completion, else the connection is closed (the application sees the client
+disconnect); an idle kept-alive connection is closed after HTTP_KEEPALIVE_TIMEOUT_SECONDS;
 at most HTTP_MAX_CONNECTIONS connections are held at once, and at most
 HTTP_MAX_CONNECTIONS_PER_CLIENT from one peer address; one more is answered 503 and closed
 before anything of it is read. Every refusal is counted in
@@ -60,13 +62,14 @@ _OVERRIDDEN = (
     "on_response_complete",
     "handle_websocket_upgrade",
 )
-_USED = ("timeout_keep_alive", "connections", "cycle", "pipeline", "loop", "transport")
+_USED = ("timeout_keep_alive", "connections", "cycle", "pipeline", "loop", "transport", "flow")
 
 
 @dataclass(frozen=True)
 class HttpLimits:
     max_header_bytes: int
     header_timeout: float
+    body_timeout: float
     keepalive_timeout: float
     max_connections: int
     max_connections_per_client: int
@@ -76,6 +79,7 @@ class HttpLimits:
         return cls(
             max_header_bytes=settings.http_max_header_bytes,
             header_timeout=settings.http_header_timeout_seconds,
+            body_timeout=settings.http_body_timeout_seconds,
             keepalive_timeout=settings.http_keepalive_timeout_seconds,
             max_connections=settings.http_max_connections,
             max_connections_per_client=settings.http_max_connections_per_client,
@@ -163,9 +167,10 @@ _base = HttpToolsProtocol
 
 class BoundedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the request head bounded in size and time, the
-    keep-alive timeout and the connection caps of `limits`. Without `limits` (as under
-    `serve --reload`, where uvicorn builds the server in a child process) they come from
-    the environment's settings. Refusals are counted in `refusal_counter` when set."""
+    request body in time, the keep-alive timeout and the connection caps of `limits`.
+    Without `limits` (as under `serve --reload`, where uvicorn builds the server in a child
+    process) they come from the environment's settings. Refusals are counted in
+    `refusal_counter` when set."""
 
     limits: ClassVar[HttpLimits | None] = None
     refusal_counter: ClassVar[MetricCounter | None] = None
@@ -191,11 +196,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         # HTTP_MAX_HEADER_BYTES are fed to it at a time, so it never holds more than twice
         # that (a head that starts inside a read the previous request ended in).
         self._held = 0
-        # when the head being read began: the connection's opening for the first one,
-        # None between requests. One timer per connection checks it, re-armed when it
-        # fires, not once per request
-        self._head_started: float | None = None
-        self._head_timer: asyncio.TimerHandle | None = None
+        # when the head or body being read must be complete (loop time): a head from its
+        # start (the connection's opening for the first one), a body from its head's
+        # completion; None between requests. One timer per connection checks it,
+        # re-armed when it fires or when a deadline comes before it, not once per request
+        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._refused = False
         # the peer address this connection is counted under in `client_counts`
         self._counted_as: str | None = None
@@ -220,14 +226,18 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._head_began()  # a connection that never sends a head is closed too
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
+        # uvicorn marks a request in progress disconnected and wakes its receive()
+        self._cancel_timer()
         self._uncount_client()
         super().connection_lost(exc)
 
     def handle_websocket_upgrade(self) -> None:
         # the WebSocket protocol takes the connection over, and its end is not seen here:
-        # it leaves the client's count now (the node's cap still counts it)
+        # it leaves the client's count now (the node's cap still counts it), and the
+        # deadlines of HTTP requests no longer apply
         self._uncount_client()
+        self._deadline = None
+        self._cancel_timer()
         _base.handle_websocket_upgrade(self)
 
     def data_received(self, data: bytes) -> None:
@@ -236,7 +246,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             if self._dropped > LINGER_MAX_BYTES:
                 self.transport.close()
             return
-        if self._head_started is None and self._reading_head:
+        if self._deadline is None and self._reading_head:
             self._head_began()  # the first bytes of a new head on a kept-alive connection
         limit = self._limits.max_header_bytes
         while True:
@@ -273,7 +283,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading_head = False
         self._held = 0
-        self._head_started = None
+        # the body, if any, from now on (on_message_complete ends it)
+        self._deadline = self.loop.time() + self._limits.body_timeout
+        self._arm_timer()
         _base.on_headers_complete(self)
 
     def on_body(self, body: bytes) -> None:
@@ -284,33 +296,61 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         _base.on_message_complete(self)
         self._reading_head = True
         self._held = 0
+        self._deadline = None
 
     # --- the bounds
 
     def _head_began(self) -> None:
-        if self._head_started is None:  # the first head counts from the connection's opening
-            self._head_started = self.loop.time()
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self._limits.header_timeout, self._head_check)
+        if self._deadline is None:  # the first head counts from the connection's opening
+            self._deadline = self.loop.time() + self._limits.header_timeout
+        self._arm_timer()
 
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+    def _arm_timer(self) -> None:
+        deadline = self._deadline
+        if deadline is None:
+            return
+        if self._timer is not None:
+            if self._timer.when() <= deadline:
+                return  # it fires first, and re-arms for what is left
+            self._timer.cancel()
+        self._timer = self.loop.call_at(deadline, self._check_deadline)
 
-    def _head_check(self) -> None:
-        self._head_timer = None
-        if self.transport.is_closing() or self._head_started is None:
-            return  # no head is being read: the next one arms the timer again
-        left = self._head_started + self._limits.header_timeout - self.loop.time()
-        if left > 0:  # a later head than the one the timer was armed for
-            self._head_timer = self.loop.call_later(left, self._head_check)
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        if self.transport.is_closing() or self._deadline is None:
+            return  # nothing is being read: the next head arms the timer again
+        now = self.loop.time()
+        if self._deadline > now:  # a later head or body than the timer was armed for
+            self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+            return
+        if not self._reading_head:
+            self._body_late(now)
             return
         if self._held == 0:  # nothing was asked: nothing to answer
             self._note("header-timeout", "idle connection, no request head in time")
             self.transport.close()
             return
         self._refuse("header-timeout", "request head not complete in time", TIMED_OUT)
+
+    def _body_late(self, now: float) -> None:
+        if self.flow.read_paused:
+            # uvicorn stopped reading (a pipelined request waits for the one before it, or
+            # the application has not taken the body read so far): the client cannot be
+            # late, and gets the whole time again once reading resumes
+            self._deadline = now + self._limits.body_timeout
+            self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+            return
+        # the application holds the request and may be reading it: nothing can be answered
+        # in its place. Closing marks the request disconnected (connection_lost), so its
+        # receive() returns http.disconnect and the task ends
+        self._note("body-timeout", "request body not complete in time")
+        self._refused = True
+        self.transport.close()
 
     def _note(self, reason: HttpRefusal, why: str) -> None:
         refusals.note(why, self.client)
@@ -332,7 +372,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def _refuse(self, reason: HttpRefusal, why: str, response: bytes) -> None:
         self._note(reason, why)
         self._refused = True
-        self._cancel_head_timer()
+        self._cancel_timer()
         if self._answers_pending():
             # requests pipelined before this one are answered first, in order; what the
             # client sends meanwhile is dropped
@@ -345,7 +385,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         return bool(self.pipeline) or (cycle is not None and not cycle.response_complete)
 
     def on_response_complete(self) -> None:
+        waiting = bool(self.pipeline)
         _base.on_response_complete(self)
+        if waiting and not self.pipeline and not self._reading_head:
+            # the request whose body is being read has only now become the current one:
+            # its body's time starts now
+            self._deadline = self.loop.time() + self._limits.body_timeout
         if self._pending_refusal is not None and not self._answers_pending():
             response, self._pending_refusal = self._pending_refusal, None
             self._send_refusal(response)
