@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,16 +75,23 @@ class NatsAuth:
         return options
 
 
+# A node id in a subject is one token of these: a `.` would make it several, and node
+# `node-c1`'s wildcards (`_INBOX.wm-C.node-c1.>`, `mm.events.node-c1.>`) would then cover
+# the inboxes and events of node `node-c1.eu`; `*`, `>` and white space are no subject.
+NODE_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def inbox_prefix(tier: str, node_id: str) -> str:
     """The inbox prefix of a node's connection, `_INBOX.wm-<tier>.<node>`: what its NATS
-    user may subscribe to (k8s/nats/auth.conf.example). The node id is one or more subject
-    tokens, as in its events subject `mm.events.<node>.<kind>`."""
-    prefix = f"_INBOX.wm-{tier}.{node_id}"
-    tokens = prefix.split(".")
-    wildcard_or_empty = any(token in ("", "*", ">") for token in tokens)
-    if wildcard_or_empty or any(c.isspace() for c in prefix):
-        raise ValueError(f"node id {node_id!r} cannot be part of a NATS subject")
-    return prefix
+    user may subscribe to (k8s/nats/auth.conf.example). The node id is one subject token
+    of letters, digits, `-` and `_`, as in its events subject `mm.events.<node>.<kind>`;
+    anything else is refused (ValueError)."""
+    if NODE_TOKEN.fullmatch(node_id) is None:
+        raise ValueError(
+            f"node id {node_id!r} cannot be part of a NATS subject "
+            "(one token of letters, digits, '-' and '_')"
+        )
+    return f"_INBOX.wm-{tier}.{node_id}"
 
 
 def _refusal(exc: BaseException) -> str | None:
@@ -393,14 +401,20 @@ class JetStreamBus:
 
     async def ensure_key_value(self, bucket: str, *, ttl_seconds: float, replicas: int) -> str:
         """Create the key-value bucket (history 1, entries expire `ttl_seconds` after their
-        last write, file storage, direct gets) unless it exists; returns created | updated
-        | unchanged. An existing bucket is left as it is but for direct gets, which are
-        switched on (updated) when off: a read then names its key in the subject
-        (`$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`), which permissions can
-        confine to a tier, where the other form names it in the body."""
+        last write, file storage, direct gets, no rollups) unless it exists; returns
+        created | updated | unchanged. An existing bucket is left as it is but for those
+        two, which are set (updated) when they differ:
+        - direct gets: a read then names its key in the subject
+          (`$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`), which permissions can
+          confine, where the other form names it in the body;
+        - no rollups: a `Nats-Rollup` header on a key anyone may write would purge that
+          key's subject, or the whole stream, and no permission can see a header. The
+          ledger writes but never deletes or purges (a KV purge is a rollup)."""
         try:
             await self._js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
+            # nats-py creates a bucket's stream with rollups allowed; they are switched off
+            # below, before any node has written to it
             await self._js.create_key_value(
                 api.KeyValueConfig(
                     bucket=bucket, history=1, ttl=ttl_seconds, replicas=replicas,
@@ -408,28 +422,37 @@ class JetStreamBus:
                     description="workload manager: job idempotency ledger",
                 )
             )  # fmt: skip
-            return "created"
-        info = await self._js.stream_info(f"KV_{bucket}")
-        if info.config.allow_direct:
-            return "unchanged"
-        await self._js.update_stream(info.config.evolve(allow_direct=True))
-        return "updated"
+            made = "created"
+        else:
+            made = "unchanged"
+        config = (await self._js.stream_info(f"KV_{bucket}")).config
+        if config.allow_direct and not config.allow_rollup_hdrs:
+            return made
+        await self._js.update_stream(config.evolve(allow_direct=True, allow_rollup_hdrs=False))
+        return "updated" if made == "unchanged" else made
 
     async def key_value(self, bucket: str) -> Any:
         """The existing bucket `bucket`; BucketMissing names the command that makes it (or
-        that switches on its direct gets, which a tier's permissions need)."""
+        that switches on its direct gets, which a tier's permissions need). A bucket that
+        still allows rollups works, but is logged: `init-streams` switches them off."""
         try:
             kv = await self._js.key_value(bucket)
-            direct = (await self._js.stream_info(f"KV_{bucket}")).config.allow_direct
+            config = (await self._js.stream_info(f"KV_{bucket}")).config
         except nats.js.errors.BucketNotFoundError:
             raise BucketMissing(
                 f"the JetStream key-value bucket {bucket} does not exist: "
                 "run `workload-manager init-streams` (or set NATS_AUTO_INIT_STREAMS=true)"
             ) from None
-        if not direct:
+        if not config.allow_direct:
             raise BucketMissing(
                 f"the JetStream key-value bucket {bucket} does not allow direct gets: "
                 "run `workload-manager init-streams` (or set NATS_AUTO_INIT_STREAMS=true)"
+            )
+        if config.allow_rollup_hdrs:
+            log.warning(
+                "the JetStream key-value bucket %s allows rollups, which empty it: run "
+                "`workload-manager init-streams` to refuse them",
+                bucket,
             )
         return kv
 

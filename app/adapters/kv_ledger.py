@@ -12,11 +12,14 @@ finished key is remembered, the duplicate window of the ledger. Lease times are 
 machine's wall clock, so the nodes sharing a bucket need synchronised clocks (NTP), as
 leases on PostgreSQL need none (they use the server's `now()`).
 
-Keys are `<tier>.<idempotency key base64url-encoded>`: a bucket key allows only
-`[-/_=.a-zA-Z0-9]`, an idempotency key anything up to 255 characters, and the tier comes
-first so that a tier's NATS permissions can confine it to its own records
-(`$KV.JOB_LEDGER.<tier>.>`; k8s/nats/auth.conf.example). A node reads and writes only
-its own tier's keys.
+Each tier has a bucket of its own, `JOB_LEDGER_<tier>` (its stream `KV_JOB_LEDGER_<tier>`),
+so that a tier's NATS permissions name that bucket's subjects and no other
+(k8s/nats/auth.conf.example): a shared bucket would be one stream, whose stream info lists
+every tier's keys and which a `Nats-Rollup: all` header on any key of it would empty (no
+permission can see a header). The buckets allow no rollups either: the ledger never
+purges, it writes and lets records expire. A key is the idempotency key base64url-encoded
+(a bucket key allows only `[-/_=.a-zA-Z0-9]`, an idempotency key anything up to 255
+characters).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from app.domain.ledger import (
 
 log = logging.getLogger(__name__)
 
-BUCKET = "JOB_LEDGER"
+BUCKET_PREFIX = "JOB_LEDGER"
 RACES = 5  # re-reads after losing a compare-and-set before a transition gives up
 
 
@@ -70,8 +73,12 @@ class JetStreamLedger:
         self._timeout = timeout
         self._clock = clock
 
+    @property
+    def bucket(self) -> str:
+        return bucket(self.tier)
+
     def bind(self, kv: Any) -> None:
-        """The bucket, once the bus is connected (the worker's preparation does this)."""
+        """The tier's bucket, once the bus is connected (the worker's preparation does this)."""
         self._kv = kv
 
     async def claim(
@@ -79,7 +86,7 @@ class JetStreamLedger:
     ) -> tuple[Claim, float]:
         """The claim, with the number of this claim (1 for the first) for CLAIMED and the
         seconds left on the holder's lease for HELD."""
-        name = key_name(self.tier, key)
+        name = key_name(key)
         for _race in range(RACES):
             current, revision = await self._read(name)
             decision = decide_claim(
@@ -124,7 +131,7 @@ class JetStreamLedger:
     async def _transition(
         self, key: str, decide: Callable[[LedgerRecord | None], LedgerRecord | None]
     ) -> bool:
-        name = key_name(self.tier, key)
+        name = key_name(key)
         for _race in range(RACES):
             current, revision = await self._read(name)
             after = decide(current)
@@ -137,7 +144,7 @@ class JetStreamLedger:
     async def _read(self, name: str) -> tuple[LedgerRecord | None, int]:
         """The record and its revision; (None, 0) for a key never written or expired."""
         if self._kv is None:
-            raise LedgerUnavailable(f"the {BUCKET} bucket is not open yet")
+            raise LedgerUnavailable(f"the {self.bucket} bucket is not open yet")
         try:
             async with asyncio.timeout(self._timeout):
                 entry = await self._kv.get(name)
@@ -148,7 +155,7 @@ class JetStreamLedger:
         try:
             return LedgerRecord.decode(entry.value or b""), int(entry.revision)
         except ValueError as exc:
-            raise LedgerUnavailable(f"{BUCKET} key {name}: {exc}") from None
+            raise LedgerUnavailable(f"{self.bucket} key {name}: {exc}") from None
 
     async def _write(self, name: str, record: LedgerRecord, revision: int) -> bool:
         """Store `record` if the key is still at `revision` (0: absent); False when someone
@@ -166,6 +173,11 @@ class JetStreamLedger:
         return True
 
 
-def key_name(tier: str, key: str) -> str:
-    """The bucket key of idempotency key `key` in `tier`."""
-    return f"{tier}.{base64.urlsafe_b64encode(key.encode()).decode()}"
+def bucket(tier: str) -> str:
+    """The ledger bucket of `tier`."""
+    return f"{BUCKET_PREFIX}_{tier}"
+
+
+def key_name(key: str) -> str:
+    """The bucket key of idempotency key `key`."""
+    return base64.urlsafe_b64encode(key.encode()).decode()

@@ -26,7 +26,7 @@ from app import __version__
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.signing import NodeSigner, load_config_file, load_private_key, node_id_for
 from app.domain.components import Component, ComponentState
-from app.domain.redaction import redact_text
+from app.domain.redaction import redact_text, redact_url
 from app.metrics import Metrics
 from app.services.alerting import Alerter
 from app.services.healthwatch import HealthWatch
@@ -46,7 +46,7 @@ from app.services.wiring import (
     open_worker,
 )
 from app.services.workloads import WorkloadBook
-from app.settings import Settings, redact_url
+from app.settings import Settings
 
 # The clients of switched-off components are never imported (kubernetes-asyncio alone is
 # some 37 MiB): each `open_*` imports what it needs when its component is on.
@@ -186,8 +186,12 @@ def _worker_component(settings: Settings, database: str | None, embedded: bool) 
     if settings.job_ledger == "postgres" and not has_database:
         return Component("worker", False, "JOB_LEDGER=postgres but there is no registry database")
     on_postgres = has_database and settings.job_ledger != "jetstream"
-    ledger = "ledger in PostgreSQL" if on_postgres else "ledger in the JetStream bucket JOB_LEDGER"
     tier = (settings.node_tier or DEVELOPMENT_TIER).value
+    ledger = (
+        "ledger in PostgreSQL"
+        if on_postgres
+        else f"ledger in the JetStream bucket JOB_LEDGER_{tier}"
+    )
     return Component(
         "worker",
         True,

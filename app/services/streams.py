@@ -1,8 +1,9 @@
 """The JetStream topology (streams and the tiers' durable consumers) and job publishing.
 
-`init_streams` creates or updates, idempotently, the three job streams, MM_EVENTS and
-one durable pull consumer per job stream and tier (`wm-<tier>`, shared by every node of
-the tier). `publish_job` is the library form of `workload-manager publish`.
+`init_streams` creates or updates, idempotently, the three job streams, MM_EVENTS, one
+durable pull consumer per job stream and tier (`wm-<tier>`, shared by every node of the
+tier) and each tier's ledger bucket (`JOB_LEDGER_<tier>`). `publish_job` is the library
+form of `workload-manager publish`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app.adapters.bus import ConsumerSpec, JetStreamBus, StreamSpec
-from app.adapters.kv_ledger import BUCKET as LEDGER_BUCKET
+from app.adapters.kv_ledger import bucket as ledger_bucket
 from app.domain.jobs import (
     EVENTS_STREAM,
     STREAMS,
@@ -81,11 +82,15 @@ async def init_streams(
     for consumer in consumer_specs(settings, tiers):
         what = f"consumer {consumer.stream}/{consumer.durable}"
         changes.append((what, await bus.ensure_consumer(consumer)))
-    # the idempotency ledger of nodes without PostgreSQL (adapters/kv_ledger.py)
-    made = await bus.ensure_key_value(
-        LEDGER_BUCKET, ttl_seconds=settings.ledger_ttl_seconds, replicas=settings.stream_replicas
-    )
-    changes.append((f"bucket {LEDGER_BUCKET}", made))
+    # the idempotency ledger of nodes without PostgreSQL, a bucket per tier
+    # (adapters/kv_ledger.py)
+    for tier in tiers:
+        made = await bus.ensure_key_value(
+            ledger_bucket(tier),
+            ttl_seconds=settings.ledger_ttl_seconds,
+            replicas=settings.stream_replicas,
+        )
+        changes.append((f"bucket {ledger_bucket(tier)}", made))
     return changes
 
 

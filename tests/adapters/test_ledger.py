@@ -15,6 +15,7 @@ from nats.js import api
 
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.adapters.kv_ledger import JetStreamLedger, LedgerUnavailable, key_name
+from app.adapters.kv_ledger import bucket as ledger_bucket
 from app.adapters.registry import AsyncpgLedger, AsyncpgRegistry
 from app.domain.ledger import Claim
 from app.services import migrating
@@ -164,7 +165,7 @@ async def test_a_garbled_bucket_record_is_an_error_not_a_run(nats_server: Embedd
     kv = await js.create_key_value(api.KeyValueConfig(bucket=bucket, history=1))
     try:
         ledger = JetStreamLedger(kv, tier="A", node_id="n", claimant="c", timeout=5)
-        await kv.put("A.Z2FyYmxlZA==", b"not json")  # tier A, base64url of "garbled"
+        await kv.put(key_name("garbled"), b"not json")
         with pytest.raises(LedgerUnavailable, match="not JSON"):
             await claim(ledger, "garbled")
     finally:
@@ -172,24 +173,23 @@ async def test_a_garbled_bucket_record_is_an_error_not_a_run(nats_server: Embedd
         await nc.close()
 
 
-async def test_bucket_keys_are_the_tier_then_the_idempotency_key(
+async def test_bucket_keys_are_the_idempotency_key_base64url_encoded(
     nats_server: EmbeddedNats,
 ) -> None:
-    """`<tier>.<base64url key>`, so a tier's NATS permissions can confine it to its own
-    records (`$KV.JOB_LEDGER.<tier>.>`): the same idempotency key in two tiers is two
-    records, and a tier's ledger never reads another's."""
+    """Any idempotency key (up to 255 characters of anything) is a valid bucket key; the
+    tier is the bucket's name (`JOB_LEDGER_<tier>`), not part of the key."""
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
-    bucket = f"LEDGER_TEST_{uuid.uuid4().hex[:8]}"
-    kv = await js.create_key_value(api.KeyValueConfig(bucket=bucket, history=1))
+    name = f"LEDGER_TEST_{uuid.uuid4().hex[:8]}"
+    kv = await js.create_key_value(api.KeyValueConfig(bucket=name, history=1))
     try:
-        tier_a = JetStreamLedger(kv, tier="A", node_id="n", claimant="a", timeout=5)
-        tier_c = JetStreamLedger(kv, tier="C", node_id="n", claimant="c", timeout=5)
-        assert await claim(tier_a, "k/1") is Claim.CLAIMED
-        assert await tier_a.complete(key="k/1", result=None)
-        assert await claim(tier_c, "k/1") is Claim.CLAIMED
-        assert sorted(await kv.keys()) == ["A.ay8x", "C.ay8x"]  # base64url of "k/1"
-        assert key_name("B", "k/1") == "B.ay8x"
+        ledger = JetStreamLedger(kv, tier="A", node_id="n", claimant="a", timeout=5)
+        odd = "k/1 with spaces, *, > and ünïcode" + "x" * 200
+        assert await claim(ledger, "k/1") is Claim.CLAIMED
+        assert await claim(ledger, odd) is Claim.CLAIMED
+        assert sorted(await kv.keys()) == sorted(["ay8x", key_name(odd)])  # "ay8x": "k/1"
+        assert (ledger_bucket("A"), ledger_bucket("C")) == ("JOB_LEDGER_A", "JOB_LEDGER_C")
+        assert ledger.bucket == "JOB_LEDGER_A"
     finally:
-        await js.delete_key_value(bucket)
+        await js.delete_key_value(name)
         await nc.close()

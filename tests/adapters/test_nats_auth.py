@@ -1,50 +1,29 @@
 """NATS credentials against a real nats-server with users and per-tier permissions: an
-nkey user of tier C works its own consumer and cannot touch tier A's (a clear refusal,
-not a bare timeout); unknown credentials are refused by name; user and password (or a
-token) in the URL are never shown."""
+nkey user of tier C cannot touch tier A's consumer (a clear refusal, not a bare timeout)
+and needs its node's inbox prefix, which only a node id of one plain subject token has;
+unknown credentials are refused by name; user and password (or a token) in the URL are
+never shown. What a tier user may and may not do in full is
+tests/e2e/test_nats_tier_confinement.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from app.adapters.bus import JetStreamBus, NatsAuth, NatsRefused, inbox_prefix, server_info
 from app.adapters.embedded import EmbeddedNats
+from app.domain.redaction import redact_url
 from app.main import create_app
-from app.services.streams import consumer_specs, init_streams
-from app.settings import Settings, redact_url
+from app.services.streams import consumer_specs
+from app.settings import Settings
 from tests.conftest import SettingsFactory, running
-from tests.support.nats_auth import NkeyUser, new_nkey_user, operator_url, start_server
+from tests.support import nats_auth
+from tests.support.nats_auth import NkeyUser, new_nkey_user, operator_url
 
-
-@pytest.fixture(scope="module")
-def users(tmp_path_factory: pytest.TempPathFactory) -> dict[str, NkeyUser]:
-    keys = tmp_path_factory.mktemp("nkeys")
-    return {tier: new_nkey_user(keys, f"tier-{tier}") for tier in ("A", "C")}
-
-
-@pytest.fixture(scope="module")
-def secured(
-    tmp_path_factory: pytest.TempPathFactory, users: dict[str, NkeyUser]
-) -> Iterator[EmbeddedNats]:
-    server = start_server(tmp_path_factory.mktemp("secured-nats"), users)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-async def topology(secured: EmbeddedNats) -> None:
-    """The operator's step: streams, consumers and the ledger bucket (idempotent)."""
-    bus = JetStreamBus(operator_url(secured), name="operator", timeout=5)
-    await bus.connect()
-    try:
-        await init_streams(bus, Settings(_env_file=None))
-    finally:
-        await bus.drain()
+users = nats_auth.users
+secured = nats_auth.secured
+topology = nats_auth.topology
 
 
 async def tier_c(
@@ -62,21 +41,6 @@ async def tier_c(
 
 def settings() -> Settings:
     return Settings(_env_file=None)
-
-
-async def test_a_tier_user_works_its_own_consumer(
-    secured: EmbeddedNats, users: dict[str, NkeyUser], topology: None
-) -> None:
-    bus = await tier_c(secured, users, request_timeout=5)
-    try:
-        for consumer in consumer_specs(settings(), ("C",)):
-            assert await bus.ensure_consumer(consumer) == "unchanged"
-        await bus.publish("mm.events.node-c.node.online", {"hello": True}, msg_id="auth-1")
-        kv = await bus.key_value("JOB_LEDGER")
-        await kv.create("C.a2V5", b"{}")  # a key of tier C
-        assert bus.refusal is None
-    finally:
-        await bus.drain()
 
 
 async def test_without_its_inbox_prefix_a_node_is_refused_its_replies(
@@ -98,11 +62,41 @@ async def test_without_its_inbox_prefix_a_node_is_refused_its_replies(
         await bus.drain()
 
 
-@pytest.mark.parametrize("node", ["", "a..b", "a b", "*", "node.>", "node."])
-def test_a_node_id_that_is_no_subject_has_no_inbox(node: str) -> None:
-    with pytest.raises(ValueError, match="cannot be part of a NATS subject"):
-        inbox_prefix("C", node)
-    assert inbox_prefix("C", "node-c.eu") == "_INBOX.wm-C.node-c.eu"
+# A node id is one subject token of letters, digits, `-` and `_`: a `.` would make it
+# several, and node `node-c1`'s wildcards (`_INBOX.wm-C.node-c1.>`,
+# `mm.events.node-c1.>`) would cover node `node-c1.eu`'s inboxes and events.
+NODE_IDS = [
+    ("node-c1", True),
+    ("node_c1", True),
+    ("NODE-C1", True),
+    ("0", True),
+    ("a" * 128, True),
+    ("", False),
+    ("node-c1.eu", False),
+    ("a..b", False),
+    ("node.", False),
+    (".node", False),
+    ("node.>", False),
+    ("*", False),
+    (">", False),
+    ("a b", False),
+    ("a\tb", False),
+    ("a\nb", False),
+    ("node/c1", False),
+    ("node:c1", False),
+    ("node$c1", False),
+    ("nöde", False),
+    ("node\u0000", False),
+]
+
+
+@pytest.mark.parametrize(("node", "usable"), NODE_IDS, ids=[repr(n) for n, _ in NODE_IDS])
+def test_only_a_single_plain_token_node_id_has_an_inbox(node: str, usable: bool) -> None:
+    if usable:
+        assert inbox_prefix("C", node) == f"_INBOX.wm-C.{node}"
+    else:
+        with pytest.raises(ValueError, match="cannot be part of a NATS subject"):
+            inbox_prefix("C", node)
 
 
 async def test_another_tiers_consumer_is_refused_by_name(
@@ -145,13 +139,14 @@ async def test_user_and_password_in_the_url_work_and_are_never_shown(
     assert redact_url("nats://s3cr3t-token@nats.example:4222") == "nats://***@nats.example:4222"
 
 
+@pytest.mark.parametrize("node", ["node c", "node-c1.eu"])
 async def test_a_node_id_that_is_no_subject_switches_the_worker_off(
-    secured: EmbeddedNats, make_settings: SettingsFactory
+    secured: EmbeddedNats, make_settings: SettingsFactory, node: str
 ) -> None:
     """Its inbox prefix and events subject could not be written: the worker says so in
     /v1/status instead of running with subjects its user may not use."""
     app = create_app(
-        make_settings(nats_url=secured.url, node_id="node c", node_tier="C", worker_enabled=True)
+        make_settings(nats_url=secured.url, node_id=node, node_tier="C", worker_enabled=True)
     )
     async with running(app) as client:
         worker = (await client.get("/v1/status")).json()["components"]["worker"]

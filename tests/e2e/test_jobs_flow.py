@@ -17,7 +17,7 @@ import nats
 import pytest
 
 from app.adapters.embedded import EmbeddedNats
-from app.adapters.kv_ledger import key_name
+from app.adapters.kv_ledger import bucket, key_name
 from app.domain.jobs import job_subject
 from app.services.streams import new_job, publish_job
 from tests.support.jobs_world import (
@@ -164,7 +164,7 @@ async def test_a_worker_only_node_runs_on_three_variables(tmp_path: Path) -> Non
         # the operator's step in production: the topology, the ledger's bucket included
         made = cli(["init-streams"], {"NATS_URL": server.url}, tmp_path)
         assert made.returncode == 0, made.stderr
-        assert "bucket JOB_LEDGER" in made.stdout
+        assert "bucket JOB_LEDGER_C" in made.stdout
         (tmp_path / "node").mkdir()
         env = {"APP_ENV": "production", "NODE_ID": "node-2", "TIER": "C", "NATS_URL": server.url}
         node = ManagerProcess(env=env, workdir=tmp_path / "node").start()
@@ -193,11 +193,12 @@ async def test_a_worker_only_node_runs_on_three_variables(tmp_path: Path) -> Non
 
 
 async def kv_record(url: str, key: str, tier: str = "C") -> dict[str, Any]:
-    """The JetStream ledger's record of `key` in `tier`, as another client reads it."""
+    """The JetStream ledger's record of `key` in `tier`'s bucket, as another client reads
+    it."""
     nc = await nats.connect(url)
     try:
-        bucket = await nc.jetstream().key_value("JOB_LEDGER")
-        entry = await bucket.get(key_name(tier, key))
+        kv = await nc.jetstream().key_value(bucket(tier))
+        entry = await kv.get(key_name(key))
         record: dict[str, Any] = json.loads(entry.value or b"{}")
         return record
     finally:

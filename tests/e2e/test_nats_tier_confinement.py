@@ -2,61 +2,43 @@
 nats-server with the shipped per-tier permissions (tests/support/nats_auth.py, which
 k8s/nats/auth.conf.example must equal): as tier C, every way of reading tier A's jobs,
 its results (the events stream) or its ledger, of changing another tier's consumer or
-ledger keys, and of reading through another stream is a permissions violation; the
-manager of tier C still does all it needs with the same credentials."""
+ledger keys, and of reading through another stream is a permissions violation; a rollup
+header on its own ledger key is refused by its bucket and wipes nothing; the manager of
+tier C still does all it needs with the same credentials."""
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.js import api
 
 from app.adapters.bus import BucketMissing, JetStreamBus, NatsAuth, inbox_prefix
 from app.adapters.embedded import EmbeddedNats
-from app.adapters.kv_ledger import BUCKET, JetStreamLedger
+from app.adapters.kv_ledger import JetStreamLedger, bucket, key_name
 from app.domain.ledger import Claim
 from app.services.streams import consumer_specs, init_streams
 from app.settings import Settings
-from tests.support.nats_auth import NkeyUser, new_nkey_user, operator_url, start_server
+from tests.support import nats_auth
+from tests.support.nats_auth import NkeyUser, operator_url, start_server
 from tests.support.polling import eventually
 
 NODE_C = "node-c"
 KEY = "a2V5"  # a ledger key (base64url of "key")
 
 
-@pytest.fixture(scope="module")
-def users(tmp_path_factory: pytest.TempPathFactory) -> dict[str, NkeyUser]:
-    keys = tmp_path_factory.mktemp("nkeys")
-    return {tier: new_nkey_user(keys, f"tier-{tier}") for tier in ("A", "C")}
+pytestmark = pytest.mark.e2e
 
-
-@pytest.fixture(scope="module")
-def secured(
-    tmp_path_factory: pytest.TempPathFactory, users: dict[str, NkeyUser]
-) -> Iterator[EmbeddedNats]:
-    server = start_server(tmp_path_factory.mktemp("confined-nats"), users)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-async def topology(secured: EmbeddedNats) -> None:
-    """The operator's step: streams, consumers and the ledger bucket (idempotent)."""
-    bus = JetStreamBus(operator_url(secured), name="operator", timeout=5)
-    await bus.connect()
-    try:
-        await init_streams(bus, Settings(_env_file=None))
-    finally:
-        await bus.drain()
+users = nats_auth.users
+secured = nats_auth.secured
+topology = nats_auth.topology
 
 
 @asynccontextmanager
@@ -99,7 +81,8 @@ def publishing(subject: str, headers: dict[str, str] | None = None) -> tuple[str
     return subject, attempt
 
 
-TIER_A_KEY = f"$KV.{BUCKET}.A.{KEY}"
+TIER_A, TIER_C = bucket("A"), bucket("C")
+TIER_A_KEY = f"$KV.{TIER_A}.{KEY}"
 REFUSED: dict[str, tuple[str, Attempt]] = {
     "every tier's inbox": subscribing("_INBOX.>"),
     "tier A's inboxes": subscribing("_INBOX.wm-A.>"),
@@ -122,24 +105,23 @@ REFUSED: dict[str, tuple[str, Attempt]] = {
         "$JS.API.CONSUMER.CREATE.MM_EVENTS.wm-C.mm.events.>"
     ),
     "a consumer on the ledger's stream": publishing(
-        f"$JS.API.CONSUMER.CREATE.KV_{BUCKET}.wm-C.$KV.{BUCKET}.>"
+        f"$JS.API.CONSUMER.CREATE.KV_{TIER_C}.wm-C.$KV.{TIER_C}.>"
     ),
     "an unnamed consumer": publishing("$JS.API.CONSUMER.CREATE.MM_WRITE"),
     "a job stream's messages": publishing("$JS.API.STREAM.MSG.GET.MM_WRITE"),
     "the events stream's messages": publishing("$JS.API.DIRECT.GET.MM_EVENTS"),
     "a ledger record by a body that names the key": publishing(
-        f"$JS.API.STREAM.MSG.GET.KV_{BUCKET}"
+        f"$JS.API.STREAM.MSG.GET.KV_{TIER_C}"
     ),
-    "reading tier A's ledger key": publishing(
-        f"$JS.API.DIRECT.GET.KV_{BUCKET}.$KV.{BUCKET}.A.{KEY}"
-    ),
+    "reading tier A's ledger key": publishing(f"$JS.API.DIRECT.GET.KV_{TIER_A}.$KV.{TIER_A}.{KEY}"),
     "writing tier A's ledger key": publishing(TIER_A_KEY),
     "deleting tier A's ledger key": publishing(TIER_A_KEY, {"KV-Operation": "DEL"}),
     "purging tier A's ledger key": publishing(
         TIER_A_KEY, {"KV-Operation": "PURGE", "Nats-Rollup": "sub"}
     ),
-    "a ledger key outside every tier": publishing(f"$KV.{BUCKET}.{KEY}"),
+    "a ledger key outside every tier's bucket": publishing(f"$KV.JOB_LEDGER.{KEY}"),
     "a job stream's state": publishing("$JS.API.STREAM.INFO.MM_WRITE"),
+    "tier A's bucket's state and key listing": publishing(f"$JS.API.STREAM.INFO.KV_{TIER_A}"),
     "publishing a job to tier A": publishing("mm.write.A.memory.write"),
 }
 
@@ -183,14 +165,68 @@ async def test_tier_a_ledger_key_is_untouched_by_tier_c(
     """The refusal loses nothing and changes nothing: tier A's record is as it was."""
     operator = await nats.connect(operator_url(secured))
     try:
-        kv = await operator.jetstream().key_value(BUCKET)
-        revision = await kv.put(f"A.{KEY}", b"tier A's")
+        kv = await operator.jetstream().key_value(TIER_A)
+        revision = await kv.put(KEY, b"tier A's")
         async with as_tier_c(secured, users) as (nc, errors):
             await nc.publish(TIER_A_KEY, b"forged", reply=nc.new_inbox())
             await nc.publish(TIER_A_KEY, b"", headers={"KV-Operation": "DEL"})
             await eventually(functools.partial(_count, errors, TIER_A_KEY, 2), within=10)
-        entry = await kv.get(f"A.{KEY}")
+        entry = await kv.get(KEY)
         assert (entry.value, entry.revision) == (b"tier A's", revision)
+    finally:
+        await operator.close()
+
+
+@pytest.mark.parametrize("rollup", ["all", "sub"])
+async def test_a_rollup_on_tier_cs_own_key_is_refused_and_wipes_nothing(
+    secured: EmbeddedNats, users: dict[str, NkeyUser], topology: None, rollup: str
+) -> None:
+    """`Nats-Rollup` on a key tier C may write would purge the whole stream (`all`) or the
+    key's subject (`sub`); no permission can see a header, so the buckets allow no
+    rollups: the server refuses it, and tier A's record and tier C's own stay."""
+    operator = await nats.connect(operator_url(secured))
+    try:
+        js = operator.jetstream(timeout=5)
+        tier_a, tier_c = await js.key_value(TIER_A), await js.key_value(TIER_C)
+        a_name, c_name = key_name(f"A's {rollup}"), key_name(f"C's {rollup}")
+        a_revision = await tier_a.put(a_name, b"tier A's")
+        c_revision = await tier_c.put(c_name, b"tier C's")
+        async with as_tier_c(secured, users) as (nc, errors):
+            answer = await nc.request(
+                f"$KV.{TIER_C}.{c_name}", b"rolled up", timeout=5,
+                headers={"Nats-Rollup": rollup},
+            )  # fmt: skip
+            assert errors == []
+        entry = await tier_a.get(a_name)
+        assert (entry.value, entry.revision) == (b"tier A's", a_revision)
+        entry = await tier_c.get(c_name)
+        assert (entry.value, entry.revision) == (b"tier C's", c_revision)
+        assert "rollup" in json.loads(answer.data)["error"]["description"].lower(), answer.data
+    finally:
+        await operator.close()
+
+
+async def test_tier_c_cannot_list_tier_as_ledger_keys(
+    secured: EmbeddedNats, users: dict[str, NkeyUser], topology: None
+) -> None:
+    """Stream info with `subjects_filter` lists a stream's subjects, so a key listing of
+    the bucket tier C may ask about names only tier C's records; tier A's is refused."""
+    operator = await nats.connect(operator_url(secured))
+    try:
+        js = operator.jetstream(timeout=5)
+        a_name, c_name = key_name("A's listed"), key_name("C's listed")
+        await (await js.key_value(TIER_A)).put(a_name, b"tier A's")
+        await (await js.key_value(TIER_C)).put(c_name, b"tier C's")
+        listing = json.dumps({"subjects_filter": ">"}).encode()
+        async with as_tier_c(secured, users) as (nc, errors):
+            own = f"$JS.API.STREAM.INFO.KV_{TIER_C}"
+            answer = json.loads((await nc.request(own, listing, timeout=5)).data)
+            listed = answer["state"].get("subjects") or {}
+            assert f"$KV.{TIER_C}.{c_name}" in listed, answer
+            assert not [subject for subject in listed if a_name in subject], listed
+            theirs = f"$JS.API.STREAM.INFO.KV_{TIER_A}"
+            await nc.publish(theirs, listing, reply=nc.new_inbox())
+            await eventually(functools.partial(_count, errors, theirs, 1), within=10)
     finally:
         await operator.close()
 
@@ -225,7 +261,7 @@ async def test_the_manager_of_tier_c_does_its_work_with_tier_c_credentials(
             await subscription.unsubscribe()
         await bus.publish(f"mm.events.{NODE_C}.node.online", {"hello": True}, msg_id="confined")
         ledger = JetStreamLedger(
-            await bus.key_value(BUCKET), tier="C", node_id=NODE_C, claimant="me", timeout=5
+            await bus.key_value(TIER_C), tier="C", node_id=NODE_C, claimant="me", timeout=5
         )
         job = "00000000-0000-4000-8000-000000000001"
         key = "confined/key with spaces"
@@ -242,20 +278,21 @@ async def test_the_manager_of_tier_c_does_its_work_with_tier_c_credentials(
         await bus.drain()
 
 
-async def test_a_bucket_without_direct_gets_is_switched_on_by_init_streams(
+async def test_init_streams_makes_a_hand_made_bucket_safe_for_its_tier(
     users: dict[str, NkeyUser], tmp_path: Path
 ) -> None:
-    """A bucket made by an older release reads a key by `STREAM.MSG.GET`, which names it
-    in the body and so is refused to a tier: the manager says which command fixes it, and
-    `init-streams` switches direct gets on (updated, once)."""
+    """A bucket made by hand (`nats kv add`, nats-py's defaults) reads a key by
+    `STREAM.MSG.GET`, which names it in the body and so is refused to a tier, and allows
+    rollups: the manager says which command fixes it, and `init-streams --tier C` switches
+    direct gets on and rollups off (updated, once) and makes no other tier's bucket."""
     server = start_server(tmp_path / "nats", users)
     try:
         operator = JetStreamBus(operator_url(server), name="operator", timeout=5)
         await operator.connect()
+        by_hand = await nats.connect(operator_url(server))
         try:
-            old = await nats.connect(operator_url(server))  # as an older release made it
-            await old.jetstream().create_key_value(api.KeyValueConfig(bucket=BUCKET, history=1))
-            await old.close()
+            js = by_hand.jetstream(timeout=5)
+            await js.create_key_value(api.KeyValueConfig(bucket=TIER_C, history=1))
             bus = JetStreamBus(
                 server.url, name=f"workload-manager/{NODE_C}", timeout=5,
                 auth=NatsAuth(nkey_seed_file=users["C"].seed_file),
@@ -264,11 +301,14 @@ async def test_a_bucket_without_direct_gets_is_switched_on_by_init_streams(
             await bus.connect()
             try:
                 with pytest.raises(BucketMissing, match=r"direct gets.*init-streams"):
-                    await bus.key_value(BUCKET)
-                made = dict(await init_streams(operator, Settings(_env_file=None)))
-                assert made[f"bucket {BUCKET}"] == "updated"
+                    await bus.key_value(TIER_C)
+                made = dict(await init_streams(operator, Settings(_env_file=None), tiers=("C",)))
+                assert [what for what in made if what.startswith("bucket ")] == [f"bucket {TIER_C}"]
+                assert made[f"bucket {TIER_C}"] == "updated"
+                config = (await js.stream_info(f"KV_{TIER_C}")).config
+                assert (config.allow_direct, config.allow_rollup_hdrs) == (True, False)
                 ledger = JetStreamLedger(
-                    await bus.key_value(BUCKET), tier="C", node_id=NODE_C, claimant="me",
+                    await bus.key_value(TIER_C), tier="C", node_id=NODE_C, claimant="me",
                     timeout=5,
                 )  # fmt: skip
                 claimed, _number = await ledger.claim(
@@ -278,9 +318,12 @@ async def test_a_bucket_without_direct_gets_is_switched_on_by_init_streams(
                 assert claimed is Claim.CLAIMED and bus.refusal is None
             finally:
                 await bus.drain()
-            again = dict(await init_streams(operator, Settings(_env_file=None)))
-            assert again[f"bucket {BUCKET}"] == "unchanged"
+            again = dict(await init_streams(operator, Settings(_env_file=None), tiers=("C",)))
+            assert again[f"bucket {TIER_C}"] == "unchanged"
+            with pytest.raises(nats.js.errors.BucketNotFoundError):
+                await js.key_value(TIER_A)
         finally:
+            await by_hand.close()
             await operator.drain()
     finally:
         server.stop()

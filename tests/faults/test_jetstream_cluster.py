@@ -16,7 +16,7 @@ from pathlib import Path
 
 import nats.errors
 
-from app.adapters.kv_ledger import BUCKET as LEDGER_BUCKET
+from app.adapters.kv_ledger import bucket as ledger_bucket
 from app.domain.jobs import STREAMS
 from app.services.streams import new_job, publish_job
 from tests.support.jobs_world import (
@@ -93,7 +93,7 @@ async def test_no_job_is_lost_or_run_twice_when_the_stream_leader_dies(tmp_path:
             at_restart = len(counter.calls)
             cluster.restart(leader)
             await eventually(lambda: consumer_settled(survivors, STREAM), within=180, step=0.5)
-            for stream in (STREAM, "MM_EVENTS", f"KV_{LEDGER_BUCKET}"):
+            for stream in (STREAM, "MM_EVENTS", f"KV_{ledger_bucket('A')}"):
                 await eventually(
                     functools.partial(_caught_up, cluster.urls, stream, leader),
                     within=120, step=0.5,

@@ -1,21 +1,26 @@
 """A nats-server with users and per-tier permissions, as a fleet's NATS would have them:
 an operator (user and password) who makes the topology, and one nkey user per tier whose
 permissions cover exactly what a worker of that tier needs: its own durable consumers on
-the job streams by name and filter, their acks, its tier's keys in the ledger bucket, its
+the job streams by name and filter, their acks, its tier's ledger bucket, its
 node's events subject and its own inboxes (k8s/nats/auth.conf.example carries the same
 lists; tests/k8s/test_nats_manifests.py keeps the two equal)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import nkeys
+import pytest
 
+from app.adapters.bus import JetStreamBus
 from app.adapters.embedded import EmbeddedNats
-from app.adapters.kv_ledger import BUCKET
+from app.adapters.kv_ledger import bucket
 from app.domain.jobs import STREAMS, consumer_filter, consumer_name
+from app.services.streams import init_streams
+from app.settings import Settings
 
 OPERATOR = ("operator", "operator-pass")
 # what stands for "any node of the tier" in a tier user's subjects; a per-node identity
@@ -60,7 +65,8 @@ def new_nkey_user(directory: Path, name: str) -> NkeyUser:
 def tier_permissions(tier: str, node: str = ANY_NODE) -> Permissions:
     """What a worker of `tier` on `node` publishes and subscribes, and nothing more."""
     durable = consumer_name(tier)
-    publish = ["$JS.API.INFO", f"$JS.API.STREAM.INFO.KV_{BUCKET}"]
+    ledger = bucket(tier)
+    publish = ["$JS.API.INFO", f"$JS.API.STREAM.INFO.KV_{ledger}"]
     for kind, stream in STREAMS.items():
         publish += [
             f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
@@ -71,8 +77,8 @@ def tier_permissions(tier: str, node: str = ANY_NODE) -> Permissions:
         ]
     publish += [
         f"mm.events.{node}.>",
-        f"$KV.{BUCKET}.{tier}.>",
-        f"$JS.API.DIRECT.GET.KV_{BUCKET}.$KV.{BUCKET}.{tier}.>",
+        f"$KV.{ledger}.>",
+        f"$JS.API.DIRECT.GET.KV_{ledger}.$KV.{ledger}.>",
     ]
     return Permissions(tuple(publish), (f"_INBOX.wm-{tier}.{node}.>",))
 
@@ -97,3 +103,37 @@ def start_server(directory: Path, tiers: dict[str, NkeyUser]) -> EmbeddedNats:
 
 def operator_url(server: EmbeddedNats) -> str:
     return f"nats://{OPERATOR[0]}:{OPERATOR[1]}@{server.host}:{server.port}"
+
+
+# The fixtures of the tests that run against such a server; a test module takes them in
+# with `users = nats_auth.users` (and the same for `secured`, `topology`).
+
+
+@pytest.fixture(scope="module")
+def users(tmp_path_factory: pytest.TempPathFactory) -> dict[str, NkeyUser]:
+    """Tier A's and tier C's nkey users."""
+    keys = tmp_path_factory.mktemp("nkeys")
+    return {tier: new_nkey_user(keys, f"tier-{tier}") for tier in ("A", "C")}
+
+
+@pytest.fixture(scope="module")
+def secured(
+    tmp_path_factory: pytest.TempPathFactory, users: dict[str, NkeyUser]
+) -> Iterator[EmbeddedNats]:
+    """A nats-server with the operator and `users`, for the module's tests."""
+    server = start_server(tmp_path_factory.mktemp("secured-nats"), users)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def topology(secured: EmbeddedNats) -> None:
+    """The operator's step: streams, consumers and the ledger buckets (idempotent)."""
+    bus = JetStreamBus(operator_url(secured), name="operator", timeout=5)
+    await bus.connect()
+    try:
+        await init_streams(bus, Settings(_env_file=None))
+    finally:
+        await bus.drain()
