@@ -390,7 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     streams = sub.add_parser("init-streams", help="create or update the JetStream topology")
     streams.add_argument(
-        "--tier", action="append", choices=("A", "B", "C"), help="consumers for these tiers only"
+        "--tier",
+        action="append",
+        choices=("A", "B", "C"),
+        help="consumers and ledger buckets for these tiers only",
     )
     streams.set_defaults(func=_init_streams, tier=None)
 

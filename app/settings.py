@@ -27,9 +27,9 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.domain.redaction import redact_url as redact_url  # shown URLs: one redaction
+from app.domain.redaction import redact_url
 from app.domain.requirements import Tier
-from app.domain.updates import parse_public_key
+from app.domain.updates import parse_public_key, signature_needs_own_url
 
 # Where the original (Express) service kept the node's key (`Settings.node_config_path`):
 # used when neither NODE_PRIVATE_KEY nor NODE_PRIVATE_KEY_FILE is set, NODE_CONFIG_FILE is
@@ -195,7 +195,7 @@ class Settings(BaseSettings):
     job_timeout_seconds: float = _ranged(600.0, 0.1, 86_400.0)
     job_stream_retention: str = Field(default="workqueue", pattern="^(workqueue|limits)$")
     # where the idempotency ledger lives: PostgreSQL when there is a database (auto), else
-    # the JOB_LEDGER bucket of JetStream; every node sharing a tier must use the same one
+    # the tier's JetStream bucket JOB_LEDGER_<tier>; every node of a tier must use the same one
     job_ledger: str = Field(default="auto", pattern="^(auto|postgres|jetstream)$")
     # how long the JetStream ledger remembers a finished key (default: the streams' max age,
     # after which no delivery of the job can come)
@@ -247,7 +247,7 @@ class Settings(BaseSettings):
             parse_public_key(value)  # its ValueError names what is expected, never the value
         return value
 
-    @field_validator("self_update_url")
+    @field_validator("self_update_url", "self_update_signature_url")
     @classmethod
     def _version_file_url(cls, value: str | None) -> str | None:
         """An http(s) URL, or s3://bucket/key (read with AWS credentials)."""
@@ -265,9 +265,27 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _s3_endpoint_needs_s3(self) -> Settings:
-        s3_url = (self.self_update_url or "").startswith("s3://")
+        urls = (self.self_update_url or "", self.self_update_signature_url or "")
+        s3_url = any(url.startswith("s3://") for url in urls)
         if self.self_update_s3_endpoint is not None and not s3_url:
-            raise ValueError("SELF_UPDATE_S3_ENDPOINT is set but SELF_UPDATE_URL is not s3://")
+            raise ValueError(
+                "SELF_UPDATE_S3_ENDPOINT is set but SELF_UPDATE_URL is not s3:// (nor is "
+                "SELF_UPDATE_SIGNATURE_URL)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _signature_location(self) -> Settings:
+        url, own = self.self_update_url, self.self_update_signature_url
+        if own is not None and url is None:
+            raise ValueError("SELF_UPDATE_SIGNATURE_URL is set but SELF_UPDATE_URL is not")
+        if url is not None and own is None and self.self_update_public_key is not None:
+            if signature_needs_own_url(url):
+                raise ValueError(
+                    "SELF_UPDATE_PUBLIC_KEY is set and SELF_UPDATE_URL has a query (a "
+                    "presigned URL, which covers its own path only): set "
+                    "SELF_UPDATE_SIGNATURE_URL to the signature's own URL"
+                )
         return self
 
     @field_validator("node_capabilities", mode="before")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -30,8 +29,9 @@ import httpx
 import stamina
 
 from app import __version__
+from app.adapters.bounded_http import TooLarge, attempt_timeout, decide_wait, read_bounded
 from app.adapters.signing import NodeSigner
-from app.domain.retrying import GiveUp, parse_retry_after, wait_as_asked
+from app.domain.retrying import GiveUp, parse_retry_after
 
 DEFAULT_DEADLINE_SECONDS = 30.0
 DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
@@ -43,6 +43,10 @@ _RETRY_AFTER_STATUSES = (429, 503)
 
 class BackendError(RuntimeError):
     """The backend could not be reached or answered with an error (message is loggable)."""
+
+
+class BackendDeadlineError(BackendError):
+    """A call ran out its deadline (BACKEND_DEADLINE_SECONDS) without a whole answer."""
 
 
 class _RetryableStatus(Exception):
@@ -172,7 +176,7 @@ class BackendClient:
         except TimeoutError:
             if not deadline.expired():
                 raise
-            raise BackendError(
+            raise BackendDeadlineError(
                 f"{method} {path}: deadline of {self._deadline:g} s "
                 f"(BACKEND_DEADLINE_SECONDS) passed {progress.at_deadline()}"
             ) from None
@@ -195,17 +199,11 @@ class BackendClient:
         asked = parse_retry_after(exc.retry_after, datetime.fromtimestamp(self._clock(), UTC))
         if asked is None:
             return True
-        decision = wait_as_asked(
-            asked,
-            left=left,
-            longest=self._max_wait,
-            jitter=min(1.0, self._max_wait),
-            spread=random.random(),  # jitter, not a secret
-        )
+        decision = decide_wait(asked, left=left, longest=self._max_wait)
         if isinstance(decision, GiveUp):
             progress.gave_up = decision.reason
             return False
-        return decision.seconds
+        return decision
 
     async def _attempt(
         self,
@@ -217,7 +215,7 @@ class BackendClient:
         kwargs: dict[str, Any],
     ) -> Answer:
         progress.doing, progress.received = "asking", 0
-        timeout = httpx.Timeout(max(0.001, min(self._timeout, left)))
+        timeout = attempt_timeout(self._timeout, left)
         async with self._client.stream(method, path, timeout=timeout, **kwargs) as response:
             status = response.status_code
             if 200 <= status < 300 or (status == 304 and conditional):
@@ -235,25 +233,23 @@ class BackendClient:
     async def _read_bounded(
         self, method: str, path: str, response: httpx.Response, progress: _Progress
     ) -> bytes:
-        bound = self._max_bytes
-        declared = response.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > bound:
-            raise BackendError(
-                f"{method} {path}: answer of Content-Length {int(declared)} is larger than "
-                f"{bound} bytes (BACKEND_MAX_RESPONSE_BYTES), refused unread"
-            )
         progress.doing = "reading"
-        chunks: list[bytes] = []
-        # decoded bytes: a compressed answer is bounded by what it expands to
-        async for chunk in response.aiter_bytes():
-            progress.received += len(chunk)
-            if progress.received > bound:
+
+        def received(size: int) -> None:
+            progress.received = size
+
+        try:
+            return await read_bounded(response, self._max_bytes, received=received)
+        except TooLarge as exc:
+            if exc.declared is not None:
                 raise BackendError(
-                    f"{method} {path}: answer larger than {bound} bytes "
-                    "(BACKEND_MAX_RESPONSE_BYTES), refused"
-                )
-            chunks.append(chunk)
-        return b"".join(chunks)
+                    f"{method} {path}: answer of Content-Length {exc.declared} is larger than "
+                    f"{exc.bound} bytes (BACKEND_MAX_RESPONSE_BYTES), refused unread"
+                ) from None
+            raise BackendError(
+                f"{method} {path}: answer larger than {exc.bound} bytes "
+                "(BACKEND_MAX_RESPONSE_BYTES), refused"
+            ) from None
 
     async def post_health(self, report: dict[str, Any]) -> None:
         await self._send("POST", self._node_path("/health"), json=report)

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from datetime import UTC, datetime
 from urllib.parse import quote
 
 import httpx
 import stamina
 
-from app.domain.retrying import GiveUp, parse_retry_after, parse_retry_after_ms, wait_as_asked
+from app.adapters.bounded_http import TooLarge, attempt_timeout, decide_wait, read_bounded
+from app.domain.retrying import GiveUp, parse_retry_after, parse_retry_after_ms
 
 DEFAULT_DEADLINE_SECONDS = 30.0
 DEFAULT_MAX_WAIT_SECONDS = 10.0
@@ -83,17 +83,11 @@ class MatrixRoom:
                 return False
             if exc.asked is None:
                 return True
-            decision = wait_as_asked(
-                exc.asked,
-                left=ends_at - loop.time(),
-                longest=self._max_wait,
-                jitter=min(1.0, self._max_wait),
-                spread=random.random(),  # jitter, not a secret
-            )
+            decision = decide_wait(exc.asked, left=ends_at - loop.time(), longest=self._max_wait)
             if isinstance(decision, GiveUp):
                 gave_up.append(decision.reason)
                 return False
-            return decision.seconds
+            return decision
 
         deadline = asyncio.timeout_at(ends_at)
         try:
@@ -117,7 +111,7 @@ class MatrixRoom:
             raise MatrixError(f"Matrix unreachable: {type(exc).__name__}: {exc}") from None
 
     async def _put(self, path: str, body: dict[str, str], left: float) -> None:
-        timeout = httpx.Timeout(max(0.001, min(self._timeout, left)))
+        timeout = attempt_timeout(self._timeout, left)
         async with self._client.stream("PUT", path, json=body, timeout=timeout) as response:
             status = response.status_code
             content = await self._read_bounded(response)
@@ -132,20 +126,15 @@ class MatrixRoom:
         raise MatrixError(f"Matrix answered HTTP {status}")
 
     async def _read_bounded(self, response: httpx.Response) -> bytes:
-        bound = self._max_bytes
-        declared = response.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > bound:
-            raise MatrixError(
-                f"Matrix answer of Content-Length {int(declared)} is larger than {bound} bytes"
-            )
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.aiter_bytes():
-            size += len(chunk)
-            if size > bound:
-                raise MatrixError(f"Matrix answer larger than {bound} bytes, refused")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        try:
+            return await read_bounded(response, self._max_bytes)
+        except TooLarge as exc:
+            if exc.declared is not None:
+                raise MatrixError(
+                    f"Matrix answer of Content-Length {exc.declared} is larger than "
+                    f"{exc.bound} bytes"
+                ) from None
+            raise MatrixError(f"Matrix answer larger than {exc.bound} bytes, refused") from None
 
 
 def _asked_wait(status: int, headers: httpx.Headers, content: bytes) -> float | None:

@@ -15,9 +15,11 @@ rest of it: it may echo the signed request) are added to the error.
 
 With a public key (SELF_UPDATE_PUBLIC_KEY), each new content of the file is taken only with
 a valid detached Ed25519 signature over its exact bytes, read from the same location plus
-`.sig` through the same path (plain or SigV4-signed GET); a missing, malformed or wrong
-signature is an error, and nothing of that content is kept (not even its ETag), so the next
-fetch reads it again in full. `sign_version_file` makes such a signature.
+`.sig` through the same path (plain or SigV4-signed GET), or from SELF_UPDATE_SIGNATURE_URL
+when set (an https URL, presigned as the file's may be, or an s3://bucket/key read with
+SigV4); a missing, malformed or wrong signature is an error, and nothing of that content is
+kept (not even its ETag), so the next fetch reads it again in full. `sign_version_file`
+makes such a signature.
 """
 
 from __future__ import annotations
@@ -93,10 +95,20 @@ class VersionFile:
         timeout: float,
         s3_endpoint: str | None = None,
         public_key: str | None = None,
+        signature_url: str | None = None,
     ) -> None:
         self.url = url
         self._timeout = timeout
         self._s3 = S3Object(url, endpoint=s3_endpoint) if url.startswith("s3://") else None
+        # the signature's location, and how it is read: beside the file (the same object
+        # and a suffix), or its own URL (an S3 object of its own, or a plain GET)
+        self._signature_url = signature_location(url, signature_url)
+        if signature_url is None:
+            self._signature_s3, self._signature_suffix = self._s3, SIGNATURE_SUFFIX
+        else:
+            own = signature_url.startswith("s3://")
+            self._signature_s3 = S3Object(signature_url, endpoint=s3_endpoint) if own else None
+            self._signature_suffix = ""
         # never follow a redirect: the file is read from its configured location only (and
         # a signed S3 request is not sent on to wherever a redirect points)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), follow_redirects=False)
@@ -121,7 +133,7 @@ class VersionFile:
         """
         conditional = self._etag is not None and self._body is not None
         headers = {"If-None-Match": self._etag} if conditional and self._etag else {}
-        got = await self._get(self.url, "", headers, MAX_VERSION_FILE_BYTES)
+        got = await self._get(self.url, self._s3, "", headers, MAX_VERSION_FILE_BYTES)
         if got is None:  # 304
             assert self._body is not None
             return self._body
@@ -133,10 +145,12 @@ class VersionFile:
         return body
 
     async def _verify(self, body: bytes, key: Ed25519PublicKey) -> None:
-        location = signature_location(self.url)
+        location = self._signature_url
         where = f"signature of {self.url} (GET {location})"
         try:
-            got = await self._get(location, SIGNATURE_SUFFIX, {}, MAX_SIGNATURE_BYTES)
+            got = await self._get(
+                location, self._signature_s3, self._signature_suffix, {}, MAX_SIGNATURE_BYTES
+            )
         except VersionSourceError as exc:
             raise VersionSignatureError(
                 f"{where}: {str(exc).removeprefix(f'GET {location}: ')} "
@@ -154,15 +168,21 @@ class VersionFile:
             ) from None
 
     async def _get(
-        self, shown: str, suffix: str, headers: dict[str, str], limit: int
+        self,
+        shown: str,
+        s3: S3Object | None,
+        suffix: str,
+        headers: dict[str, str],
+        limit: int,
     ) -> tuple[bytes, str | None] | None:
-        """GET the file (or, with `suffix`, the object beside it): (body, ETag), or None
-        for a 304 to a conditional request. `shown` is the location errors name."""
+        """GET `shown` (with `s3`, that object, or with `suffix` the object beside it,
+        signed): (body, ETag), or None for a 304 to a conditional request. `shown` is the
+        location errors name."""
         target, conditional = shown, "If-None-Match" in headers
-        if self._s3 is not None:
+        if s3 is not None:
             try:
                 async with asyncio.timeout(self._timeout):
-                    target, headers = await self._s3.signed_get(headers, suffix=suffix)
+                    target, headers = await s3.signed_get(headers, suffix=suffix)
             except TimeoutError:
                 raise VersionSourceError(
                     f"GET {shown}: finding AWS credentials took longer than {self._timeout:g} s"
@@ -182,7 +202,7 @@ class VersionFile:
                         "read from SELF_UPDATE_URL itself, never from where it points)"
                     )
                 if status != 200:
-                    why = await _s3_error(response) if self._s3 is not None else ""
+                    why = await _s3_error(response) if s3 is not None else ""
                     raise VersionSourceError(f"GET {shown}: HTTP {status}{why}")
                 declared = response.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > limit:

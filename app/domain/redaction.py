@@ -6,12 +6,18 @@ events) passes through `redact_text` on its way out, and a configured URL throug
 
 - a URL's userinfo (RFC 3986, section 3.2.1): the password, and a user name given alone,
   which NATS and Sentry DSNs read as a token (`nats://TOKEN@host`); a user name given
-  with a password is kept, the password goes. The userinfo reaches to the last `@`
-  before the query, so a password with an unescaped `/` or `#` goes whole.
+  with a password is kept, the password goes. The userinfo is in the authority only (up
+  to the first `/`, `?` or `#`), to its last `@`: an `@` in a path, query or fragment is
+  none. An unescaped `/` or `#` cannot be in a valid URL's userinfo; when the authority
+  before it is not valid either (a port that is not a number: `u:pa/ss@db`), the
+  userinfo is taken to the last `@` before the query, so such a password goes whole.
 - the value of every `name=value` whose name is a secret's: URL query and fragment
-  parameters, libpq keyword/value connection strings (`host=db password='…'`) and the
-  same pairs inside free text (an exception message, a request line). Names are matched
-  case-insensitively after percent-decoding, `-` and `_` alike.
+  parameters (separated by `&` or `;`), libpq keyword/value connection strings (`host=db
+  password='…'`) and the same pairs inside free text (an exception message, a request
+  line, a repr with `name="…"`). Names are matched case-insensitively after
+  percent-decoding, `-` and `_` alike.
+- the value of every quoted key of a secret's name with a quoted value, as JSON and
+  Python reprs write them (`{"password": "…"}`, `{'token': '…'}`).
 - the credentials of an HTTP `Authorization` value (`Bearer …`, RFC 6750; `Basic …`,
   RFC 7617), as a header repr in an error or a frame variable shows them.
 
@@ -59,19 +65,29 @@ _SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*://"
 # A URL in text: a scheme, then up to white space, a quote, `<`, `>`, or the `,` before
 # the next URL (NATS_URL lists several servers that way).
 _URL = re.compile(rf"(?P<scheme>{_SCHEME})(?P<rest>(?:(?!,{_SCHEME})[^\s'\"<>`])*)")
+_NAME = r"[A-Za-z0-9_.%+\-]+"
 # `name=value` after the start, a separator of query strings, or white space; the value
-# is a libpq single-quoted string, else everything up to the next separator.
+# is a single- (libpq) or double-quoted string, else everything up to the next `&`, `#`,
+# white space, quote or angle bracket, and up to a `;` only when a `name=` follows it (a
+# query parameter of its own), so a secret value with a `;` still goes whole.
 _PAIR = re.compile(
     r"(?P<lead>^|[?&;#\s'\"(\[{,])"
-    r"(?P<name>[A-Za-z0-9_.%+\-]+)"
+    rf"(?P<name>{_NAME})"
     r"(?P<eq>[ \t]*=[ \t]*)"
-    r"(?P<value>'(?:[^'\\]|\\.)*'?|[^&#\s'\"<>]*)"
+    r"(?P<value>'(?:[^'\\]|\\.)*'?|\"(?:[^\"\\]|\\.)*\"?"
+    rf"|[^&#;\s'\"<>]*(?:;(?!{_NAME}[ \t]*=)[^&#;\s'\"<>]*)*)"
+)
+# a quoted key and a quoted value, as JSON or a Python dict's repr writes them
+_QUOTED_PAIR = re.compile(
+    r"(?P<key>(?P<q>['\"])(?P<name>[^'\"\s\\]{1,128})(?P=q)[ \t]*:[ \t]*)"
+    r"(?P<value>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
 )
 
-# an Authorization header's credentials: a scheme, then a token68 of 8 characters or more
+# an Authorization header's credentials: a scheme, then a token68 of 8 characters or more;
+# not an auth-param (`realm="…"`: a token, `=` and a quoted string, RFC 9110 11.2)
 _CREDENTIALS = re.compile(
     r"(?i)\b(?P<scheme>Bearer|Basic|Digest|Token)(?P<space>\s+)"
-    r"[A-Za-z0-9\-._~+/]{8,}=*(?![A-Za-z0-9\-._~+/=\"])"
+    r"[A-Za-z0-9\-._~+/]{8,}=*(?![A-Za-z0-9\-._~+/=])(?!(?<==)\"[^\s,;)}\]])"
 )
 
 
@@ -90,6 +106,8 @@ def redact_text(text: str) -> str:
     """`text` with the secrets of every URL and every secret `name=value` in it masked."""
     if "://" in text:
         text = _URL.sub(_redact_userinfo, text)
+    if ":" in text:
+        text = _QUOTED_PAIR.sub(_redact_quoted_pair, text)
     if "=" in text:
         text = _PAIR.sub(_redact_pair, text)
     return _CREDENTIALS.sub(rf"\g<scheme>\g<space>{MASK}", text)
@@ -114,13 +132,35 @@ def scrub(value: Any) -> Any:
     return value
 
 
+_AUTHORITY_END = re.compile(r"[/?#]")
+_PORT = re.compile(r"[0-9]*")
+
+
+def _valid_host_port(authority: str) -> bool:
+    """Whether an authority without userinfo is `host[:port]` with a numeric port (RFC
+    3986, 3.2.2-3.2.3; an IP literal in brackets)."""
+    if authority.startswith("["):
+        end = authority.find("]")
+        rest = authority[end + 1 :] if end >= 0 else ":x"
+    else:
+        rest = authority[authority.find(":") :] if ":" in authority else ""
+    return not rest or (rest[0] == ":" and _PORT.fullmatch(rest[1:]) is not None)
+
+
 def _redact_userinfo(match: re.Match[str]) -> str:
     scheme, rest = match["scheme"], match["rest"]
-    query = rest.find("?")
-    head, tail = (rest, "") if query < 0 else (rest[:query], rest[query:])
-    if "://" in tail:  # a URL in a parameter (`?next=https://user:pw@host/`)
+    end = _AUTHORITY_END.search(rest)
+    split = len(rest) if end is None else end.start()
+    at = rest.rfind("@", 0, split)
+    if at < 0 and not _valid_host_port(rest[:split]):
+        # not a valid URL: a password with an unescaped `/` or `#` (`u:pa/ss@db`); its
+        # userinfo reaches to the last `@` before the query
+        query = rest.find("?")
+        at = rest.rfind("@", 0, len(rest) if query < 0 else query)
+        split = max(split, at)
+    head, tail = rest[:split], rest[split:]
+    if "://" in tail:  # a URL in the path or a parameter (`?next=https://user:pw@host/`)
         tail = _URL.sub(_redact_userinfo, tail)
-    at = head.rfind("@")
     if at < 0:
         return f"{scheme}{head}{tail}"
     user, colon, _password = head[:at].partition(":")
@@ -129,6 +169,15 @@ def _redact_userinfo(match: re.Match[str]) -> str:
 
 
 def _redact_pair(match: re.Match[str]) -> str:
-    if not match["value"] or match["value"] == MASK or not is_secret_name(match["name"]):
+    value = match["value"]
+    masked = value.startswith(MASK) and not value[len(MASK) :].strip(",)]}")  # `f(p=***, …)`
+    if value in ("", "''", '""') or masked or not is_secret_name(match["name"]):
         return match[0]
     return f"{match['lead']}{match['name']}{match['eq']}{MASK}"
+
+
+def _redact_quoted_pair(match: re.Match[str]) -> str:
+    value = match["value"]
+    if len(value) == 2 or value[1:-1] == MASK or not is_secret_name(match["name"]):
+        return match[0]
+    return f"{match['key']}{value[0]}{MASK}{value[0]}"

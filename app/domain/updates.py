@@ -9,9 +9,9 @@ pre-releases (of the version or the tag) only when allowed, and only inside the
 maintenance window when one is set.
 
 When a public key is configured the file must carry a detached Ed25519 signature over its
-exact bytes (base64, at the file's location plus `.sig`): `parse_public_key`,
-`parse_signature` and `signature_location` are the pure half of that check, which the
-fetching adapter does before anything here sees the content.
+exact bytes (base64, at the file's location plus `.sig`, or where SELF_UPDATE_SIGNATURE_URL
+says): `parse_public_key`, `parse_signature` and `signature_location` are the pure half of
+that check, which the fetching adapter does before anything here sees the content.
 
 An update in flight is recorded on the own Deployment (annotations), not in memory, so any
 manager instance can see it through: `pending_update` says, from those annotations, the
@@ -134,16 +134,6 @@ def image_refusal(image: str, *, version: str, repository: str) -> str | None:
     return None
 
 
-def _prerelease_tag(image: str) -> bool:
-    tag = parse_image(image).tag
-    if tag is None:
-        return False
-    try:
-        return Version(tag).is_prerelease
-    except InvalidVersion:
-        return False
-
-
 # --- the version file's signature
 
 MAX_SIGNATURE_BYTES = 1024
@@ -194,13 +184,25 @@ def parse_signature(content: bytes) -> bytes:
     return raw
 
 
-def signature_location(url: str) -> str:
-    """Where the signature of the version file at `url` is: the same location, its path
-    followed by `.sig` (an s3:// key, or an http(s) path with its query kept)."""
+def signature_location(url: str, configured: str | None = None) -> str:
+    """Where the signature of the version file at `url` is: `configured` when given, else
+    the same location, its path followed by `.sig` (an s3:// key, or an http(s) path with
+    its query kept)."""
+    if configured is not None:
+        return configured
     if url.startswith("s3://"):
         return url + SIGNATURE_SUFFIX
     parts = urlsplit(url)
     return urlunsplit(parts._replace(path=parts.path + SIGNATURE_SUFFIX, fragment=""))
+
+
+def signature_needs_own_url(url: str) -> bool:
+    """Whether the signature of the version file at `url` cannot be found beside it: an
+    http(s) URL with a query is presigned (S3, GCS, Azure SAS), and its signature in the
+    query covers that path alone, so `<path>.sig` with the same query is refused."""
+    if url.startswith("s3://"):
+        return False
+    return bool(urlsplit(url).query)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +286,9 @@ def decide_update(
         return UpdateDecision(
             Choice.SKIP, f"{published.version} failed before and was rolled back", published.version
         )
-    if (latest.is_prerelease or _prerelease_tag(image)) and not policy.allow_prerelease:
+    # an image's tag is the version itself (image_refusal), so it is a pre-release only
+    # when the version is
+    if latest.is_prerelease and not policy.allow_prerelease:
         return UpdateDecision(
             Choice.SKIP, f"{published.version} is a pre-release (not allowed)", published.version
         )

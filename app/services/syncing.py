@@ -6,6 +6,13 @@ updates (cached by name and version), prepare them, apply with bounded concurren
 then tell the backend the versions now applied. A desired state that cannot be read or
 parsed ends the sync before anything touches the cluster. One workload's failure never
 blocks the others; a 409 re-reads that Deployment and plans it again once.
+
+A sync as a whole ends within its deadline (SYNC_DEADLINE_SECONDS): past it, what is in
+flight is cancelled (each cluster write is one request, atomic on the API server: it
+landed or it did not, and the next sync plans from what is there), the sync is recorded
+as aborted with every workload's result (done, or not done), and the cluster lock is
+free. Once one manifest fetch has run out the backend's deadline, the sync asks for no
+more manifests: a backend that trickles one answer trickles the next.
 """
 
 from __future__ import annotations
@@ -20,7 +27,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import stamina
 
-from app.adapters.backend import NOT_MODIFIED, BackendClient, BackendError
+from app.adapters.backend import (
+    NOT_MODIFIED,
+    BackendClient,
+    BackendDeadlineError,
+    BackendError,
+)
 from app.adapters.desired_files import DesiredFiles, DesiredFilesError
 from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, KubeNotFound
 from app.domain.components import Component
@@ -49,6 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REPEATED_FAILURES = 3
+DEFAULT_DEADLINE_SECONDS = 300.0
 # re-reads after a resourceVersion conflict before the workload's update counts as failed
 REPLANS = 5
 
@@ -111,6 +124,10 @@ class FolderSource:
 
 class SyncBusy(RuntimeError):
     """A sync or a self-update is already changing the cluster."""
+
+
+class FetchSkipped(RuntimeError):
+    """A manifest not asked for: the backend already missed its deadline in this sync."""
 
 
 @dataclass
@@ -176,8 +193,10 @@ class Syncer:
         component: Component,
         cluster_lock: asyncio.Lock,
         alerts: Alerter | None = None,
+        deadline: float = DEFAULT_DEADLINE_SECONDS,
     ) -> None:
         self._alerts = alerts
+        self._deadline = deadline
         self.source = source
         self.kube = kube
         self._book = book
@@ -199,6 +218,12 @@ class Syncer:
         # the last sync that wrote to the cluster or failed: after it, syncs are usually
         # no-ops, and an operator asking "what changed?" needs this one
         self.last_change: SyncOutcome | None = None
+        # the sync running (one at a time, under the lock): what it is doing, for the
+        # reason given at its deadline; the workload whose manifest fetch missed the
+        # backend's deadline; the results not reached when it ended early
+        self._stage = ""
+        self._missed: str | None = None
+        self._undone: list[WorkloadResult] = []
 
     async def refresh_view(self) -> None:
         """Read the managed Deployments' rollout state and their pods' crash loops into
@@ -225,23 +250,49 @@ class Syncer:
         async with self._lock:
             outcome = SyncOutcome(started_at=datetime.now(UTC), dry_run=dry_run)
             started = time.monotonic()
+            self._stage, self._missed, self._undone = "", None, []
+            limit = asyncio.timeout(self._deadline)
             try:
-                await self._sync(outcome)
+                async with limit:
+                    await self._sync(outcome)
             except asyncio.CancelledError:
-                outcome.aborted = "cancelled before it finished (shutdown or its deadline)"
+                self._abort(outcome, "cancelled before it finished (by shutdown or by its caller)")
                 raise
+            except TimeoutError as exc:
+                if not limit.expired():
+                    self._crashed(outcome, exc)
+                else:
+                    self._abort(
+                        outcome,
+                        f"deadline of {self._deadline:g} s (SYNC_DEADLINE_SECONDS) passed "
+                        f"{self._stage}",
+                    )
             except Exception as exc:
-                # a bug outside the per-workload actions: recorded as a failed sync, and
-                # the traceback reaches Sentry through the log
-                outcome.aborted = f"sync crashed: {type(exc).__name__}: {exc}"
-                log.error("sync crashed", exc_info=exc)
+                self._crashed(outcome, exc)
             finally:
                 outcome.finished_at = datetime.now(UTC)
                 outcome.duration_seconds = time.monotonic() - started
                 self._record(outcome)
             return outcome
 
+    def _abort(self, outcome: SyncOutcome, why: str) -> None:
+        """The sync ended before it finished: why, and the workloads it did not reach."""
+        if self._undone:
+            done = len(outcome.results) - len(self._undone)
+            why += f"; {done} of {len(outcome.results)} workload(s) done, the rest not"
+        outcome.aborted = why
+        for result in self._undone:
+            result.error = f"not done: {why}"
+            self._metrics.sync_actions.labels(result.action, result.outcome).inc()
+
+    def _crashed(self, outcome: SyncOutcome, exc: Exception) -> None:
+        # a bug outside the per-workload actions: recorded as a failed sync, and the
+        # traceback reaches Sentry through the log
+        self._abort(outcome, f"sync crashed: {type(exc).__name__}: {exc}")
+        log.error("sync crashed", exc_info=exc)
+
     async def _sync(self, outcome: SyncOutcome) -> None:
+        self._stage = "while reading the desired state, nothing changed"
         try:
             desired = await self.source.desired()
         except SOURCE_ERRORS as exc:
@@ -249,6 +300,7 @@ class Syncer:
             return
         outcome.revision = desired.revision
         self._learn_reported(desired)
+        self._stage = "while listing Deployments, nothing changed"
         try:
             objects = await self.kube.list_managed(MANAGED_SELECTOR)
         except KubeError as exc:
@@ -261,35 +313,40 @@ class Syncer:
         self._forget_manifests(desired)
 
         semaphore = asyncio.Semaphore(self._concurrency)
+        done: dict[str, WorkloadResult] = {}
 
-        async def run(action: Action) -> WorkloadResult:
+        async def run(action: Action) -> None:
             async with semaphore:
-                return await self._carry_out(action, desired, dry_run=outcome.dry_run)
+                done[action.name] = await self._carry_out(action, desired, dry_run=outcome.dry_run)
 
         # A task group, not gather: every action has ended (or been cancelled and
         # awaited) when it exits, so no write of this sync lands after it returns.
         # `_carry_out` turns every error into that workload's result, so nothing
-        # escapes the group but a cancellation.
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(run(a), name=f"sync-{a.name}") for a in plan]
-        outcome.results = [task.result() for task in tasks]
+        # escapes the group but a cancellation (the sync's deadline is one).
+        self._stage = "while carrying out the plan"
+        try:
+            async with asyncio.TaskGroup() as group:
+                for action in plan:
+                    group.create_task(run(action), name=f"sync-{action.name}")
+        finally:
+            outcome.results = [done.get(a.name) or self._not_done(a) for a in plan]
+        self._stage = "after the plan was carried out, while re-reading rollout state"
         if not outcome.dry_run and any(r.outcome == "applied" for r in outcome.results):
             try:
                 self._book.set_deployed(_deployed(await self.kube.list_managed(MANAGED_SELECTOR)))
             except KubeError as exc:
                 log.warning("could not refresh rollout state after the sync: %s", exc)
 
+    def _not_done(self, action: Action) -> WorkloadResult:
+        """A workload the sync did not finish before it ended; its error is set then."""
+        result = _result_of(action, "failed")
+        self._undone.append(result)
+        return result
+
     async def _carry_out(
         self, action: Action, desired: DesiredState, *, dry_run: bool
     ) -> WorkloadResult:
-        result = WorkloadResult(
-            name=action.name,
-            action=action.kind.value,
-            outcome="unchanged",
-            version=action.version,
-            from_version=action.from_version,
-            reason=action.reason,
-        )
+        result = _result_of(action, "unchanged")
         try:
             if action.kind is ActionKind.HOLD:
                 result.outcome = "held"
@@ -310,7 +367,7 @@ class Syncer:
                         await self._report_pending(action.name)
         except ManifestRejected as exc:
             result.outcome, result.action, result.reason = "held", "hold", str(exc)
-        except (*SOURCE_ERRORS, KubeError) as exc:
+        except (*SOURCE_ERRORS, KubeError, FetchSkipped) as exc:
             result.outcome, result.error = "failed", str(exc)
         except Exception as exc:
             # a bug (in preparation, planning or an adapter): this workload fails, named,
@@ -327,7 +384,13 @@ class Syncer:
         key = (action.name, action.version)
         raw = self._manifests.get(key)
         if raw is None:
-            raw = await self.source.manifest(action.name, action.version)
+            if self._missed is not None:
+                raise FetchSkipped(f"skipped: the backend missed its deadline on {self._missed}")
+            try:
+                raw = await self.source.manifest(action.name, action.version)
+            except BackendDeadlineError:
+                self._missed = self._missed or action.name
+                raise
             try:
                 check_size(raw, self._manifest_policy.max_bytes)
             except ManifestRejected as exc:
@@ -499,6 +562,17 @@ class Syncer:
             changed = any(r.outcome != "unchanged" for r in outcome.results)
             level = logging.INFO if changed else logging.DEBUG
             log.log(level, "sync done in %.2f s: %s", outcome.duration_seconds, counts)
+
+
+def _result_of(action: Action, outcome: str) -> WorkloadResult:
+    return WorkloadResult(
+        name=action.name,
+        action=action.kind.value,
+        outcome=outcome,
+        version=action.version,
+        from_version=action.from_version,
+        reason=action.reason,
+    )
 
 
 def _conflict_retries() -> Any:

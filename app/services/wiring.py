@@ -174,6 +174,7 @@ async def open_syncer(
         component=component,
         cluster_lock=cluster_lock,
         alerts=alerts,
+        deadline=settings.sync_deadline_seconds,
     )
     component.reason = redact_text(
         f"{source.description} -> namespace {settings.managed_namespace} via {cluster_source}"
@@ -304,7 +305,7 @@ async def open_worker(
     never the manager) and drains it on shutdown.
 
     The idempotency ledger is PostgreSQL's when the registry runs (JOB_LEDGER=auto or
-    postgres), else the JetStream bucket's; without a registry the node matches jobs
+    postgres), else the tier's JetStream bucket's; without a registry the node matches jobs
     against its own profile and cannot tell whether another node could run a job."""
     if not component.enabled or nats_url is None:
         return None
@@ -313,7 +314,8 @@ async def open_worker(
         component.switch_off("JOB_LEDGER=postgres but the registry is not running")
         return None
     from app.adapters.bus import BusError, JetStreamBus, inbox_prefix
-    from app.adapters.kv_ledger import BUCKET, JetStreamLedger
+    from app.adapters.kv_ledger import JetStreamLedger
+    from app.adapters.kv_ledger import bucket as ledger_bucket
     from app.adapters.registry import AsyncpgLedger
     from app.adapters.workload_http import WorkloadHttp
     from app.services.handlers import load_handlers
@@ -353,7 +355,7 @@ async def open_worker(
             raise bus.explain(exc) from exc
         component.detail["topology"] = dict(changes)
         if kv_ledger is not None:  # made by init_streams (above, or by the operator)
-            kv_ledger.bind(await bus.key_value(BUCKET))
+            kv_ledger.bind(await bus.key_value(kv_ledger.bucket))
 
         if heartbeat is not None:
             await heartbeat.registered.wait()
@@ -374,7 +376,9 @@ async def open_worker(
                 settings.backend_timeout_seconds, request_timeout(settings.job_ack_wait_seconds)
             ),
         )  # fmt: skip
-    component.detail["ledger"] = "postgres" if on_postgres else f"jetstream bucket {BUCKET}"
+    component.detail["ledger"] = (
+        "postgres" if on_postgres else f"jetstream bucket {ledger_bucket(tier)}"
+    )
     if heartbeat is not None:
         profile: Callable[[], Awaitable[NodeProfile]] = heartbeat.profile
     else:
@@ -517,6 +521,7 @@ async def open_self_updater(
         timeout=settings.self_update_timeout_seconds,
         s3_endpoint=settings.self_update_s3_endpoint,
         public_key=settings.self_update_public_key,
+        signature_url=settings.self_update_signature_url,
     )
     stack.push_async_callback(source.aclose)
     return SelfUpdater(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import hmac
 import subprocess
 import sys
 import threading
@@ -267,3 +269,49 @@ def test_the_cli_refuses_an_unusable_key(tmp_path: Path, args: list[str], says: 
     run = cli("sign-version-file", str(version_file), *[a.format(key=bad) for a in args])
     assert run.returncode == 2 and says in run.stderr, run.stderr
     assert not (tmp_path / "version.json.sig").exists()
+
+
+PRESIGN_KEY = b"presign-test-key"
+
+
+def presigned(base: str, path: str) -> str:
+    """A presigned-style URL: a query signature over the exact path (as S3, GCS and Azure
+    sign theirs), so the same query does not open any other path."""
+    sig = hmac.new(PRESIGN_KEY, path.encode(), hashlib.sha256).hexdigest()
+    return f"{base}{path}?X-Amz-Expires=900&X-Amz-Signature={sig}"
+
+
+class PresignedStore:
+    """/bucket/{key}: the object, only with a query signature for its exact path (else 403)."""
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self.objects = objects
+        self.refused: list[str] = []
+        self.app = Starlette(routes=[Route("/bucket/{key:path}", self._object)])
+
+    async def _object(self, request: Request) -> Response:
+        path = request.url.path
+        expected = hmac.new(PRESIGN_KEY, path.encode(), hashlib.sha256).hexdigest()
+        given = request.query_params.get("X-Amz-Signature", "")
+        if not hmac.compare_digest(given, expected):
+            self.refused.append(path)
+            return Response(b"<Error><Code>SignatureDoesNotMatch</Code></Error>", 403)
+        body = self.objects.get(path.removeprefix("/bucket/"))
+        return Response(b"not found", 404) if body is None else Response(body)
+
+
+async def test_a_presigned_file_is_verified_with_the_signature_url_given() -> None:
+    store = PresignedStore({"version": BODY, "version.sig": signature(KEY, BODY)})
+    with serve(store.app) as server:
+        url = presigned(server.url, "/bucket/version")
+        sig_url = presigned(server.url, "/bucket/version.sig")
+        source = VersionFile(url, timeout=5.0, public_key=public_base64(KEY), signature_url=sig_url)
+        try:
+            assert await asyncio.wait_for(source.fetch(), timeout=20) == BODY
+        finally:
+            await source.aclose()
+        assert store.refused == []
+        # beside the file (the default), the presigned query does not cover `.sig`: refused
+        with pytest.raises(VersionSourceError, match=r"HTTP 403 \(SELF_UPDATE_PUBLIC_KEY"):
+            await fetch_once(url, public_base64(KEY))
+        assert store.refused == ["/bucket/version.sig"]

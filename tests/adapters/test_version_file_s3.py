@@ -193,6 +193,32 @@ async def test_with_a_public_key_the_signature_is_read_beside_the_object_with_th
         await source.aclose()
 
 
+async def test_a_signature_url_of_its_own_is_read_as_that_object_with_the_same_keys(
+    s3: S3World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_keys(monkeypatch, s3.reader)
+    body = b'{"version": "0.2.0"}'
+    own = s3.version_file.rpartition("/")[0] + "/signatures/version.sig"
+    source = VersionFile(
+        s3.version_file,
+        timeout=5.0,
+        s3_endpoint=s3.url,
+        public_key=RELEASE_PUBLIC,
+        signature_url=own,
+    )
+    try:
+        s3.put(sign_version_file(body, RELEASE_KEY), key=f"{KEY}.sig")  # beside: not read
+        with pytest.raises(VersionSourceError) as caught:
+            await source.fetch()
+        assert str(caught.value).startswith(
+            f"signature of {s3.version_file} (GET {own}): HTTP 404 NoSuchKey"
+        ), caught.value
+        s3.put(sign_version_file(body, RELEASE_KEY), key=own.split("/", 3)[3])
+        assert await source.fetch() == body
+    finally:
+        await source.aclose()
+
+
 @pytest.mark.parametrize(
     ("url", "endpoint", "expected"),
     [

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings, SettingsError, load_settings, nats_servers, redact_url
+from app.domain.redaction import redact_url
+from app.settings import Settings, SettingsError, load_settings, nats_servers
 
 PRODUCTION_OK = {
     "APP_ENV": "production",

@@ -38,6 +38,7 @@ from app.domain.updates import (
     pending_update,
     read_marks,
     signature_location,
+    signature_needs_own_url,
     split_image,
     stamp,
 )
@@ -142,6 +143,11 @@ def test_split_image(image: str, parts: tuple[str, str | None]) -> None:
          "tag '1.5.0-rc1' is not the version 1.5.0"),
         ("1.4.1", Published("1.5.0", f"{REPO}:1.5.0rc1"), frozenset(),
          UpdatePolicy(REPO, allow_prerelease=True), Choice.SKIP, "is not the version 1.5.0"),
+        # a digest pins no tag: the version alone says whether it is a pre-release
+        ("1.4.1", Published("1.5.0rc1", f"{REPO}@sha256:{DIGEST}"), frozenset(), POLICY,
+         Choice.SKIP, "1.5.0rc1 is a pre-release (not allowed)"),
+        ("1.4.1", Published("1.5.0rc1", f"{REPO}:1.5.0rc1@sha256:{DIGEST}"), frozenset(),
+         UpdatePolicy(REPO, allow_prerelease=True), Choice.UPDATE, "1.4.1 -> 1.5.0rc1"),
         # a pinned digest: sha256 and 64 lowercase hex digits, and a tag beside it is the version
         ("1.4.1", Published("1.4.2", f"{REPO}@sha256:{DIGEST}"), frozenset(), POLICY,
          Choice.UPDATE, "1.4.2"),
@@ -365,6 +371,23 @@ def test_unusable_signatures_are_refused(content: bytes, says: str) -> None:
 )  # fmt: skip
 def test_signature_location(url: str, location: str) -> None:
     assert signature_location(url) == location
+    assert signature_location(url, "s3://elsewhere/version.sig") == "s3://elsewhere/version.sig"
+
+
+@pytest.mark.parametrize(
+    ("url", "own"),
+    [
+        ("https://b.s3.eu-west-1.amazonaws.com/version?X-Amz-Signature=ab&X-Amz-Expires=9", True),
+        ("https://a.blob.core.windows.net/c/version?sv=2022-11-02&sig=abc", True),
+        ("https://releases.example/wm/version?channel=stable", True),
+        ("https://releases.example/wm/version", False),
+        ("https://releases.example/wm/version?", False),
+        ("http://127.0.0.1:8000/version#x", False),
+        ("s3://wm-releases/wm/version.json", False),
+    ],
+)  # fmt: skip
+def test_a_url_with_a_query_needs_its_own_signature_url(url: str, own: bool) -> None:
+    assert signature_needs_own_url(url) is own
 
 
 def test_an_update_names_the_image_in_the_configured_repository() -> None:

@@ -3,6 +3,7 @@ and deployment controller, behind the fault proxy, with the manager's own token.
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -14,8 +15,10 @@ from app.domain.manifests import (
     WORKLOAD_LABEL,
 )
 from app.domain.tokens import ping_token
-from app.services.runtime import build_runtime, open_sync_only
+from app.services.runtime import Runtime, build_runtime, open_sync_only
+from app.services.syncing import Syncer
 from tests.services.conftest import World
+from tests.support.polling import eventually
 from tests.support.sync_world import NAMESPACE, manifest, owned_state
 
 
@@ -211,3 +214,154 @@ async def test_an_oversized_manifest_is_held_and_kept_only_as_its_reason(world: 
     assert world.deployments() == {}
     fetched = [r.path for r in world.backend.requests if "manifest" in r.path]
     assert fetched == ["/v1/nodes/node-sync/workloads/api/manifest"]
+
+
+async def _bounded_syncer(
+    world: World, stack: AsyncExitStack, **update: Any
+) -> tuple[Syncer, Runtime]:
+    runtime = build_runtime(world.runtime.settings.model_copy(update=update))
+    syncer = await open_sync_only(runtime, stack)
+    assert syncer is not None
+    return syncer, runtime
+
+
+def _manifest_requests(world: World) -> list[str]:
+    return [r.path for r in world.backend.requests if r.route == "manifest"]
+
+
+def _written_as_recorded(world: World, applied: set[str]) -> None:
+    """What a sync ended early recorded as applied is on the cluster, whole; besides it,
+    at most the one write in flight when it ended (SYNC_CONCURRENCY 1) may have landed
+    (a write is one request: the API server applies it whole or not at all)."""
+    deployed = world.deployments()
+    assert applied <= set(deployed)
+    assert len(set(deployed) - applied) <= 1, sorted(deployed)
+    for name in deployed:
+        assert deployed[name]["metadata"]["annotations"][VERSION_ANNOTATION] == "1.0.0"
+
+
+async def _manifest_asked(world: World) -> bool:
+    return bool(_manifest_requests(world))
+
+
+async def test_once_a_manifest_fetch_misses_the_backend_deadline_the_rest_are_skipped(
+    world: World,
+) -> None:
+    """A backend that trickles one manifest trickles the others: after the first fetch
+    has run out its BACKEND_DEADLINE_SECONDS, the sync asks for no more, and names the
+    workload it waited on in every skipped one."""
+    names = [f"w{i}" for i in range(6)]
+    world.desire(*((n, "1.0.0") for n in names))
+    # one byte every 0.2 s: a manifest of hundreds of bytes takes a minute; each gap is
+    # far below the per-read timeout (BACKEND_TIMEOUT_SECONDS, 1 s here)
+    world.backend.fail("manifest", "trickle", times=None, interval=0.2)
+    world.forget_requests()
+    async with AsyncExitStack() as stack:
+        syncer, _ = await _bounded_syncer(
+            world, stack, backend_deadline_seconds=1.0, sync_concurrency=1
+        )
+        outcome = await syncer.sync()
+        assert outcome.aborted is None, outcome.as_dict()
+        (first, *rest) = outcome.results
+        assert first.outcome == "failed"
+        assert "BACKEND_DEADLINE_SECONDS" in (first.error or ""), first
+        assert [(r.outcome, r.error) for r in rest] == [
+            ("failed", f"skipped: the backend missed its deadline on {first.name}")
+        ] * len(rest)
+        await eventually(lambda: _manifest_asked(world), within=10.0)
+        assert len(_manifest_requests(world)) == 1, _manifest_requests(world)
+        assert world.kube_writes() == []
+        # the next sync asks again (a skip is not remembered), and the lock is free
+        world.backend.clear_failures()
+        again = await syncer.sync()
+        assert again.ok, again.as_dict()
+        assert set(world.deployments()) == set(names)
+
+
+async def test_a_sync_past_its_deadline_is_aborted_with_what_it_did_recorded(
+    world: World,
+) -> None:
+    """Each manifest answer is slow but within BACKEND_DEADLINE_SECONDS; together they
+    would hold the cluster lock for far longer than SYNC_DEADLINE_SECONDS. The sync ends
+    at its deadline: aborted, saying so; what it applied is applied and recorded; the
+    rest is recorded as not done and asked for no more; the next sync runs."""
+    names = [f"w{i:02d}" for i in range(20)]
+    world.desire(*((n, "1.0.0") for n in names))
+    # every manifest answered after 0.5 s: 20 one after the other take 10 s or more
+    world.backend.fail("manifest", "timeout", times=None, delay=0.5)
+    world.forget_requests()
+    async with AsyncExitStack() as stack:
+        syncer, runtime = await _bounded_syncer(
+            world,
+            stack,
+            backend_timeout_seconds=5.0,
+            backend_deadline_seconds=10.0,
+            sync_deadline_seconds=2.0,
+            sync_concurrency=1,
+        )
+        outcome = await syncer.sync()
+        assert outcome.aborted is not None, outcome.as_dict()
+        assert "deadline of 2 s (SYNC_DEADLINE_SECONDS) passed" in outcome.aborted
+        assert not outcome.ok
+        assert [r.name for r in outcome.results] == names, "every workload is recorded"
+        applied = {r.name for r in outcome.results if r.outcome == "applied"}
+        undone = [r for r in outcome.results if r.outcome != "applied"]
+        assert undone, "all 20 slow fetches fitted in the sync deadline"
+        for result in undone:
+            assert result.outcome == "failed"
+            assert "SYNC_DEADLINE_SECONDS" in (result.error or ""), result
+        _written_as_recorded(world, applied)
+        assert len(_manifest_requests(world)) < len(names)
+        assert "SYNC_DEADLINE_SECONDS" in (runtime.components["sync"].last_error or "")
+        # the lock is free (a sync under it raises SyncBusy): the next syncs, with a quick
+        # backend now, finish the rest, each within the same short deadline
+        world.backend.clear_failures()
+        for _ in range(10):
+            again = await syncer.sync()
+            if again.ok:
+                break
+        assert again.ok, again.as_dict()
+        assert set(world.deployments()) == set(names)
+        assert sorted({n for n, _ in world.backend.versions}) == names
+
+
+async def test_a_cancelled_sync_is_recorded_as_aborted_with_every_workload(
+    world: World,
+) -> None:
+    """A sync cancelled mid-way (shutdown) says so, keeps what it applied, names every
+    workload it did not reach, and lets the next sync run."""
+    names = [f"w{i}" for i in range(6)]
+    world.desire(*((n, "1.0.0") for n in names))
+    world.backend.fail("manifest", "timeout", times=None, delay=0.5)
+    world.forget_requests()
+    async with AsyncExitStack() as stack:
+        syncer, _ = await _bounded_syncer(
+            world, stack, backend_timeout_seconds=5.0, sync_concurrency=1
+        )
+        running = asyncio.create_task(syncer.sync())
+
+        async def first_done() -> bool:
+            # w0 applied and reported: the sync is now waiting on w1's manifest (0.5 s)
+            return any(n == "w0" for n, _ in world.backend.versions)
+
+        await eventually(first_done, within=20.0)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        outcome = syncer.last
+        assert outcome is not None and outcome.aborted is not None
+        assert outcome.aborted.startswith("cancelled before it finished"), outcome.aborted
+        assert [r.name for r in outcome.results] == names
+        by_name = {r.name: r for r in outcome.results}
+        assert by_name["w0"].outcome == "applied"
+        undone = [r for r in outcome.results if r.outcome != "applied"]
+        assert undone and all(
+            r.outcome == "failed" and (r.error or "").startswith("not done: cancelled")
+            for r in undone
+        ), undone
+        applied = {r.name for r in outcome.results if r.outcome == "applied"}
+        _written_as_recorded(world, applied)
+        world.backend.clear_failures()
+        again = await syncer.sync()
+        assert again.ok, again.as_dict()
+        assert set(world.deployments()) == set(names)
