@@ -108,8 +108,9 @@ class Metrics:
         )
         self.http_refusals = Counter(
             f"{PREFIX}_http_refusals_total",
-            "Connections the HTTP server refused or closed before a request reached the "
-            "application, by reason.",
+            "Connections the HTTP server refused or closed for its own bounds (before a "
+            "request reached the application, or, for body-timeout, while it waited for "
+            "the body), by reason.",
             ["reason"],
             registry=self.registry,
         )

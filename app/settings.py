@@ -279,6 +279,11 @@ class Settings(BaseSettings):
         url, own = self.self_update_url, self.self_update_signature_url
         if own is not None and url is None:
             raise ValueError("SELF_UPDATE_SIGNATURE_URL is set but SELF_UPDATE_URL is not")
+        if own is not None and self.self_update_public_key is None:
+            raise ValueError(
+                "SELF_UPDATE_SIGNATURE_URL is set but SELF_UPDATE_PUBLIC_KEY is not: no "
+                "signature would be checked"
+            )
         if url is not None and own is None and self.self_update_public_key is not None:
             if signature_needs_own_url(url):
                 raise ValueError(

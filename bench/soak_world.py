@@ -139,6 +139,9 @@ def manager_env(
         "REPORT_ENABLED": "true",
         "SYNC_ENABLED": "true",
         "WORKER_ENABLED": "true",
+        # every simulated workload pings from this one address (pods each have their own)
+        "HTTP_MAX_CONNECTIONS_PER_CLIENT": "1000",
+        "MAX_DESIRED_WORKLOADS": "500",  # the soak's own bound on its workloads
     }
 
 

@@ -6,11 +6,12 @@ events) passes through `redact_text` on its way out, and a configured URL throug
 
 - a URL's userinfo (RFC 3986, section 3.2.1): the password, and a user name given alone,
   which NATS and Sentry DSNs read as a token (`nats://TOKEN@host`); a user name given
-  with a password is kept, the password goes. The userinfo is in the authority only (up
-  to the first `/`, `?` or `#`), to its last `@`: an `@` in a path, query or fragment is
-  none. An unescaped `/` or `#` cannot be in a valid URL's userinfo; when the authority
-  before it is not valid either (a port that is not a number: `u:pa/ss@db`), the
-  userinfo is taken to the last `@` before the query, so such a password goes whole.
+  with a password is kept, the password goes. It fails closed: a password may hold an
+  unescaped `/`, `#` or `@` (`u:p@ss/w0rd@db`, not a valid URL, but what a setting may
+  hold), so when the authority (up to the first `/`, `?` or `#`) has a `:` or an `@`,
+  everything up to the last `@` before the query is taken as userinfo, even if that
+  hides an `@` of the path too (`https://u:pw@host/p/a@b` shows as `https://u:***@b`).
+  Only an authority with neither (`https://host/p/user@example.com`) has no userinfo.
 - the value of every `name=value` whose name is a secret's: URL query and fragment
   parameters (separated by `&` or `;`), libpq keyword/value connection strings (`host=db
   password='…'`) and the same pairs inside free text (an exception message, a request
@@ -62,9 +63,12 @@ SECRET_ENDINGS = ("password", "passwd", "secret", "token", "signature", "credent
                   "credentials", "apikey", "api_key", "private_key", "privatekey")  # fmt: skip
 
 _SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*://"
-# A URL in text: a scheme, then up to white space, a quote, `<`, `>`, or the `,` before
-# the next URL (NATS_URL lists several servers that way).
-_URL = re.compile(rf"(?P<scheme>{_SCHEME})(?P<rest>(?:(?!,{_SCHEME})[^\s'\"<>`])*)")
+# Where a URL starts in text: a scheme not preceded by a scheme character (so a long run
+# of letters is scanned once, not once per letter). A URL runs to the next one's start
+# (a URL in a parameter, the next server of a NATS_URL list), white space, a quote, `<`,
+# `>` or a backquote.
+_URL_START = re.compile(rf"(?<![A-Za-z0-9+.\-]){_SCHEME}")
+_URL_END = re.compile(r"[\s'\"<>`]")
 _NAME = r"[A-Za-z0-9_.%+\-]+"
 # `name=value` after the start, a separator of query strings, or white space; the value
 # is a single- (libpq) or double-quoted string, else everything up to the next `&`, `#`,
@@ -105,7 +109,7 @@ def redact_url(url: str) -> str:
 def redact_text(text: str) -> str:
     """`text` with the secrets of every URL and every secret `name=value` in it masked."""
     if "://" in text:
-        text = _URL.sub(_redact_userinfo, text)
+        text = _redact_urls(text)
     if ":" in text:
         text = _QUOTED_PAIR.sub(_redact_quoted_pair, text)
     if "=" in text:
@@ -133,39 +137,39 @@ def scrub(value: Any) -> Any:
 
 
 _AUTHORITY_END = re.compile(r"[/?#]")
-_PORT = re.compile(r"[0-9]*")
 
 
-def _valid_host_port(authority: str) -> bool:
-    """Whether an authority without userinfo is `host[:port]` with a numeric port (RFC
-    3986, 3.2.2-3.2.3; an IP literal in brackets)."""
-    if authority.startswith("["):
-        end = authority.find("]")
-        rest = authority[end + 1 :] if end >= 0 else ":x"
-    else:
-        rest = authority[authority.find(":") :] if ":" in authority else ""
-    return not rest or (rest[0] == ":" and _PORT.fullmatch(rest[1:]) is not None)
+def _redact_urls(text: str) -> str:
+    """Each URL's userinfo masked, the URLs taken one after the other (no recursion, so
+    no input nests deep enough to exhaust the stack)."""
+    starts = [(m.start(), m.end()) for m in _URL_START.finditer(text)]
+    if not starts:
+        return text
+    parts = [text[: starts[0][0]]]
+    for index, (start, body) in enumerate(starts):
+        stop = starts[index + 1][0] if index + 1 < len(starts) else len(text)
+        end = _URL_END.search(text, body, stop)
+        url_end = stop if end is None else end.start()
+        parts.append(text[start:body])  # the scheme
+        parts.append(_redact_userinfo(text[body:url_end]))
+        parts.append(text[url_end:stop])
+    return "".join(parts)
 
 
-def _redact_userinfo(match: re.Match[str]) -> str:
-    scheme, rest = match["scheme"], match["rest"]
+def _redact_userinfo(rest: str) -> str:
+    """The part of a URL after its scheme, with its userinfo masked (failing closed: see
+    the module's docstring)."""
     end = _AUTHORITY_END.search(rest)
-    split = len(rest) if end is None else end.start()
-    at = rest.rfind("@", 0, split)
-    if at < 0 and not _valid_host_port(rest[:split]):
-        # not a valid URL: a password with an unescaped `/` or `#` (`u:pa/ss@db`); its
-        # userinfo reaches to the last `@` before the query
-        query = rest.find("?")
-        at = rest.rfind("@", 0, len(rest) if query < 0 else query)
-        split = max(split, at)
-    head, tail = rest[:split], rest[split:]
-    if "://" in tail:  # a URL in the path or a parameter (`?next=https://user:pw@host/`)
-        tail = _URL.sub(_redact_userinfo, tail)
+    authority = rest if end is None else rest[: end.start()]
+    if "@" not in authority and ":" not in authority:
+        return rest  # no userinfo, whatever the path, query or fragment hold
+    query = rest.find("?")
+    at = rest.rfind("@", 0, len(rest) if query < 0 else query)
     if at < 0:
-        return f"{scheme}{head}{tail}"
-    user, colon, _password = head[:at].partition(":")
-    shown = f"{user}:{MASK}" if colon and user else MASK
-    return f"{scheme}{shown}{head[at:]}{tail}"
+        return rest
+    user, colon, _password = rest[:at].partition(":")
+    shown = f"{user}:{MASK}" if colon and user and "/" not in user else MASK
+    return f"{shown}{rest[at:]}"
 
 
 def _redact_pair(match: re.Match[str]) -> str:

@@ -317,7 +317,9 @@ class Syncer:
 
         async def run(action: Action) -> None:
             async with semaphore:
-                done[action.name] = await self._carry_out(action, desired, dry_run=outcome.dry_run)
+                done[action.name] = await self._carry_out(
+                    action, desired, dry_run=outcome.dry_run, landed=done
+                )
 
         # A task group, not gather: every action has ended (or been cancelled and
         # awaited) when it exits, so no write of this sync lands after it returns.
@@ -344,13 +346,22 @@ class Syncer:
         return result
 
     async def _carry_out(
-        self, action: Action, desired: DesiredState, *, dry_run: bool
+        self,
+        action: Action,
+        desired: DesiredState,
+        *,
+        dry_run: bool,
+        landed: dict[str, WorkloadResult],
     ) -> WorkloadResult:
+        """The action's result; put in `landed` as soon as its outcome is known, so that a
+        sync cut short by its deadline while telling the backend the version still
+        records the write that landed."""
         result = _result_of(action, "unchanged")
         try:
             if action.kind is ActionKind.HOLD:
                 result.outcome = "held"
             elif action.kind is ActionKind.NOOP:
+                landed[action.name] = result
                 if not dry_run:
                     self._owe_unconfirmed(action)
                     await self._report_pending(action.name)
@@ -362,6 +373,7 @@ class Syncer:
                     result.outcome = "planned"
                 else:
                     result.outcome, result.reason = await self._apply(action, manifest, desired)
+                    landed[action.name] = result
                     if result.outcome == "applied" and action.version is not None:
                         self._unreported[action.name] = action.version
                         await self._report_pending(action.name)

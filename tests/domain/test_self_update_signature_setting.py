@@ -69,3 +69,16 @@ def test_an_unusable_signature_url_stops_start_up(signature_url: str, says: str)
 def test_a_signature_url_without_a_version_file_url_is_refused() -> None:
     with pytest.raises(SettingsError, match="SELF_UPDATE_SIGNATURE_URL is set but SELF_UPDATE_URL"):
         load_settings(_check_production=False, self_update_signature_url=PRESIGNED_SIG)
+
+
+def test_a_signature_url_without_a_public_key_is_refused() -> None:
+    # nothing would be verified: an operator who set only where the signature is must not
+    # believe updates are checked
+    with pytest.raises(
+        SettingsError, match="SELF_UPDATE_SIGNATURE_URL is set but SELF_UPDATE_PUBLIC_KEY"
+    ):
+        load_settings(
+            _check_production=False,
+            self_update_url=PRESIGNED,
+            self_update_signature_url=PRESIGNED_SIG,
+        )
