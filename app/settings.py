@@ -28,7 +28,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.domain.redaction import redact_url
-from app.domain.requirements import Tier
+from app.domain.requirements import CAPABILITY_NAME, Tier
 from app.domain.updates import parse_public_key, signature_needs_own_url
 
 # Where the original (Express) service kept the node's key (`Settings.node_config_path`):
@@ -310,8 +310,10 @@ class Settings(BaseSettings):
     @classmethod
     def _capability_names(cls, value: list[str]) -> list[str]:
         for item in value:
-            if not item or len(item) > 64 or not all(c.isalnum() or c in "-_.:" for c in item):
-                raise ValueError(f"{item!r} is not a capability name (letters, digits, -_.:)")
+            if not re.fullmatch(CAPABILITY_NAME, item):
+                raise ValueError(
+                    f"{item!r} is not a capability name (ASCII letters, digits, -_.:, at most 64)"
+                )
         return sorted(set(value))
 
     @field_validator("job_backoff_seconds", "http_job_allowed_suffixes", mode="before")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import hypothesis
 import pytest
 from fastapi import FastAPI
 
@@ -29,6 +30,12 @@ from tests.support.servers import ThreadedServer
 from tests.support.sync_world import KEY, NODE
 
 SettingsFactory = Callable[..., Settings]
+
+# Property and fuzz tests (hypothesis, schemathesis) are deterministic in `make test`: the
+# same examples every run, no example database. `HYPOTHESIS_PROFILE=explore` draws new ones.
+hypothesis.settings.register_profile("deterministic", derandomize=True, database=None)
+hypothesis.settings.register_profile("explore", derandomize=False, database=None)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 # The base temp dir this run made for itself (see `pytest_configure`), if it made one.
 _OWN_BASETEMP = pytest.StashKey[Path]()

@@ -11,8 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# A capability's name: letters, digits and -_.: (as NODE_CAPABILITIES accepts), at most 64
-CAPABILITY_NAME = r"^[\w.:-]{1,64}$"
+# A capability's name: ASCII letters, digits and -_.: (as NODE_CAPABILITIES accepts), at
+# most 64; spelled out, since Python's \w takes any Unicode letter and the OpenAPI
+# document's (JSON Schema's) does not
+CAPABILITY_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
 
 
 class Tier(StrEnum):

@@ -160,7 +160,9 @@ async def test_sync_endpoint_says_why_sync_is_off(client: httpx.AsyncClient) -> 
     assert "DESIRED_STATE_DIR" in response.json()["detail"]
 
 
-@pytest.mark.parametrize("capability", ["gpu\x00", "\x04\x00", "a b", "x" * 65, ""])
+@pytest.mark.parametrize(
+    "capability", ["gpu\x00", "\x04\x00", "a b", "x" * 65, "", "3\u00c7_", "gp\u0443"]
+)
 async def test_a_fleet_query_with_a_bad_capability_is_a_422_naming_it(
     client: httpx.AsyncClient, capability: str
 ) -> None:

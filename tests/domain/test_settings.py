@@ -152,6 +152,8 @@ def test_production_accepts_a_key_file_instead(
         ("NODE_TIER", "D", "NODE_TIER"),
         ("NODE_CAPABILITIES", "not json", "NODE_CAPABILITIES"),
         ("NODE_CAPABILITIES", '["ok", "bad name"]', "NODE_CAPABILITIES"),
+        # ASCII only, as the fleet route's documented pattern (Python's isalnum takes any letter)
+        ("NODE_CAPABILITIES", '["gp\\u0443"]', "NODE_CAPABILITIES"),
         ("NATS_URL", "nats://a:4222,http://b:4222", "NATS_URL"),
         ("NATS_URL", "nats://a:port", "NATS_URL"),
         ("NATS_URL", " , ", "NATS_URL"),
