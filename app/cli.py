@@ -7,6 +7,7 @@ exit code 2, before anything starts.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -78,7 +79,12 @@ def _serve(args: argparse.Namespace) -> int:
         # lifespan's (loops, jobs, the last report)
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_seconds * 0.1)),
     )
-    Server(config).run()
+    try:
+        Server(config).run()
+    except KeyboardInterrupt:
+        # Ctrl-C: uvicorn has shut down as for SIGTERM, then raises the interrupt again;
+        # exit as a shell reports an interrupted command, without a traceback
+        return 128 + signal.SIGINT
     return 0
 
 

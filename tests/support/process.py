@@ -74,6 +74,14 @@ class ManagerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def send(self, sig: signal.Signals) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(sig)
+
+    def wait(self, *, timeout: float) -> int:
+        assert self._proc is not None
+        return self._proc.wait(timeout=timeout)
+
     def stop(self, *, timeout: float = 20.0) -> int:
         """SIGTERM, as the kubelet sends it; returns the exit code."""
         if self._proc is None:
