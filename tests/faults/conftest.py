@@ -11,6 +11,7 @@ it: the rig fails a case whose manager died or logged an error or a traceback.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,16 +117,22 @@ def start_manager(
     return ManagerProcess(env=env | extra, workdir=rig_dir).start()
 
 
-@pytest.fixture
-def rig(
-    cluster: RealCluster, backend: tuple[LocalBackend, ThreadedServer], tmp_path: Path
+@contextmanager
+def running_rig(
+    cluster: RealCluster,
+    backend: tuple[LocalBackend, ThreadedServer],
+    tmp_path: Path,
+    **extra: str,
 ) -> Iterator[Rig]:
+    """A manager (with `extra` settings) that has synced `api` and `worker` beside a
+    Deployment it does not manage and sent a report; on exit: alive, stopped, and no
+    traceback or ERROR in its log."""
     local, server = backend
     theirs = manifest("theirs", "1")
     theirs["metadata"]["namespace"] = NAMESPACE
     created = cluster.add_deployment(theirs)
     desire(local, ("api", "1.0.0"), ("worker", "1.0.0"))
-    process = start_manager(tmp_path, server.url, cluster)
+    process = start_manager(tmp_path, server.url, cluster, **extra)
     rig = Rig(cluster, local, server.url, tmp_path, process, created["metadata"]["generation"])
     try:
         local.wait_for(lambda: rig.reported("api", "1.0.0") and rig.reported("worker", "1.0.0"))
@@ -136,3 +143,11 @@ def rig(
         rig.process.stop()
     log = rig.process.log()
     assert "Traceback" not in log and " ERROR " not in log, log
+
+
+@pytest.fixture
+def rig(
+    cluster: RealCluster, backend: tuple[LocalBackend, ThreadedServer], tmp_path: Path
+) -> Iterator[Rig]:
+    with running_rig(cluster, backend, tmp_path) as started:
+        yield started

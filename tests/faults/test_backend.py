@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.faults.conftest import Rig, start_manager
+from tests.faults.conftest import Rig, running_rig
 from tests.support.backend import REDIRECT_HOST, FailureMode, LocalBackend, Route
 from tests.support.process import manager
 from tests.support.real_cluster import RealCluster
 from tests.support.servers import ThreadedServer
-from tests.support.sync_world import NAMESPACE, NODE, WRITES, desire, key_seed, manifest
+from tests.support.sync_world import NODE, WRITES, desire, key_seed
 
 CASES: list[tuple[Route, FailureMode]] = [
     ("workloads", "500"),
@@ -164,21 +164,8 @@ def bounded_rig(
     cluster: RealCluster, backend: tuple[LocalBackend, ThreadedServer], tmp_path: Path
 ) -> Iterator[Rig]:
     """The fault rig with a short backend deadline and a small response bound."""
-    local, server = backend
-    theirs = manifest("theirs", "1")
-    theirs["metadata"]["namespace"] = NAMESPACE
-    created = cluster.add_deployment(theirs)
-    desire(local, ("api", "1.0.0"), ("worker", "1.0.0"))
-    process = start_manager(tmp_path, server.url, cluster, **BOUNDS_ENV)
-    rig = Rig(cluster, local, server.url, tmp_path, process, created["metadata"]["generation"])
-    try:
-        local.wait_for(lambda: rig.reported("api", "1.0.0") and rig.reported("worker", "1.0.0"))
-        yield rig
-        assert rig.process.running, f"the manager died:\n{rig.process.log()}"
-    finally:
-        rig.process.stop()
-    log = rig.process.log()
-    assert "Traceback" not in log and " ERROR " not in log, log
+    with running_rig(cluster, backend, tmp_path, **BOUNDS_ENV) as started:
+        yield started
 
 
 def _deployment_writes(rig: Rig) -> list[str]:
