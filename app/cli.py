@@ -236,7 +236,7 @@ def _publish(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from app.adapters.bus import BusError, JetStreamBus, NatsRefused
+    from app.adapters.bus import BusError, JetStreamBus, NatsRefused, Published
     from app.services.streams import new_job, publish_job
     from app.services.wiring import nats_auth
 
@@ -259,7 +259,7 @@ def _publish(args: argparse.Namespace) -> int:
         settings.nats_url, name="workload-manager/publish", timeout=10, auth=nats_auth(settings)
     )
 
-    async def run() -> int:
+    async def run() -> Published:
         await asyncio.wait_for(bus.connect(), timeout=15)
         try:
             return await publish_job(bus, job, kind=args.kind, tier=args.tier)
@@ -267,11 +267,20 @@ def _publish(args: argparse.Namespace) -> int:
             await bus.drain()
 
     try:
-        sequence = asyncio.run(run())
+        published = asyncio.run(run())
     except (*BusError, TimeoutError, NatsRefused) as exc:
         print(f"workload-manager: NATS: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print(f"published job {job.job_id} (key {job.idempotency_key}) as stream sequence {sequence}")
+    job_and_key = f"job {job.job_id} (key {job.idempotency_key})"
+    if published.duplicate:
+        # not an error: publishing under a key is idempotent (exit 0 as for a stored job)
+        print(
+            f"{job_and_key} not published: JetStream already had a message with that "
+            f"Nats-Msg-Id within its duplicate window (stream sequence {published.seq}) and "
+            "stored nothing"
+        )
+    else:
+        print(f"published {job_and_key} as stream sequence {published.seq}")
     return 0
 
 

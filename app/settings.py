@@ -10,6 +10,7 @@ clear line naming the variable.
 from __future__ import annotations
 
 import json
+import os
 import re
 from datetime import time
 from enum import StrEnum
@@ -27,6 +28,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.adapters.workload_http import AllowedTargets
 from app.domain.redaction import redact_url
 from app.domain.requirements import CAPABILITY_NAME, Tier
 from app.domain.updates import parse_public_key, signature_needs_own_url
@@ -185,12 +187,20 @@ class Settings(BaseSettings):
     worker_concurrency: int = Field(default=4, ge=1, le=256)
     job_fetch_batch: int = Field(default=10, ge=1, le=256)
     job_ack_wait_seconds: float = _ranged(30.0, 1.0, 3_600.0)
-    job_max_deliver: int = Field(default=5, ge=1, le=1_000)
+    # the retry budget: attempts at running a job (claims counted by the ledger), not
+    # JetStream deliveries, which hand-ons to capable nodes and outages also spend
+    job_max_attempts: int = Field(
+        default=5, ge=1, le=1_000,
+        validation_alias=AliasChoices("JOB_MAX_ATTEMPTS", "JOB_MAX_DELIVER"),
+    )  # fmt: skip
+    # the bound on deliveries of one message, whatever they were spent on: past it the job
+    # is dead-lettered (a job no node can take would otherwise circulate until max age)
+    job_max_deliveries: int = Field(default=1_000, ge=10, le=100_000)
     job_backoff_seconds: Annotated[list[float], NoDecode] = Field(
         default_factory=lambda: [5.0, 30.0, 120.0, 600.0]
     )
     job_max_ack_pending: int = Field(default=1_000, ge=1, le=1_000_000)
-    job_not_here_delay_seconds: float = _ranged(30.0, 0.1, 3_600.0)
+    job_not_here_delay_seconds: float = _ranged(2.0, 0.1, 3_600.0)
     job_held_delay_seconds: float = _ranged(10.0, 0.1, 3_600.0)
     job_timeout_seconds: float = _ranged(600.0, 0.1, 86_400.0)
     job_stream_retention: str = Field(default="workqueue", pattern="^(workqueue|limits)$")
@@ -204,9 +214,9 @@ class Settings(BaseSettings):
     nats_stream_max_age_seconds: float = _ranged(7 * 86_400.0, 60.0, 365 * 86_400.0)
     nats_duplicate_window_seconds: float = _ranged(120.0, 1.0, 86_400.0)
     nats_auto_init_streams: bool | None = None
-    http_job_allowed_suffixes: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: [".svc", ".svc.cluster.local"]
-    )
+    # what the `http` job handler may call: `<namespace>` (any Service in it) or
+    # `<service>.<namespace>` (that one), comma-separated; empty: MANAGED_NAMESPACE only
+    http_job_allowed_targets: Annotated[list[str], NoDecode] = Field(default_factory=list)
     http_job_timeout_seconds: float = _ranged(30.0, 0.1, 3_600.0)
 
     # --- capability registry
@@ -316,7 +326,7 @@ class Settings(BaseSettings):
                 )
         return sorted(set(value))
 
-    @field_validator("job_backoff_seconds", "http_job_allowed_suffixes", mode="before")
+    @field_validator("job_backoff_seconds", "http_job_allowed_targets", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         """`5,30,120` or a JSON list."""
@@ -329,6 +339,33 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError("must be a JSON list or comma-separated values") from None
         return [part.strip() for part in text.split(",") if part.strip()]
+
+    @field_validator("http_job_allowed_targets")
+    @classmethod
+    def _http_job_targets(cls, value: list[str]) -> list[str]:
+        if value:
+            AllowedTargets.parse(value)  # its ValueError names the entry and the form
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_http_job_suffixes(cls, data: Any) -> Any:
+        """HTTP_JOB_ALLOWED_SUFFIXES (gone) let the `http` job call any Service of any
+        namespace; a node still configured with it is stopped rather than silently given
+        the much narrower default. Read from the environment and from `.env` (whose
+        unknown names reach this validator)."""
+        former = "HTTP_JOB_ALLOWED_SUFFIXES"
+        given = list(data.items()) if isinstance(data, dict) else []
+        if any(
+            str(name).upper() == former and isinstance(value, str) and value.strip()
+            for name, value in [*given, *os.environ.items()]
+        ):
+            raise ValueError(
+                f"{former} is no longer read: set HTTP_JOB_ALLOWED_TARGETS instead, the "
+                "namespaces (<namespace>) and Services (<service>.<namespace>) the http job "
+                "may call, comma-separated (empty: MANAGED_NAMESPACE only)"
+            )
+        return data
 
     @field_validator("nats_url")
     @classmethod
@@ -360,10 +397,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _deliveries_cover_backoff(self) -> Settings:
-        # the consumer's backoff is [ack_wait, *JOB_BACKOFF_SECONDS] and NATS wants
-        # max_deliver to cover it
-        if self.job_max_deliver <= len(self.job_backoff_seconds):
-            raise ValueError("JOB_MAX_DELIVER must be more than the number of JOB_BACKOFF_SECONDS")
+        # the consumer's backoff is [ack_wait, *JOB_BACKOFF_SECONDS]: more steps than a
+        # message may be delivered would never be used
+        if self.job_max_deliveries <= len(self.job_backoff_seconds) + 1:
+            raise ValueError(
+                "JOB_MAX_DELIVERIES must be more than the number of JOB_BACKOFF_SECONDS plus one"
+            )
         return self
 
     @field_validator(

@@ -38,6 +38,16 @@ BusError = (nats.errors.Error, TimeoutError, OSError)
 REFUSAL_POLL_SECONDS = 0.1  # how often a first connection looks for a refusal
 
 
+@dataclass(frozen=True, slots=True)
+class Published:
+    """A stream's answer to a publish: the message's sequence, and whether it was a
+    duplicate (a message with its Nats-Msg-Id was stored within the stream's duplicate
+    window: nothing was stored, `seq` is that earlier message's)."""
+
+    seq: int
+    duplicate: bool
+
+
 class BucketMissing(Exception):
     """A key-value bucket the manager needs does not exist (an operator's step to take)."""
 
@@ -474,7 +484,7 @@ class JetStreamBus:
         *,
         msg_id: str | None = None,
         within: float | None = None,
-    ) -> int:
+    ) -> Published:
         """Publish to a stream and wait for its ack, at most `within` seconds (never more
         than the bus's own timeout); `msg_id` deduplicates within the window."""
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
@@ -483,4 +493,4 @@ class JetStreamBus:
             subject, json.dumps(body, separators=(",", ":")).encode(), headers=headers,
             timeout=wait,
         )  # fmt: skip
-        return int(ack.seq)
+        return Published(seq=int(ack.seq), duplicate=bool(ack.duplicate))

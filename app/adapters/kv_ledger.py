@@ -42,7 +42,9 @@ from app.domain.ledger import (
     LedgerRecord,
     decide_claim,
     decide_finish,
+    decide_release,
     decide_renew,
+    without_nul,
 )
 
 log = logging.getLogger(__name__)
@@ -82,16 +84,18 @@ class JetStreamLedger:
         self._kv = kv
 
     async def claim(
-        self, *, key: str, job_id: str, job_type: str, lease_seconds: float
+        self, *, key: str, job_id: str, job_type: str, fingerprint: str, lease_seconds: float
     ) -> tuple[Claim, float]:
         """The claim, with the number of this claim (1 for the first) for CLAIMED and the
-        seconds left on the holder's lease for HELD."""
+        seconds left on the holder's lease for HELD; CONFLICT when the key was used for a
+        job of another fingerprint (app/domain/ledger.py `job_fingerprint`)."""
         name = key_name(key)
         for _race in range(RACES):
             current, revision = await self._read(name)
             decision = decide_claim(
                 current, now=self._clock(), job_id=job_id, job_type=job_type,
-                node_id=self.node_id, claimant=self.claimant, lease_seconds=lease_seconds,
+                fingerprint=fingerprint, node_id=self.node_id, claimant=self.claimant,
+                lease_seconds=lease_seconds,
             )  # fmt: skip
             if decision.write is None:
                 return decision.claim, decision.number
@@ -109,14 +113,18 @@ class JetStreamLedger:
         )
 
     async def complete(self, *, key: str, result: Any) -> bool:
-        return await self._finish(key, COMPLETED, result=result)
+        """Store the result, NUL in its strings and keys as U+FFFD (as PostgreSQL must)."""
+        return await self._finish(key, COMPLETED, result=without_nul(result))
 
     async def fail(self, *, key: str, error: str, dead: bool) -> bool:
-        return await self._finish(key, DEAD if dead else RETRYING, error=error)
+        return await self._finish(key, DEAD if dead else RETRYING, error=without_nul(error))
 
     async def release(self, *, key: str) -> bool:
-        """Give a claimed job back (shutdown): the next delivery may run it at once."""
-        return await self.fail(key=key, error="released on shutdown", dead=False)
+        """Give a claimed job back (shutdown) with its attempt: the next delivery may run it
+        at once, as the same claim number."""
+        return await self._transition(
+            key, lambda current: decide_release(current, claimant=self.claimant)
+        )
 
     async def _finish(
         self, key: str, status: str, *, result: Any = None, error: str | None = None

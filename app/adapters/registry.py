@@ -9,13 +9,13 @@ as Python objects.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import asyncpg
 
 from app.adapters.coalesce import Coalescer, distinct_runs
-from app.domain.ledger import Claim
+from app.domain.ledger import RELEASED, Claim, without_nul
 from app.domain.migrations import Applied, Migration, pending
 from app.domain.requirements import NodeProfile, Requirements
 
@@ -204,26 +204,32 @@ class AsyncpgRegistry:
 
 
 # The claim of a batch of distinct keys, one statement (group commit): a new key is
-# inserted; a key `retrying`, or `running` with a lease that ran out, is taken over.
-# `before` is the statement's snapshot, taken before the insert: for a key not claimed,
-# the row that stopped it.
+# inserted; a key `retrying`, or `running` with a lease that ran out, is taken over, unless
+# its fingerprint is another job's (NULL, from before fingerprints, matches any). `before`
+# is the statement's snapshot, taken before the insert: for a key not claimed, the row that
+# stopped it.
 _CLAIM_MANY = """
 WITH input AS (
-  SELECT * FROM unnest($1::varchar[], $2::uuid[], $3::varchar[]) AS t(key, job_id, job_type)
+  SELECT * FROM unnest($1::varchar[], $2::uuid[], $3::varchar[], $4::text[])
+    AS t(key, job_id, job_type, fingerprint)
 ), claimed AS (
-  INSERT INTO job_ledger AS l (idempotency_key, job_id, job_type, node_id, claimant, status,
-                               attempts, lease_until)
-  SELECT key, job_id, job_type, $4, $5, 'running', 1, now() + make_interval(secs => $6)
+  INSERT INTO job_ledger AS l (idempotency_key, job_id, job_type, fingerprint, node_id,
+                               claimant, status, attempts, lease_until)
+  SELECT key, job_id, job_type, fingerprint, $5, $6, 'running', 1,
+         now() + make_interval(secs => $7)
   FROM input
   ON CONFLICT (idempotency_key) DO UPDATE SET
+    job_id = EXCLUDED.job_id, job_type = EXCLUDED.job_type, fingerprint = EXCLUDED.fingerprint,
     node_id = EXCLUDED.node_id, claimant = EXCLUDED.claimant, status = 'running',
     attempts = l.attempts + 1, lease_until = EXCLUDED.lease_until, updated_at = now(),
     error = NULL
-  WHERE l.status = 'retrying'
-     OR (l.status = 'running' AND (l.lease_until IS NULL OR l.lease_until < now()))
+  WHERE (l.fingerprint IS NULL OR l.fingerprint = EXCLUDED.fingerprint)
+    AND (l.status = 'retrying'
+         OR (l.status = 'running' AND (l.lease_until IS NULL OR l.lease_until < now())))
   RETURNING l.idempotency_key, l.attempts
 )
 SELECT i.key, c.attempts, before.status,
+       coalesce(before.fingerprint <> i.fingerprint, false) AS conflict,
        greatest(EXTRACT(EPOCH FROM before.lease_until - now()), 0)::float8 AS left
 FROM input i
 LEFT JOIN claimed c ON c.idempotency_key = i.key
@@ -240,13 +246,24 @@ WHERE l.idempotency_key = t.key AND l.claimant = $3 AND l.status = 'running'
 RETURNING l.idempotency_key
 """
 
-_FINISH = """
+_FAIL = """
 UPDATE job_ledger
-SET status = $3::varchar, result = $4, error = $5, lease_until = NULL, updated_at = now(),
-    completed_at = CASE WHEN $3::varchar = 'completed' THEN now() END
+SET status = $3::varchar, result = NULL, error = $4, lease_until = NULL, updated_at = now()
 WHERE idempotency_key = $1 AND claimant = $2 AND status = 'running'
 RETURNING 1
 """
+
+# A release gives its attempt back: the job never ran to an outcome (a shutdown).
+_RELEASE = """
+UPDATE job_ledger
+SET status = 'retrying', attempts = greatest(attempts - 1, 0), result = NULL, error = $3,
+    lease_until = NULL, updated_at = now()
+WHERE idempotency_key = $1 AND claimant = $2 AND status = 'running'
+RETURNING 1
+"""
+
+In = TypeVar("In")
+Out = TypeVar("Out")
 
 
 class AsyncpgLedger:
@@ -262,34 +279,51 @@ class AsyncpgLedger:
         self.node_id = node_id
         self.claimant = claimant
         # group commit: the claims and completions of jobs fetched together (or finishing
-        # together) go to PostgreSQL as one statement each; every caller gets its own answer
-        self._claims: Coalescer[_ClaimCall, tuple[Claim, float]] = Coalescer(self._claim_many)
-        self._completions: Coalescer[tuple[str, Any], bool] = Coalescer(self._complete_many)
+        # together) go to PostgreSQL as one statement each; every caller gets its own answer,
+        # or its own error (a batch PostgreSQL refuses for one row's data is tried again row
+        # by row, so one bad row fails only its caller)
+        self._claims: Coalescer[_ClaimCall, tuple[Claim, float] | Exception] = Coalescer(
+            self._claim_many
+        )
+        self._completions: Coalescer[tuple[str, Any], bool | Exception] = Coalescer(
+            self._complete_many
+        )
 
     @property
     def _timeout(self) -> float:
         return self._registry._timeout
 
     async def claim(
-        self, *, key: str, job_id: str, job_type: str, lease_seconds: float
+        self, *, key: str, job_id: str, job_type: str, fingerprint: str, lease_seconds: float
     ) -> tuple[Claim, float]:
         """The claim, with the number of this claim (1 for the first) for CLAIMED and the
-        seconds left on the holder's lease for HELD."""
-        return await self._claims.submit(_ClaimCall(key, job_id, job_type, lease_seconds))
+        seconds left on the holder's lease for HELD; CONFLICT when the key was used for a
+        job of another fingerprint (app/domain/ledger.py `job_fingerprint`)."""
+        answer = await self._claims.submit(
+            _ClaimCall(key, job_id, job_type, fingerprint, lease_seconds)
+        )
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
-    async def _claim_many(self, calls: Sequence[_ClaimCall]) -> list[tuple[Claim, float]]:
-        answers: list[tuple[Claim, float]] = []
+    async def _claim_many(
+        self, calls: Sequence[_ClaimCall]
+    ) -> list[tuple[Claim, float] | Exception]:
+        answers: list[tuple[Claim, float] | Exception] = []
         for batch in distinct_runs(
             calls, name=lambda call: call.key, same=lambda call: call.lease_seconds
         ):
-            rows = await self._registry.pool.fetch(
-                _CLAIM_MANY, [c.key for c in batch], [c.job_id for c in batch],
-                [c.job_type for c in batch], self.node_id, self.claimant,
-                batch[0].lease_seconds, timeout=self._timeout,
-            )  # fmt: skip
-            by_key = {row["key"]: row for row in rows}
-            answers += [_claim_answer(by_key[c.key]) for c in batch]
+            answers += await _row_by_row_on_data_errors(self._claim_batch, batch)
         return answers
+
+    async def _claim_batch(self, batch: Sequence[_ClaimCall]) -> list[tuple[Claim, float]]:
+        rows = await self._registry.pool.fetch(
+            _CLAIM_MANY, [c.key for c in batch], [c.job_id for c in batch],
+            [c.job_type for c in batch], [c.fingerprint for c in batch], self.node_id,
+            self.claimant, batch[0].lease_seconds, timeout=self._timeout,
+        )  # fmt: skip
+        by_key = {row["key"]: row for row in rows}
+        return [_claim_answer(by_key[c.key]) for c in batch]
 
     async def renew(self, *, key: str, lease_seconds: float) -> bool:
         renewed = await self._registry.pool.fetchval(
@@ -302,35 +336,68 @@ class AsyncpgLedger:
         return renewed is not None
 
     async def complete(self, *, key: str, result: Any) -> bool:
-        return await self._completions.submit((key, result))
+        """Store the result (NUL in its strings and keys as U+FFFD, which JSONB can hold)."""
+        answer = await self._completions.submit((key, without_nul(result)))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
-    async def _complete_many(self, calls: Sequence[tuple[str, Any]]) -> list[bool]:
-        done: list[bool] = []
+    async def _complete_many(self, calls: Sequence[tuple[str, Any]]) -> list[bool | Exception]:
+        done: list[bool | Exception] = []
         for batch in distinct_runs(calls, name=lambda call: call[0]):
-            rows = await self._registry.pool.fetch(
-                _COMPLETE_MANY, [key for key, _ in batch], [result for _, result in batch],
-                self.claimant, timeout=self._timeout,
-            )  # fmt: skip
-            stored = {row["idempotency_key"] for row in rows}
-            done += [key in stored for key, _ in batch]
+            done += await _row_by_row_on_data_errors(self._complete_batch, batch)
         return done
 
+    async def _complete_batch(self, batch: Sequence[tuple[str, Any]]) -> list[bool]:
+        rows = await self._registry.pool.fetch(
+            _COMPLETE_MANY, [key for key, _ in batch], [result for _, result in batch],
+            self.claimant, timeout=self._timeout,
+        )  # fmt: skip
+        stored = {row["idempotency_key"] for row in rows}
+        return [key in stored for key, _ in batch]
+
     async def fail(self, *, key: str, error: str, dead: bool) -> bool:
+        """Finish as dead or retrying (the error text's NUL as U+FFFD)."""
         status = "dead" if dead else "retrying"
         done = await self._registry.pool.fetchval(
-            _FINISH, key, self.claimant, status, None, error, timeout=self._timeout
+            _FAIL, key, self.claimant, status, without_nul(error), timeout=self._timeout
         )
         return done is not None
 
     async def release(self, *, key: str) -> bool:
-        """Give a claimed job back (shutdown): the next delivery may run it at once."""
-        return await self.fail(key=key, error="released on shutdown", dead=False)
+        """Give a claimed job back (shutdown) with its attempt: the next delivery may run it
+        at once, as the same claim number."""
+        done = await self._registry.pool.fetchval(
+            _RELEASE, key, self.claimant, RELEASED, timeout=self._timeout
+        )
+        return done is not None
+
+
+async def _row_by_row_on_data_errors(
+    run: Callable[[Sequence[In]], Awaitable[Sequence[Out]]], batch: Sequence[In]
+) -> list[Out | Exception]:
+    """`run(batch)`; when PostgreSQL refuses the statement for its data (a DataError: NUL
+    in a varchar, JSON it does not take), each call again on its own, so that the error is
+    the offending call's alone. The failed statement changed nothing, so nothing runs twice."""
+    try:
+        return list(await run(batch))
+    except asyncpg.DataError as exc:
+        if len(batch) == 1:
+            return [exc]
+    answers: list[Out | Exception] = []
+    for call in batch:
+        try:
+            answers += await run([call])
+        except asyncpg.DataError as exc:
+            answers.append(exc)
+    return answers
 
 
 class _ClaimCall(NamedTuple):
     key: str
     job_id: str
     job_type: str
+    fingerprint: str
     lease_seconds: float
 
 
@@ -340,6 +407,8 @@ def _claim_answer(row: asyncpg.Record) -> tuple[Claim, float]:
         return Claim.CLAIMED, float(row["attempts"])
     if row["status"] is None:  # inserted by another claim meanwhile: look again later
         return Claim.HELD, 0.0
+    if row["conflict"]:
+        return Claim.CONFLICT, 0.0
     if row["status"] == "completed":
         return Claim.COMPLETED, 0.0
     if row["status"] == "dead":

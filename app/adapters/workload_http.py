@@ -1,10 +1,17 @@
 """HTTP calls from jobs to the node's workloads (the `http` job handler), through httpx.
 
-Only in-cluster addresses are allowed (hosts ending in one of the allowed suffixes,
-`.svc` and `.svc.cluster.local` by default): a job must not make the node call out to
-arbitrary hosts. Answers are read streamed and at most `MAX_RESPONSE_BYTES` of a body is
-kept: what a job returns goes to the ledger and into the `job.completed` event, and a
-workload must not be able to fill the node's memory with an endless answer.
+A job says where to POST, so the URL is checked before anything is sent: only the
+Services of the allowed namespaces, or the Services allowed one by one, may be called
+(`AllowedTargets`; the managed namespace by default), named as Kubernetes names them —
+`<service>.<namespace>`, `<service>.<namespace>.svc` or
+`<service>.<namespace>.svc.cluster.local`. A job must not make the node call the cluster's
+own Services (kube-dns, NATS, the manager) or anything outside. A URL that could never be
+sent (whitespace or control characters, userinfo, a bad port) is a permanent failure, as
+is every error httpx raises for a request it cannot make: no retry would send it.
+
+Answers are read streamed and at most `MAX_RESPONSE_BYTES` of a body is kept: what a job
+returns goes to the ledger and into the `job.completed` event, and a workload must not be
+able to fill the node's memory with an endless answer.
 
 httpx and the client (its connection pool and TLS context) are made on the first call:
 a worker that never runs an `http` job does not pay for them (some 3 MiB of RSS; 6 in a
@@ -14,10 +21,16 @@ pygments).
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
+import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+from app.domain.redaction import redact_url
 
 if TYPE_CHECKING:
     import httpx
@@ -25,11 +38,112 @@ if TYPE_CHECKING:
 MAX_RESPONSE_BYTES = 64 * 1024
 _ERROR_EXCERPT_BYTES = 200
 
+# a DNS-1123 label: what Kubernetes allows as a namespace's (and a Service's) name
+_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_TARGET_FORM = (
+    "<namespace> or <service>.<namespace> (DNS-1123 labels: lowercase letters, digits and "
+    "'-', starting and ending with a letter or digit, at most 63 characters)"
+)
+
 
 class WorkloadHttpError(RuntimeError):
     def __init__(self, message: str, *, retryable: bool) -> None:
         super().__init__(message)
         self.retryable = retryable
+
+
+@dataclass(frozen=True, slots=True)
+class AllowedTargets:
+    """What the `http` job may call: every Service of `namespaces`, and the `services`
+    named one by one, as (service, namespace)."""
+
+    namespaces: frozenset[str]
+    services: frozenset[tuple[str, str]]
+
+    @classmethod
+    def parse(cls, entries: Iterable[str]) -> AllowedTargets:
+        """From HTTP_JOB_ALLOWED_TARGETS' entries: `<namespace>` or `<service>.<namespace>`.
+        Raises ValueError naming the first entry of another form."""
+        namespaces: set[str] = set()
+        services: set[tuple[str, str]] = set()
+        for entry in entries:
+            labels = entry.split(".")
+            if len(labels) > 2 or not all(_LABEL.fullmatch(label) for label in labels):
+                if entry.startswith(".") or entry.endswith((".svc", ".local")):
+                    raise ValueError(f"{entry!r} is a host or a host suffix: give {_TARGET_FORM}")
+                raise ValueError(f"{entry!r} is not {_TARGET_FORM}")
+            if len(labels) == 1:
+                namespaces.add(entry)
+            else:
+                services.add((labels[0], labels[1]))
+        if not namespaces and not services:
+            raise ValueError(f"no target allowed: give at least one {_TARGET_FORM}")
+        return cls(frozenset(namespaces), frozenset(services))
+
+    def allows(self, service: str, namespace: str) -> bool:
+        return namespace in self.namespaces or (service, namespace) in self.services
+
+    def describe(self) -> str:
+        parts = [f"the Services of namespace {name}" for name in sorted(self.namespaces)]
+        parts += [f"Service {svc}.{ns}" for svc, ns in sorted(self.services)]
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """An allowed URL's Service. `connect_host` is the name looked up: the short
+    `<service>.<namespace>` is looked up as `<service>.<namespace>.svc`, so that a
+    missing Service never falls through the resolver's search list to a public name
+    (`api.dev` of a namespace `dev` is also a name under a public top-level domain)."""
+
+    host: str  # as the URL writes it, lowercased
+    service: str
+    namespace: str
+    connect_host: str
+
+
+def cluster_service(host: str) -> tuple[str, str] | None:
+    """(service, namespace) when `host` is exactly `<service>.<namespace>`,
+    `<service>.<namespace>.svc` or `<service>.<namespace>.svc.cluster.local` (any case;
+    the last one may end in the root's dot); None for any other host."""
+    name = host.lower()
+    if name.endswith(".svc.cluster.local."):
+        # a fully qualified cluster name; on the shorter forms a trailing dot would
+        # skip the cluster's search domains and ask the internet's DNS instead
+        name = name[:-1]
+    labels = name.split(".")
+    if labels[2:] in ([], ["svc"], ["svc", "cluster", "local"]) and len(labels) >= 2:
+        service, namespace = labels[:2]
+        if _LABEL.fullmatch(service) and _LABEL.fullmatch(namespace):
+            if not _is_ip_literal(name) and "localhost" not in (service, namespace):
+                return service, namespace
+    return None
+
+
+def _is_ip_literal(host: str) -> bool:
+    """Whether a resolver would take `host` as an address, not a name: besides the
+    dotted quad and IPv6, the shorter forms inet_aton reads (`127.1`, `0x7f.1`)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        return True
+    try:
+        socket.inet_aton(host)  # parses only; no lookup
+    except OSError:
+        return False
+    return True
+
+
+def _unsendable(url: str) -> str | None:
+    """Why `url` cannot be sent as it stands (None: it can). httpx refuses control
+    characters itself, but only once the request is made; urlsplit silently drops a tab
+    or a newline, so the host checked would not be the URL's."""
+    for position, char in enumerate(url):
+        if char.isspace() or ord(char) < 0x20 or 0x7F <= ord(char) < 0xA0:
+            return f"{char!r} at position {position} (whitespace or a control character)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +157,19 @@ class WorkloadResponse:
 
 
 class WorkloadHttp:
-    def __init__(self, *, timeout: float, allowed_suffixes: tuple[str, ...]) -> None:
-        self._allowed = allowed_suffixes
+    def __init__(
+        self,
+        *,
+        timeout: float,
+        allowed_targets: Iterable[str],
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """`allowed_targets`: HTTP_JOB_ALLOWED_TARGETS' entries (ValueError for any other
+        form, or for none). `transport` is httpx's, for tests that route the cluster's
+        names to a local server."""
+        self._allowed = AllowedTargets.parse(allowed_targets)
         self._timeout = timeout
+        self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._closed = False
 
@@ -57,7 +181,9 @@ class WorkloadHttp:
             import httpx
 
             self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self._timeout), follow_redirects=False
+                timeout=httpx.Timeout(self._timeout),
+                follow_redirects=False,
+                transport=self._transport,
             )
         return self._client
 
@@ -66,16 +192,42 @@ class WorkloadHttp:
         if self._client is not None:
             await self._client.aclose()
 
-    def check_url(self, url: str) -> None:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        if parts.scheme not in ("http", "https") or not host:
-            raise WorkloadHttpError(f"{url!r} is not an http(s) URL", retryable=False)
-        if not any(host == s.lstrip(".") or host.endswith(s) for s in self._allowed):
-            raise WorkloadHttpError(
-                f"host {host!r} is not in the cluster (allowed: {', '.join(self._allowed)})",
-                retryable=False,
+    def check_url(self, url: str) -> Target:
+        """The URL's Service, when the URL may be sent; else a permanent WorkloadHttpError
+        saying why (and, for a host, what is allowed)."""
+
+        def refused(why: str) -> WorkloadHttpError:
+            return WorkloadHttpError(f"{redact_url(url)!r}: {why}", retryable=False)
+
+        bad_char = _unsendable(url)
+        if bad_char is not None:
+            raise refused(f"not a URL that can be sent: {bad_char}")
+        try:
+            parts = urlsplit(url)
+        except ValueError:  # brackets around something other than an IPv6 address
+            raise refused("not an http(s) URL") from None
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise refused("not an http(s) URL")
+        if "@" in parts.netloc:
+            raise refused("userinfo (user:password@) is not allowed in the URL")
+        try:
+            port = parts.port
+        except ValueError:
+            raise refused("not a valid port (1-65535)") from None
+        if port == 0:
+            raise refused("not a valid port (1-65535)")
+        host = (parts.hostname or "").lower()
+        service = cluster_service(host)
+        if service is None or not self._allowed.allows(*service):
+            kind = "an IP address" if _is_ip_literal(host.rstrip(".")) else "not allowed"
+            raise refused(
+                f"host {host!r} is {kind}: the http job may call "
+                f"{self._allowed.describe()}, as <service>.<namespace>[.svc[.cluster.local]] "
+                "(HTTP_JOB_ALLOWED_TARGETS allows more)"
             )
+        svc, namespace = service
+        short = host == f"{svc}.{namespace}"
+        return Target(host, svc, namespace, f"{host}.svc" if short else host)
 
     async def post(self, url: str, body: Any, *, headers: dict[str, str]) -> tuple[int, Any]:
         """(status, body) of a POST; the body cut to `MAX_RESPONSE_BYTES` (see post_capped
@@ -88,41 +240,73 @@ class WorkloadHttp:
     ) -> WorkloadResponse:
         """POST `body` as JSON; read at most `limit` bytes of the answer, streamed.
 
-        5xx, timeouts and connection errors raise a retryable WorkloadHttpError, 4xx a
-        permanent one (with the first bytes of the answer).
+        5xx, timeouts and connection errors raise a retryable WorkloadHttpError; 4xx (with
+        the first bytes of the answer), a URL refused by `check_url` and a request httpx
+        cannot make raise a permanent one.
         """
-        self.check_url(url)
+        if self._closed:
+            raise RuntimeError("WorkloadHttp is closed")
+        target = self.check_url(url)
         client = self._http()
         import httpx  # imported by _http already
 
+        shown = redact_url(url)
+        try:
+            request_url = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            raise WorkloadHttpError(f"POST {shown}: {exc}", retryable=False) from None
+        if request_url.host != target.host or request_url.userinfo:
+            # the host checked must be the host connected to, whatever parser reads it
+            raise WorkloadHttpError(
+                f"POST {shown}: host read as {request_url.host!r}, not {target.host!r}",
+                retryable=False,
+            )
         # Uncompressed, so that the limit counts what crosses the wire; a workload that
         # compresses anyway is still cut at `limit` bytes once decoded.
         headers = {"Accept-Encoding": "identity", **headers}
+        extensions: dict[str, Any] = {}
+        if target.connect_host != target.host:
+            # looked up by its .svc name; the Host header and the TLS name stay the URL's
+            headers["Host"] = request_url.netloc.decode("ascii")
+            extensions["sni_hostname"] = target.host
+            request_url = request_url.copy_with(host=target.connect_host)
         try:
-            async with client.stream("POST", url, json=body, headers=headers) as response:
+            async with client.stream(
+                "POST", request_url, json=body, headers=headers, extensions=extensions
+            ) as response:
                 status = response.status_code
                 if status >= 500:
-                    raise WorkloadHttpError(f"POST {url}: HTTP {status}", retryable=True)
+                    raise WorkloadHttpError(f"POST {shown}: HTTP {status}", retryable=True)
                 if status >= 400:
                     excerpt, _ = await _read_at_most(response, _ERROR_EXCERPT_BYTES)
                     raise WorkloadHttpError(
-                        f"POST {url}: HTTP {status}: {_text(excerpt, response)}",
+                        f"POST {shown}: HTTP {status}: {_text(excerpt, response)}",
                         retryable=False,
                     )
                 content, truncated = await _read_at_most(response, limit)
                 text = _text(content, response)
-        except httpx.TimeoutException as exc:
-            raise WorkloadHttpError(f"POST {url}: timed out ({exc})", retryable=True) from None
-        except httpx.TransportError as exc:
+        except httpx.HTTPError as exc:
             raise WorkloadHttpError(
-                f"POST {url}: {type(exc).__name__}: {exc}", retryable=True
+                f"POST {shown}: {type(exc).__name__}: {exc}", retryable=retryable(exc)
             ) from None
+        except httpx.InvalidURL as exc:  # not an HTTPError: raised before any request
+            raise WorkloadHttpError(f"POST {shown}: {exc}", retryable=False) from None
         return WorkloadResponse(
             status=status,
             body=text if truncated else _json_or_text(text),
             kept_bytes=len(content),
             truncated=truncated,
         )
+
+
+def retryable(exc: httpx.HTTPError) -> bool:
+    """Whether an attempt that failed with `exc` may succeed when made again. A request
+    httpx cannot make never will: a scheme it has no transport for, a header or URL h11
+    refuses to send (an idempotency key with a newline). Timeouts, the network's errors
+    and a workload's broken answer may."""
+    import httpx
+
+    return not isinstance(exc, httpx.UnsupportedProtocol | httpx.LocalProtocolError)
 
 
 async def _read_at_most(response: httpx.Response, limit: int) -> tuple[bytes, bool]:

@@ -7,7 +7,7 @@ that could run a job; tests hold both to one table of cases.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,6 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field
 # most 64; spelled out, since Python's \w takes any Unicode letter and the OpenAPI
 # document's (JSON Schema's) does not
 CAPABILITY_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
+# A region's or trust zone's name in a job's requirements: the same characters and length.
+# Every requirement is bounded because rejection and unroutable events echo them, and an
+# event must stay far below NATS's max_payload (a 360 kB trust zone made one too big).
+LOCATION_NAME = CAPABILITY_NAME
+MAX_NAME_CHARS = 64
+MAX_CAPABILITIES = 64
+
+_Location = Annotated[str, Field(pattern=LOCATION_NAME, max_length=MAX_NAME_CHARS)]
+_Capability = Annotated[str, Field(pattern=CAPABILITY_NAME, max_length=MAX_NAME_CHARS)]
 
 
 class Tier(StrEnum):
@@ -34,11 +43,11 @@ class HardwareRequirements(BaseModel):
 class Requirements(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tier: list[Tier] | None = None
-    region: str | None = None
-    trust_zone: str | None = None
+    tier: Annotated[list[Tier], Field(max_length=len(Tier))] | None = None
+    region: _Location | None = None
+    trust_zone: _Location | None = None
     hardware: HardwareRequirements = HardwareRequirements()
-    capabilities: list[str] = Field(default_factory=list)
+    capabilities: list[_Capability] = Field(default_factory=list, max_length=MAX_CAPABILITIES)
 
 
 class NodeProfile(BaseModel):

@@ -33,7 +33,12 @@ NOOP_MAX_DELAY_SECONDS = 300.0
 @dataclass(frozen=True)
 class HandlerContext:
     node_id: str
+    # JetStream's delivery count of the message: hand-ons to capable nodes, a held key and
+    # outages spend deliveries too
     delivered: int
+    # the ledger's count of real attempts at running this job, this one included (1 for
+    # the first): what a handler that acts on retries should count
+    attempt: int
     http: WorkloadHttp
 
 
@@ -43,12 +48,13 @@ Handler = Callable[[Job, HandlerContext], Awaitable[Any]]
 async def noop(job: Job, context: HandlerContext) -> dict[str, Any]:
     """Does nothing, for tests, drills and benchmarks. The payload may ask it to take
     `delay_seconds` (at most 300) or to fail: `fail` = "retryable" | "permanent", and
-    `fail_times` to fail only on the first N deliveries."""
+    `fail_times` to fail only on the first N attempts (`context.attempt`: deliveries
+    spent on handing the job on or waiting for a held key do not count)."""
     delay = float(job.payload.get("delay_seconds", 0))
     if delay:
         await asyncio.sleep(min(max(delay, 0.0), NOOP_MAX_DELAY_SECONDS))
     fail = job.payload.get("fail")
-    if fail and context.delivered <= int(job.payload.get("fail_times", 1_000_000)):
+    if fail and context.attempt <= int(job.payload.get("fail_times", 1_000_000)):
         if fail == "permanent":
             raise PermanentJobFailure("noop asked to fail permanently")
         raise RetryableJobFailure("noop asked to fail, retryably")
@@ -58,11 +64,13 @@ async def noop(job: Job, context: HandlerContext) -> dict[str, Any]:
 async def http(job: Job, context: HandlerContext) -> dict[str, Any]:
     """POST `payload.body` to `payload.url`, a workload's in-cluster URL.
 
-    5xx answers and timeouts are retried; 4xx answers, a URL outside the cluster and a
-    missing URL are permanent failures. The result is `{"status", "body"}`, the body
-    being the JSON document or the text of the answer; of a body longer than
-    MAX_RESPONSE_BYTES only that much is read and kept, as text, and the result says so
-    with `"truncated": true` and `"kept_bytes"`.
+    5xx answers, timeouts and connection errors are retried; 4xx answers, a missing URL,
+    a URL that cannot be sent (whitespace, control characters, userinfo, a bad port) and
+    a host outside HTTP_JOB_ALLOWED_TARGETS are permanent failures. The result is
+    `{"status", "body"}`, the body being the JSON document or the text of the answer, as
+    the workload sent it (a NUL stays a NUL); of a body longer than MAX_RESPONSE_BYTES
+    only that much is read and kept, as text, and the result says so with
+    `"truncated": true` and `"kept_bytes"`.
     """
     url = job.payload.get("url")
     if not isinstance(url, str):

@@ -12,7 +12,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from app.adapters.bus import ConsumerSpec, JetStreamBus, StreamSpec
+from app.adapters.bus import ConsumerSpec, JetStreamBus, Published, StreamSpec
 from app.adapters.kv_ledger import bucket as ledger_bucket
 from app.domain.jobs import (
     EVENTS_STREAM,
@@ -56,10 +56,10 @@ def consumer_specs(settings: Settings, tiers: tuple[str, ...] = TIERS) -> list[C
             durable=consumer_name(tier),
             filter_subject=consumer_filter(kind, tier),
             ack_wait_seconds=settings.job_ack_wait_seconds,
-            # No limit on the server: JOB_MAX_DELIVER is the worker's to enforce, because
-            # a job past its last delivery must end with a stored job.dead event, and
-            # JetStream would drop it silently (and a NAK after a failed event publish
-            # would spend a delivery it no longer has).
+            # No limit on the server: JOB_MAX_ATTEMPTS and JOB_MAX_DELIVERIES are the
+            # worker's to enforce, because a job past its last delivery must end with a
+            # stored job.dead event, and JetStream would drop it silently (and a NAK after
+            # a failed event publish would spend a delivery it no longer has).
             max_deliver=UNLIMITED_DELIVERIES,
             # NATS takes backoff[0] as the ack wait when a backoff is set, so the list
             # starts with it: an unanswered delivery (a crashed worker) is redelivered
@@ -117,7 +117,8 @@ def new_job(
     )
 
 
-async def publish_job(bus: JetStreamBus, job: Job, *, kind: str, tier: str) -> int:
-    """Publish with `Nats-Msg-Id` = idempotency key: a duplicate within the window is dropped."""
+async def publish_job(bus: JetStreamBus, job: Job, *, kind: str, tier: str) -> Published:
+    """Publish with `Nats-Msg-Id` = idempotency key: a duplicate within the window is dropped
+    (`Published.duplicate`, with the sequence of the message stored before)."""
     body = job.model_dump(mode="json", by_alias=True, exclude_none=True)
     return await bus.publish(job_subject(kind, tier, job.type), body, msg_id=job.idempotency_key)

@@ -334,14 +334,15 @@ async def open_worker(
     )  # fmt: skip
     http = WorkloadHttp(
         timeout=settings.http_job_timeout_seconds,
-        allowed_suffixes=tuple(settings.http_job_allowed_suffixes),
+        allowed_targets=settings.http_job_allowed_targets or [settings.managed_namespace],
     )
     stack.push_async_callback(http.aclose)
 
     async def prepare() -> None:
-        """Connect, make sure the topology exists, and wait for the node's registration
-        (the ledger's schema exists by then). A subject NATS denies this node's
-        credentials ends in NatsRefused naming it (the supervisor retries with backoff)."""
+        """Connect, make sure the topology exists, and, for PostgreSQL's ledger, wait for
+        the node's registration (the ledger's schema exists by then). A subject NATS
+        denies this node's credentials ends in NatsRefused naming it (the supervisor
+        retries with backoff)."""
         if not bus.connected:
             await bus.connect()
         try:
@@ -357,7 +358,10 @@ async def open_worker(
         if kv_ledger is not None:  # made by init_streams (above, or by the operator)
             kv_ledger.bind(await bus.key_value(kv_ledger.bucket))
 
-        if heartbeat is not None:
+        if on_postgres:
+            # the ledger's schema exists once the node is registered (migrations first);
+            # a JetStream ledger needs no PostgreSQL, and waits for none
+            assert heartbeat is not None
             await heartbeat.registered.wait()
         component.succeeded(datetime.now(UTC), connected=True)
 
@@ -396,7 +400,8 @@ async def open_worker(
             concurrency=settings.worker_concurrency,
             batch=settings.job_fetch_batch,
             ack_wait=settings.job_ack_wait_seconds,
-            max_deliver=settings.job_max_deliver,
+            max_attempts=settings.job_max_attempts,
+            max_deliveries=settings.job_max_deliveries,
             backoff=tuple(settings.job_backoff_seconds),
             not_here_delay=settings.job_not_here_delay_seconds,
             held_delay=settings.job_held_delay_seconds,

@@ -1,15 +1,24 @@
-"""The JetStream job worker: fetch, admit, claim, run, answer — each job once in effect.
+"""The JetStream job worker: fetch, decide, answer — each job once in effect.
 
-For each job stream (MM_ONLINE, MM_OFFLINE, MM_WRITE) one loop fetches from the tier's
-shared durable consumer, within `concurrency` jobs in flight across all three. A job is
-parsed and admitted (pure `admit`), claimed in the idempotency ledger (PostgreSQL, or a
-JetStream key-value bucket on nodes without a database) by its idempotency key, run by
-its handler while `in_progress()` and a lease renewal keep it ours, and answered: ack
-after success, nak with the backoff delay for a retryable failure, term plus a
-dead-letter event otherwise. Every outcome is also an event on MM_EVENTS.
+The shape, in one place:
 
-The loops re-create their pull subscription after every reconnect (a pull subscription
-can go silent after a server restart) and back off on errors instead of spinning.
+- **fetchers**, one per job stream (MM_ONLINE, MM_OFFLINE, MM_WRITE), pull from the
+  tier's shared durable consumer into one bounded queue (room for WORKER_CONCURRENCY
+  jobs beyond those running, so a runner that finishes finds its next job waiting);
+- **runners**, WORKER_CONCURRENCY of them, take a delivery each and find out what
+  becomes of it (`_decide`: parse, admit, route, claim in the idempotency ledger, run the
+  handler, record the outcome) as one `Outcome`;
+- one rule, `app.domain.job_flow.plan`, maps that outcome to exactly one JetStream answer
+  (ack, nak with a delay, term) and at most one event; `_answer` sends them, the event
+  first when the answer is final;
+- one **keep-alive** loop tells JetStream (`in_progress`) and the ledger (its lease) that
+  every delivery held here is still ours, from the moment it is fetched until it is
+  answered. A renewal the ledger refuses means the lease ran out and another process
+  took the key: the handler is stopped, and nothing is published or acked for it.
+
+Budgets: the retry budget is the ledger's count of real attempts (JOB_MAX_ATTEMPTS), so a
+job handed on to a node that can run it, or handed back during an outage, spends none
+of it; JOB_MAX_DELIVERIES bounds deliveries spent on anything, so every path ends.
 """
 
 from __future__ import annotations
@@ -27,13 +36,15 @@ import stamina
 
 from app.adapters.bus import BusError, Delivery, JetStreamBus, PullSubscription
 from app.adapters.kv_ledger import LedgerUnavailable
-from app.adapters.registry import AsyncpgRegistry, RegistryUnavailable
+from app.adapters.registry import RegistryUnavailable
 from app.adapters.workload_http import WorkloadHttp
 from app.domain.components import Component
+from app.domain.job_flow import DEAD_LETTERS, Delays, Outcome, Plan, Verb, plan, unsent
 from app.domain.jobs import (
     STREAMS,
     Admission,
     EventKind,
+    FailureKind,
     Job,
     Rejection,
     admit,
@@ -44,8 +55,8 @@ from app.domain.jobs import (
     event_subject,
     parse_job,
 )
-from app.domain.ledger import Claim
-from app.domain.requirements import NodeProfile
+from app.domain.ledger import Claim, job_fingerprint
+from app.domain.requirements import NodeProfile, Requirements
 from app.metrics import Metrics
 from app.services.handlers import Handler, HandlerContext
 
@@ -62,6 +73,12 @@ HAND_BACK_SECONDS = 1.0
 LEASE_TRIES = 4
 # what a ledger raises when its store cannot be reached (PostgreSQL or JetStream)
 LEDGER_ERRORS = (*RegistryUnavailable, LedgerUnavailable)
+# how long the registry's answer to "could a live node run this?" is reused, and for how
+# many distinct requirements: a hand-on costs no query per delivery
+ROUTE_CACHE_SECONDS = 10.0
+ROUTE_CACHE_ENTRIES = 1024
+# a failure's text kept in the ledger and the event
+MAX_REASON_CHARS = 1000
 
 
 def lease_seconds(ack_wait: float) -> float:
@@ -83,7 +100,7 @@ class Ledger(Protocol):
     `AsyncpgLedger` or the JetStream bucket's `JetStreamLedger`, one contract suite."""
 
     async def claim(
-        self, *, key: str, job_id: str, job_type: str, lease_seconds: float
+        self, *, key: str, job_id: str, job_type: str, fingerprint: str, lease_seconds: float
     ) -> tuple[Claim, float]: ...
 
     async def renew(self, *, key: str, lease_seconds: float) -> bool: ...
@@ -95,18 +112,54 @@ class Ledger(Protocol):
     async def release(self, *, key: str) -> bool: ...
 
 
+class Registry(Protocol):
+    """Who else could run a job: the capability registry's live nodes (PostgreSQL)."""
+
+    async def eligible(self, requirements: Requirements) -> list[NodeProfile]: ...
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     tier: str
     concurrency: int
     batch: int
     ack_wait: float
-    max_deliver: int
+    max_attempts: int
+    max_deliveries: int
     backoff: tuple[float, ...]
     not_here_delay: float
     held_delay: float
     job_timeout: float
     fetch_wait: float = 1.0
+
+
+class _Held:
+    """A delivery fetched here and not yet answered (what the keep-alive keeps ours)."""
+
+    __slots__ = ("answered", "delivery", "key", "lost", "scope", "touched")
+
+    def __init__(self, delivery: Delivery, now: float) -> None:
+        self.delivery = delivery
+        self.touched = now  # the last moment JetStream heard of it (fetch, in_progress)
+        self.key: str | None = None  # the idempotency key, once claimed here
+        self.lost = False  # the ledger gave the claim to another process
+        self.scope: asyncio.Timeout | None = None  # the running handler's time limit
+        # set as the answer is sent: an `in_progress` after a NAK would take the message
+        # back from redelivery and hold it for a backoff step (up to the last, minutes)
+        self.answered = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Decided:
+    """What became of a delivery, with what its answer and event need."""
+
+    outcome: Outcome
+    job: Job | Rejection | None = None
+    reason: str | None = None
+    result: Any = None
+    attempt: int | None = None
+    retry_in: float = 0.0
+    held_for: float = 0.0
 
 
 class Worker:
@@ -115,7 +168,7 @@ class Worker:
         *,
         bus: JetStreamBus,
         ledger: Ledger,
-        registry: AsyncpgRegistry | None,
+        registry: Registry | None,
         node: Callable[[], Awaitable[NodeProfile]],
         handlers: dict[str, Handler],
         http: WorkloadHttp,
@@ -136,10 +189,20 @@ class Worker:
         self._config = config
         self._metrics = metrics
         self._component = component
-        self._tasks: set[asyncio.Task[None]] = set()
-        # FIFO-fair: the three stream loops take turns, none can starve the others.
-        self._slots = asyncio.Semaphore(config.concurrency)
+        self._delays = Delays(not_here=config.not_here_delay, held=config.held_delay)
+        self._lease = lease_seconds(config.ack_wait)
+        self._queue: asyncio.Queue[_Held] = asyncio.Queue()
+        self._room = asyncio.Event()  # set when the queue may have room again
+        self._reserved = 0  # queue places promised to fetches in flight
+        self._held: dict[int, _Held] = {}
+        self._busy = 0  # runners with a delivery
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._running_keys: set[str] = set()
+        self._routes: dict[str, tuple[float, int | None]] = {}
+        self._counters: dict[tuple[str, str], Any] = {}
+        self._runners: list[asyncio.Task[None]] = []
+        self._keeper: asyncio.Task[None] | None = None
         self._stopping = False
         self.node_id = ""
 
@@ -149,19 +212,26 @@ class Worker:
 
     @property
     def in_flight(self) -> int:
-        return len(self._tasks)
+        """Deliveries held here: running, or fetched and waiting for a runner."""
+        return len(self._held)
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """The root task (supervised): connect and prepare, then one consume loop per job
-        stream; returns once `stopping` is set (or `drain` began) and the loops ended."""
+        """The root task (supervised): connect and prepare, then the fetchers, runners and
+        keep-alive; returns once `stopping` is set (or `drain` began) and what was held
+        here is answered."""
         if self._prepare is not None:
             await self._prepare()
         self.node_id = (await self._node()).node_id
         await self._node_event(EventKind.NODE_ONLINE)
         async with asyncio.TaskGroup() as group:
-            group.create_task(self._watch(stopping), name="worker-stop-watch")
+            self._runners = [
+                group.create_task(self._runner(), name=f"job-runner-{i}")
+                for i in range(self._config.concurrency)
+            ]
+            self._keeper = group.create_task(self._keep_alive(), name="job-keep-alive")
             for kind, stream in STREAMS.items():
-                group.create_task(self._consume(stream), name=f"consume-{kind}")
+                group.create_task(self._fetch(stream), name=f"job-fetch-{kind}")
+            group.create_task(self._watch(stopping), name="worker-stop-watch")
 
     async def _watch(self, stopping: asyncio.Event) -> None:
         while not self._stopping:
@@ -170,32 +240,52 @@ class Worker:
             except TimeoutError:
                 continue
             self._stopping = True
+        await self._settled()
+        self._end_tasks()
+
+    async def _settled(self) -> None:
+        """Until every delivery held here is answered (the fetchers have stopped)."""
+        while self._held or self._busy:
+            self._idle.clear()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout=self._config.fetch_wait)
+            except TimeoutError:
+                continue
+
+    def _end_tasks(self) -> None:
+        for task in (*self._runners, self._keeper):
+            if task is not None:
+                task.cancel()
 
     def begin_stop(self) -> None:
         """From now on no job starts here; what is fetched is handed back."""
         if not self._stopping:
             self._stopping = True
-            log.info("job worker stopping: %d job(s) in flight", len(self._tasks))
+            self._room.set()
+            log.info("job worker stopping: %d job(s) in flight", self._busy)
 
     async def drain(self, *, within: float) -> None:
         """Start nothing new; let the jobs in flight finish within `within` seconds, and
-        hand back (release and NAK) those that cannot. The consume loops end within one
-        fetch wait; whatever they fetch meanwhile is handed back at once."""
+        hand back (release and NAK) those that cannot. The fetchers end within one fetch
+        wait; whatever is fetched meanwhile, or waits in the queue, is handed back."""
         self.begin_stop()
-        if not self._tasks:
+        if not self._held and not self._busy:
             return
         clock = asyncio.get_running_loop().time
         ends = clock() + within
         # the last moments are kept for the jobs that must be handed back
         wait = max(0.0, within - HAND_BACK_SECONDS)
-        log.info("waiting up to %.1f s for %d job(s) in flight", wait, len(self._tasks))
-        _done, pending = await asyncio.wait(set(self._tasks), timeout=wait)
-        for task in pending:
-            task.cancel()
-        if pending:
-            _done, stuck = await asyncio.wait(pending, timeout=max(0.1, ends - clock()))
-            for task in stuck:
-                task.cancel()  # its hand-back outlasted the budget: the ack wait brings it back
+        log.info("waiting up to %.1f s for %d job(s) in flight", wait, self._busy)
+        try:
+            await asyncio.wait_for(self._settled(), timeout=wait)
+            return
+        except TimeoutError:
+            pass
+        busy = [task for task in self._runners if not task.done()]
+        for task in busy:
+            task.cancel()  # a running handler hands its job back (release, nak)
+        if busy:
+            await asyncio.wait(busy, timeout=max(0.1, ends - clock()))
 
     async def announce_draining(self) -> None:
         await self._node_event(EventKind.NODE_DRAINING)
@@ -205,13 +295,14 @@ class Worker:
 
     # -- fetching ------------------------------------------------------------------
 
-    async def _consume(self, stream: str) -> None:
+    async def _fetch(self, stream: str) -> None:
         durable = consumer_name(self._config.tier)
         subscription: PullSubscription | None = None
         seen_reconnects = -1
         failures = 0
-        # An idle stream long-polls with one slot; once it delivers, it fetches in batches.
-        # Holding a batch of slots while waiting on an empty stream would starve busy ones.
+        # An idle stream long-polls for one message without taking room in the queue
+        # (with three streams, idle ones would keep a small WORKER_CONCURRENCY from the
+        # busy one); once it delivers, it fetches as much as the queue has room for.
         active = False
         while not self._stopping:
             if not self._bus.connected:
@@ -228,62 +319,43 @@ class Worker:
                     await self._pause(f"subscribe to {stream}/{durable}", exc, failures)
                     continue
                 seen_reconnects = self._bus.reconnects
-            # An idle stream's long poll holds no job slot (with three streams, idle ones
-            # would keep most of a small WORKER_CONCURRENCY from the busy one): the one
-            # message it may bring waits for a slot after it arrives.
-            slots = await self._reserve(batch=self._config.batch) if active else 0
-            if active and slots == 0:
+            room = await self._reserve() if active else 0
+            if active and room == 0:
                 continue
-            if self._is_stopping():
-                self._give_back(slots)
-                break
             try:
-                deliveries = await subscription.fetch(max(slots, 1), wait=self._config.fetch_wait)
+                deliveries = await subscription.fetch(max(room, 1), wait=self._config.fetch_wait)
             except BusError as exc:
-                self._give_back(slots)
                 failures += 1
                 subscription = None
                 await self._pause(f"fetch from {stream}", exc, failures)
                 continue
+            finally:
+                self._reserved -= room
             failures = 0
             active = bool(deliveries)
-            if deliveries and slots == 0:
-                slots = await self._reserve(batch=1)  # 0 once the stop began
-            if self._is_stopping():
-                # fetched while the stop began: another node runs them, none starts here
-                self._give_back(slots)
-                await self._hand_back(deliveries)
-                break
-            self._give_back(slots - len(deliveries))
+            now = asyncio.get_running_loop().time()
             for delivery in deliveries:
-                self._spawn(delivery)
+                held = _Held(delivery, now)
+                self._held[id(held)] = held
+                self._queue.put_nowait(held)  # the stop hands it back from the queue
         if subscription is not None:
             await subscription.unsubscribe()
 
-    async def _reserve(self, *, batch: int) -> int:
-        """Wait for a free job slot (in turn), then take more free ones, up to `batch`."""
+    async def _reserve(self) -> int:
+        """Wait for room in the queue, then take what there is, up to a fetch batch."""
+        bound = self._config.concurrency
         while not self._stopping:
+            free = bound - self._queue.qsize() - self._reserved
+            if free > 0:
+                room = min(free, self._config.batch)
+                self._reserved += room
+                return room
+            self._room.clear()
             try:
-                await asyncio.wait_for(self._slots.acquire(), timeout=1.0)
+                await asyncio.wait_for(self._room.wait(), timeout=self._config.fetch_wait)
             except TimeoutError:
                 continue
-            slots = 1
-            while slots < batch and not self._slots.locked():
-                await self._slots.acquire()  # free: returns at once
-                slots += 1
-            return slots
         return 0
-
-    async def _hand_back(self, deliveries: list[Delivery]) -> None:
-        for delivery in deliveries:
-            try:
-                await delivery.nak(0.0)
-            except BusError as exc:  # it comes back after ack_wait instead
-                log.warning("job not handed back on shutdown: %s", exc)
-
-    def _give_back(self, slots: int) -> None:
-        for _ in range(slots):
-            self._slots.release()
 
     async def _pause(self, what: str, exc: BaseException, failures: int) -> None:
         delay = min(30.0, 0.5 * 2 ** min(failures, 6)) * random.uniform(0.5, 1.0)
@@ -291,275 +363,355 @@ class Worker:
         self._component.failed(datetime.now(UTC), f"{what}: {exc}")
         await asyncio.sleep(delay)
 
-    def _spawn(self, delivery: Delivery) -> None:
-        task = asyncio.create_task(self._handle(delivery), name=f"job-{delivery.stream_sequence}")
-        self._tasks.add(task)
+    # -- running -------------------------------------------------------------------
 
-        def finished(done: asyncio.Task[None]) -> None:
-            self._tasks.discard(done)
-            self._slots.release()
+    async def _runner(self) -> None:
+        while True:
+            held = await self._queue.get()
+            self._room.set()
+            self._busy += 1
+            self._idle.clear()
+            try:
+                await self._one(held)
+            finally:
+                self._held.pop(id(held), None)
+                self._busy -= 1
+                if not self._busy and not self._held:
+                    self._idle.set()
 
-        task.add_done_callback(finished)
-
-    # -- one job -------------------------------------------------------------------
-
-    async def _handle(self, delivery: Delivery) -> None:
+    async def _one(self, held: _Held) -> None:
         started = time.monotonic()
-        job_type = "invalid"
+        label, job_type = "error", "invalid"
         try:
-            job = parse_job(delivery.data, delivery.subject)
-            job_type = job.type if isinstance(job, Job) else "invalid"
-            outcome = await self._process(delivery, job)
+            if self._stopping:
+                decided = _Decided(Outcome.HANDED_BACK)
+            else:
+                decided = await self._decide(held)
+            if isinstance(decided.job, Job):
+                job_type = decided.job.type
+            label = await self._answer(held, decided)
         except BusError as exc:
             # The answer could not be sent; JetStream redelivers after ack_wait and the
             # ledger makes the redelivery harmless.
-            outcome = "bus-error"
+            label = "bus-error"
             log.warning("job answer not sent (%s): %s", job_type, exc)
         except Exception:
-            # A bug here must not kill the task silently; the unanswered message comes back
+            # A bug here must not kill the runner; the unanswered message comes back
             # after ack_wait, and the ledger keeps that harmless.
-            outcome = "error"
             log.exception("job %s could not be handled", job_type)
         # the type label is bounded by the handlers this node has: a publisher inventing
         # types must not invent time series
-        label = job_type if job_type in self._handlers or job_type == "invalid" else "unknown"
-        self._metrics.jobs.labels(label, outcome).inc()
-        self._metrics.job_duration.labels(label).observe(time.monotonic() - started)
-        if outcome not in ("bus-error", "ledger-error"):
+        kind = job_type if job_type in self._handlers or job_type == "invalid" else "unknown"
+        self._count(kind, label)
+        self._metrics.job_duration.labels(kind).observe(time.monotonic() - started)
+        if label not in ("bus-error", Outcome.LEDGER_UNAVAILABLE.value, "event-unsent"):
             self._component.succeeded(datetime.now(UTC))
 
-    async def _process(self, delivery: Delivery, job: Job | Rejection) -> str:
+    def _count(self, kind: str, label: str) -> None:
+        counter = self._counters.get((kind, label))
+        if counter is None:
+            counter = self._counters[(kind, label)] = self._metrics.jobs.labels(kind, label)
+        counter.inc()
+
+    async def _decide(self, held: _Held) -> _Decided:
+        """What becomes of one delivery: every way a job can go, in order."""
+        delivery = held.delivery
+        job = parse_job(delivery.data, delivery.subject)
+        if isinstance(job, Rejection):
+            return _Decided(Outcome.INVALID, job, reason=job.reason)
+        if delivery.delivered > self._config.max_deliveries:
+            return _Decided(
+                Outcome.DELIVERIES_SPENT, job,
+                reason=f"delivered {delivery.delivered} times (JOB_MAX_DELIVERIES "
+                f"{self._config.max_deliveries}) without an outcome",
+            )  # fmt: skip
         decision = admit(job, node=await self._node(), now=datetime.now(UTC))
         if decision.admission is Admission.REJECT:
-            if not await self._terminate(delivery, EventKind.REJECTED, job, reason=decision.reason):
-                return "event-unsent"
-            log.warning("job rejected: %s", decision.reason)
-            return "rejected"
-        assert isinstance(job, Job)
+            return _Decided(Outcome.INVALID, job, reason=decision.reason)
         if decision.admission is Admission.EXPIRE:
-            if not await self._terminate(delivery, EventKind.EXPIRED, job, reason=decision.reason):
-                return "event-unsent"
-            return "expired"
-        if decision.admission is Admission.SECURITY:
-            if not await self._terminate(
-                delivery, EventKind.REJECTED, job, reason=decision.reason, security=True
-            ):
-                return "event-unsent"
-            log.error("security: job %s refused: %s", job.job_id, decision.reason)
-            self._alert(f"job:security:{job.type}", f"job {job.job_id} refused: {decision.reason}")
-            return "refused"
+            return _Decided(Outcome.EXPIRED, job, reason=decision.reason)
         if decision.admission is Admission.NOT_HERE:
-            return await self._not_here(delivery, job, decision.reason)
+            return await self._route(job, decision.reason)
         if job.type not in self._handlers:
-            return await self._not_here(delivery, job, f"no handler for type {job.type!r}")
+            return await self._route(job, f"no handler for type {job.type!r} here")
         key = job.idempotency_key
         if key in self._running_keys:
-            return await self._held(delivery, self._config.held_delay)
+            return _Decided(Outcome.HELD, job)
         # taken before the first await of the claim: a second delivery of the key in the
         # same batch sees it and waits, instead of racing this one to the ledger
         self._running_keys.add(key)
         try:
-            return await self._claim_and_run(delivery, job)
+            return await self._claim_and_run(held, job)
         finally:
             self._running_keys.discard(key)
 
-    async def _not_here(self, delivery: Delivery, job: Job, reason: str) -> str:
-        if delivery.delivered >= self._config.max_deliver:
-            # its deliveries are spent: dead-letter it visibly
-            spent = f"{reason}; no node ran it after {delivery.delivered} deliveries"
-            dead = await self._terminate(delivery, EventKind.DEAD, job, reason=spent)
-            return "dead" if dead else "event-unsent"
-        eligible = None  # without a registry nobody can say whether another node could
-        try:
-            if self._registry is not None:
-                eligible = await self._registry.eligible(job.requirements)
-        except RegistryUnavailable as exc:
-            log.warning("cannot ask the registry who could run job %s: %s", job.job_id, exc)
-        if eligible == []:
-            await self._event(
-                EventKind.UNROUTABLE, job, reason=f"no live node can run it: {reason}",
-                delivered=delivery.delivered,
-            )  # fmt: skip
-            log.warning("job %s (%s): no live node can run it: %s", job.job_id, job.type, reason)
-            self._metrics.jobs_unroutable.inc()
-            self._alert(f"job:unroutable:{job.type}",
-                        f"no live node can run {job.type} jobs ({reason})")  # fmt: skip
-        await delivery.nak(self._config.not_here_delay)
-        return "not-here"
+    async def _route(self, job: Job, reason: str) -> _Decided:
+        """Not for this node: handed on while a live node could run it (or nobody can
+        tell), dead-lettered as unroutable when the registry has none."""
+        if await self._eligible(job.requirements) == 0:
+            return _Decided(Outcome.UNROUTABLE, job, reason=f"no live node can run it: {reason}")
+        return _Decided(Outcome.HANDED_ON, job, reason=reason)
 
-    async def _claim_and_run(self, delivery: Delivery, job: Job) -> str:
+    async def _eligible(self, requirements: Requirements) -> int | None:
+        """How many live nodes the registry says could run a job; None when unknown."""
+        if self._registry is None:
+            return None
+        now = time.monotonic()
+        cache_key = requirements.model_dump_json()
+        cached = self._routes.get(cache_key)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        try:
+            count: int | None = len(await self._registry.eligible(requirements))
+        except RegistryUnavailable as exc:
+            log.warning("cannot ask the registry who could run a job: %s", exc)
+            count = None
+        if len(self._routes) >= ROUTE_CACHE_ENTRIES:
+            self._routes.clear()
+        self._routes[cache_key] = (now + ROUTE_CACHE_SECONDS, count)
+        return count
+
+    async def _claim_and_run(self, held: _Held, job: Job) -> _Decided:
         key = job.idempotency_key
         try:
             claim, number = await self._ledger.claim(
-                key=key, job_id=str(job.job_id), job_type=job.type, lease_seconds=self._lease
-            )
+                key=key, job_id=str(job.job_id), job_type=job.type,
+                fingerprint=job_fingerprint(job.type, job.payload), lease_seconds=self._lease,
+            )  # fmt: skip
         except LEDGER_ERRORS as exc:
             log.warning("ledger unavailable, job %s handed back: %s", job.job_id, exc)
-            await delivery.nak(self._config.held_delay)
-            return "ledger-error"
+            return _Decided(Outcome.LEDGER_UNAVAILABLE, job, reason=str(exc))
         if claim is Claim.COMPLETED:
-            await delivery.ack()
-            return "duplicate"
+            return _Decided(Outcome.DUPLICATE, job)
         if claim is Claim.DEAD:
-            # dead-lettered before; its event may not have been stored then, so it is sent
-            # again (deduplicated by its message id) before the message goes
-            if not await self._terminate(
-                delivery, EventKind.DEAD, job, reason="dead-lettered before (ledger)"
-            ):
-                return "event-unsent"
-            return "duplicate-dead"
+            return _Decided(Outcome.DUPLICATE_DEAD, job, reason="dead-lettered before (ledger)")
         if claim is Claim.HELD:
-            # look again when the holder's lease would have run out (`number` is the
-            # seconds left on it)
-            return await self._held(delivery, max(self._config.held_delay, number + 0.5))
-        if number > self._config.max_deliver:
-            # claimed more often than it may be delivered, yet never answered: earlier runs
-            # ended in a crash or a hang past their lease; it is not run again
-            return await self._dead_letter(
-                delivery, job, f"started {int(number) - 1} times without finishing"
-            )
-        return await self._run(delivery, job)
+            return _Decided(Outcome.HELD, job, held_for=number)
+        if claim is Claim.CONFLICT:
+            return _Decided(
+                Outcome.KEY_CONFLICT, job,
+                reason="key-conflict: the idempotency key was used by a job of another type "
+                "or payload",
+            )  # fmt: skip
+        attempt = int(number)
+        held.key = key
+        if attempt > self._config.max_attempts:
+            # claimed more often than it may be attempted, yet never answered: earlier
+            # runs ended in a crash or a hang past their lease; it is not run again
+            reason = f"started {attempt - 1} times without finishing"
+            if (
+                await self._write(lambda: self._ledger.fail(key=key, error=reason, dead=True))
+                is False
+            ):
+                return _Decided(Outcome.LOST_CLAIM, job)
+            return _Decided(Outcome.STUCK, job, reason=reason, attempt=attempt - 1)
+        return await self._run(held, job, attempt)
 
-    async def _held(self, delivery: Delivery, delay: float) -> str:
-        """A copy of a job that is running (here or elsewhere): look again later.
-
-        Never terminated while held: the copy that runs may still fail and be handed back
-        (or its holder die), and then this copy is what is left of the job. Once the job
-        is finished this copy is answered from the ledger.
-        """
-        await delivery.nak(delay)
-        return "held"
-
-    @property
-    def _lease(self) -> float:
-        return lease_seconds(self._config.ack_wait)
-
-    async def _run(self, delivery: Delivery, job: Job) -> str:
-        """Run the handler and answer. The keep-alive lasts until the answer is sent, not
-        only while the handler runs: while the ledger cannot record the outcome (its
-        store is electing a leader, say) the job stays ours, and neither JetStream's
-        redelivery nor an expired lease lets another node run it a second time."""
-        key = job.idempotency_key
-        keep_alive = asyncio.create_task(self._keep_alive(delivery, key))
-        try:
-            return await self._run_and_answer(delivery, job)
-        finally:
-            keep_alive.cancel()
-
-    async def _run_and_answer(self, delivery: Delivery, job: Job) -> str:
+    async def _run(self, held: _Held, job: Job, attempt: int) -> _Decided:
         key = job.idempotency_key
         context = HandlerContext(
-            node_id=self.node_id, delivered=delivery.delivered, http=self._http
-        )
+            node_id=self.node_id, delivered=held.delivery.delivered, attempt=attempt,
+            http=self._http,
+        )  # fmt: skip
         try:
-            result = await asyncio.wait_for(
-                self._handlers[job.type](job, context), timeout=self._config.job_timeout
-            )
+            async with asyncio.timeout(self._config.job_timeout) as scope:
+                held.scope = scope
+                result = await self._handlers[job.type](job, context)
         except asyncio.CancelledError:
             # shutdown ran out of grace: hand the job back for someone else, now
             await self._write(lambda: self._ledger.release(key=key), within=HAND_BACK_SECONDS)
-            await delivery.nak(1.0)
+            held.answered = True
+            await held.delivery.nak(1.0)
             raise
         except Exception as exc:
-            return await self._failed(delivery, job, exc)
-        await self._write(lambda: self._ledger.complete(key=key, result=result))
-        if not await self._event_retried(EventKind.COMPLETED, job, result=result):
-            # the job is done (the ledger says so); its next delivery is acked as a
-            # duplicate. Acking now would lose the event for good.
-            self._metrics.job_events_unsent.inc()
-            await delivery.nak(self._config.held_delay)
-            return "event-unsent"
-        await delivery.ack()
-        return "completed"
+            if held.lost:
+                return _Decided(Outcome.LOST_CLAIM, job, attempt=attempt)
+            return await self._failed(job, attempt, exc)
+        finally:
+            held.scope = None
+        if held.lost:
+            return _Decided(Outcome.LOST_CLAIM, job, attempt=attempt)
+        if await self._write(lambda: self._ledger.complete(key=key, result=result)) is False:
+            return _Decided(Outcome.LOST_CLAIM, job, attempt=attempt)
+        return _Decided(Outcome.COMPLETED, job, result=result, attempt=attempt)
 
-    async def _failed(self, delivery: Delivery, job: Job, exc: Exception) -> str:
+    async def _failed(self, job: Job, attempt: int, exc: Exception) -> _Decided:
         kind = classify_failure(exc)
         verdict = after_failure(
-            kind,
-            delivered=delivery.delivered,
-            max_deliver=self._config.max_deliver,
+            kind, attempt=attempt, max_attempts=self._config.max_attempts,
             backoff=self._config.backoff,
-        )
-        reason = f"{type(exc).__name__}: {exc}"
+        )  # fmt: skip
+        reason = f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
         key = job.idempotency_key
+        written = await self._write(
+            lambda: self._ledger.fail(key=key, error=reason, dead=not verdict.retry)
+        )
+        if written is False:
+            return _Decided(Outcome.LOST_CLAIM, job, attempt=attempt)
         if verdict.retry:
-            await self._write(lambda: self._ledger.fail(key=key, error=reason, dead=False))
-            await self._event(EventKind.FAILED, job, reason=reason, retry_in_seconds=verdict.delay,
-                              delivered=delivery.delivered)  # fmt: skip
-            await delivery.nak(verdict.delay)
-            log.info(
-                "job %s failed (%s), retry in %.0f s: %s", job.job_id, kind, verdict.delay, reason
+            log.info("job %s failed (%s), retry in %.0f s: %s",
+                     job.job_id, kind, verdict.delay, reason)  # fmt: skip
+            return _Decided(
+                Outcome.RETRYING, job, reason=reason, attempt=attempt, retry_in=verdict.delay
             )
-            return "retrying"
-        return await self._dead_letter(delivery, job, reason)
+        outcome = Outcome.PERMANENT if kind is FailureKind.PERMANENT else Outcome.ATTEMPTS_SPENT
+        return _Decided(outcome, job, reason=reason, attempt=attempt)
 
-    async def _dead_letter(self, delivery: Delivery, job: Job, reason: str) -> str:
-        key = job.idempotency_key
-        await self._write(lambda: self._ledger.fail(key=key, error=reason, dead=True))
-        if not await self._terminate(
-            delivery, EventKind.DEAD, job, reason=reason, delivered=delivery.delivered
-        ):
-            return "event-unsent"
-        self._alert(f"job:dead:{job.type}", f"{job.type} job {job.job_id} dead-lettered: {reason}")
-        log.warning(
-            "job %s dead-lettered after %d deliveries: %s", job.job_id, delivery.delivered, reason
-        )
-        return "dead"
+    # -- answering -----------------------------------------------------------------
 
-    async def _terminate(
-        self, delivery: Delivery, kind: EventKind, job: Job | Rejection, **fields: Any
-    ) -> bool:
-        """A final answer: the event first, `term` only once the stream has stored it.
+    async def _answer(self, held: _Held, decided: _Decided) -> str:
+        """Send the one answer (and event) the plan gives; the metrics label."""
+        delivery = held.delivery
+        outcome = decided.outcome
+        step = plan(
+            outcome, delays=self._delays, delivered=delivery.delivered,
+            retry_in=decided.retry_in, held_for=decided.held_for,
+        )  # fmt: skip
+        label = outcome.value
+        if step.event is not None:
+            fields = self._event_fields(step, decided, delivery)
+            if step.final and held.key is not None and not held.lost:
+                # the claim is ours while the keep-alive runs: retry within one lease
+                sent = await self._event_retried(step.event, decided.job, delivery, **fields)
+            else:
+                sent = await self._event(step.event, decided.job, delivery, **fields)
+            if not sent and step.final:
+                self._metrics.job_events_unsent.inc()
+                step, label = (
+                    unsent(delays=self._delays, delivered=delivery.delivered),
+                    ("event-unsent"),
+                )
+        await self._send(held, step)
+        if label == outcome.value:
+            self._noted(decided)
+        return label
 
-        Otherwise the message is handed back with a delay and the decision is taken again
-        at its next delivery (the consumer has no delivery limit of its own, so none is
-        lost to JetStream's), and the event is sent again then.
-        """
-        if await self._event(kind, job, **fields):
+    @staticmethod
+    async def _send(held: _Held, step: Plan) -> None:
+        delivery = held.delivery
+        held.answered = True
+        if step.verb is Verb.ACK:
+            await delivery.ack()
+        elif step.verb is Verb.TERM:
             await delivery.term()
-            return True
-        self._metrics.job_events_unsent.inc()
-        await delivery.nak(self._config.held_delay)
-        return False
+        else:
+            delay = step.delay * random.uniform(0.8, 1.0) if step.transient else step.delay
+            await delivery.nak(delay)
+
+    def _event_fields(self, step: Plan, decided: _Decided, delivery: Delivery) -> dict[str, Any]:
+        fields: dict[str, Any] = {"delivered": delivery.delivered}
+        if step.code is not None:
+            fields["code"] = step.code.value
+        if decided.reason is not None:
+            fields["reason"] = decided.reason
+        if decided.attempt is not None:
+            fields["attempt"] = decided.attempt
+        if decided.outcome is Outcome.COMPLETED:
+            fields["result"] = decided.result
+        elif decided.outcome is Outcome.DUPLICATE:
+            fields["duplicate"] = True
+        elif decided.outcome is Outcome.RETRYING:
+            fields["retry_in_seconds"] = decided.retry_in
+        return fields
+
+    def _noted(self, decided: _Decided) -> None:
+        """Logs and alerts of an outcome whose answer was sent."""
+        outcome, job = decided.outcome, decided.job
+        job_id = getattr(job, "job_id", None)
+        job_type = job.type if isinstance(job, Job) else "invalid"
+        if outcome is Outcome.INVALID:
+            log.warning("job rejected: %s", decided.reason)
+        elif outcome is Outcome.UNROUTABLE:
+            self._metrics.jobs_unroutable.inc()
+            log.warning("job %s (%s) dead-lettered: %s", job_id, job_type, decided.reason)
+            self._alert(f"job:unroutable:{job_type}",
+                        f"no live node can run {job_type} jobs ({decided.reason})")  # fmt: skip
+        elif outcome is Outcome.LOST_CLAIM:
+            log.warning(
+                "job %s: this process lost its claim (lease ran out, another took it over); "
+                "its outcome is the holder's", job_id,
+            )  # fmt: skip
+        elif outcome in DEAD_LETTERS and outcome is not Outcome.DUPLICATE_DEAD:
+            log.warning("job %s (%s) dead-lettered (%s): %s",
+                        job_id, job_type, outcome.value, decided.reason)  # fmt: skip
+            self._alert(f"job:dead:{job_type}",
+                        f"{job_type} job {job_id} dead-lettered: {decided.reason}")  # fmt: skip
 
     def _alert(self, key: str, text: str) -> None:
         if self._alerts is not None:
             self._alerts.alert(key, text)
 
-    async def _keep_alive(self, delivery: Delivery, key: str) -> None:
-        """Tell JetStream and the ledger the job is still ours, every ack_wait/3."""
+    # -- keeping deliveries ours ---------------------------------------------------
+
+    async def _keep_alive(self) -> None:
+        """Every ack_wait/3: `in_progress` for each delivery held that long without one,
+        and a lease renewal for each claimed job."""
         interval = max(self._config.ack_wait / 3, 0.1)
+        clock = asyncio.get_running_loop().time
         while True:
             await asyncio.sleep(interval)
-            try:
-                await delivery.in_progress()
-                await self._ledger.renew(key=key, lease_seconds=self._lease)
-            except (*BusError, *LEDGER_ERRORS) as exc:
-                log.warning("keep-alive for job %s failed: %s", key, exc)
+            now = clock()
+            due = [held for held in self._held.values() if now - held.touched >= interval]
+            for held in due:
+                held.touched = now
+            if due:
+                await asyncio.gather(*(self._touch(held) for held in due))
+
+    async def _touch(self, held: _Held) -> None:
+        if held.answered:
+            return
+        try:
+            # no await between the check and this: the two go out in this order
+            await held.delivery.in_progress()
+        except BusError as exc:
+            log.warning("in_progress for a job failed: %s", exc)
+        key = held.key
+        if key is None or held.lost:
+            return
+        try:
+            renewed = await self._ledger.renew(key=key, lease_seconds=self._lease)
+        except LEDGER_ERRORS as exc:
+            log.warning("lease renewal for job %s failed: %s", key, exc)
+            return
+        if not renewed and held.key is not None:
+            held.lost = True
+            if held.scope is not None:  # stop the handler: its effects are no longer ours
+                held.scope.reschedule(asyncio.get_running_loop().time())
 
     async def _write(
         self, operation: Callable[[], Awaitable[bool]], *, within: float | None = None
-    ) -> None:
+    ) -> bool | None:
         """A ledger write after the work is done, retried with jitter for up to `within`
-        seconds (default: one lease, which the keep-alive renews meanwhile); then logged.
+        seconds (default: one lease, which the keep-alive renews meanwhile): what the
+        ledger answered (False: the claim is no longer ours), or None when it could not
+        be reached, which is logged.
 
         The answer to JetStream is sent either way: holding it back would let the job
         run a second time, which is worse than a ledger row left `running`.
         """
+        answer: list[bool] = []
+
+        async def write() -> None:
+            answer.append(await operation())
+
         try:
             await self._persist(
-                operation, LEDGER_ERRORS, within=self._lease if within is None else within
+                write, LEDGER_ERRORS, within=self._lease if within is None else within
             )
         except LEDGER_ERRORS as exc:
             log.error("ledger write failed after the job ran: %s", exc)
+            return None
+        return answer[-1]
 
-    async def _event_retried(self, kind: EventKind, job: Job, **fields: Any) -> bool:
+    async def _event_retried(
+        self, kind: EventKind, job: Job | Rejection | None, delivery: Delivery, **fields: Any
+    ) -> bool:
         """A job's final event, retried with jitter for up to one lease while the
         keep-alive holds the job (a stream electing a new leader answers nothing for a
         few seconds); its message id makes a copy that did get stored harmless."""
 
         async def send() -> None:
-            if not await self._event(kind, job, **fields):
+            if not await self._event(kind, job, delivery, **fields):
                 raise EventUnsent(kind.value)
 
         try:
@@ -589,19 +741,22 @@ class Worker:
             with attempt:
                 await operation()
 
-    async def _event(self, kind: EventKind, job: Job | Rejection, **fields: Any) -> bool:
+    async def _event(
+        self, kind: EventKind, job: Job | Rejection | None, delivery: Delivery, **fields: Any
+    ) -> bool:
         """Publish a job event; True once the stream acknowledged it."""
-        job_id = str(job.job_id) if job.job_id is not None else None
-        key = job.idempotency_key
+        job_id = None if job is None or job.job_id is None else str(job.job_id)
+        key = None if job is None else job.idempotency_key
         body = event_body(
             node_id=self.node_id, job_id=job_id, idempotency_key=key, at=datetime.now(UTC),
             **fields,
         )  # fmt: skip
         # a final event is sent again when its first publish was not acknowledged: one id
-        # per job and kind lets the stream drop the copy; progress events are per delivery
-        msg_id = f"{key or job_id or time.monotonic_ns()}:{kind.value}"
-        if kind in (EventKind.FAILED, EventKind.UNROUTABLE):
-            msg_id += f":{fields.get('delivered', 0)}"
+        # per job and kind lets the stream drop the copy; job.failed is one per attempt
+        subject_id = key or job_id or f"{delivery.subject}#{delivery.stream_sequence}"
+        msg_id = f"{subject_id}:{kind.value}"
+        if kind is EventKind.FAILED:
+            msg_id += f":{fields.get('attempt', 0)}"
         try:
             await self._bus.publish(
                 event_subject(self.node_id, kind), body, msg_id=msg_id,

@@ -89,6 +89,7 @@ async def test_migrations_are_recorded_and_run_once(registry: AsyncpgRegistry) -
         (2, "liveness_and_matching"),
         (3, "job_ledger"),
         (4, "job_ledger_claimant"),
+        (5, "job_ledger_fingerprint"),
     ]
 
 

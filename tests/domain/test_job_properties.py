@@ -4,13 +4,26 @@ never an exception that would crash-loop the consumer."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from app.domain.jobs import MAX_REJECTION_REASON, Admission, Job, Rejection, admit, parse_job
+from app.domain.jobs import (
+    MAX_REJECTION_REASON,
+    TRUNCATED_MARK,
+    Admission,
+    FailureKind,
+    Job,
+    Rejection,
+    admit,
+    after_failure,
+    encode_event,
+    parse_job,
+)
 from app.domain.requirements import NodeProfile
 
 NODE = NodeProfile(node_id="n", tier="A", region="eu", trust_zone="z1",
@@ -122,3 +135,114 @@ def test_any_bytes_give_a_job_fit_to_run_or_a_publishable_rejection(
 def test_any_nesting_depth_is_decided(depth: int, opener: bytes) -> None:
     assert_total(opener * depth, "mm.write.A.noop")
     assert_total(VALID[:-1] + b',"x":' + b"[" * depth + b"]" * depth + b"}", "mm.write.A.noop")
+
+
+# Events: any body encodes to strict JSON in UTF-8 within the bound, never raising.
+# Text of any code point (unpaired surrogates too, as a handler's result may hold),
+# made long by repetition, which drawing alone would take long to reach.
+ANY_TEXT = st.text(st.characters(codec=None), max_size=40)
+LONG_TEXT = st.builds(lambda text, times: text * times, ANY_TEXT, st.integers(0, 400))
+VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | LONG_TEXT,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(ANY_TEXT, c, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+IDS = st.fixed_dictionaries(
+    {
+        "job_id": st.uuids().map(str) | st.none(),
+        "idempotency_key": st.text(st.characters(codec="utf-8"), min_size=1, max_size=255)
+        | st.none(),
+        "node_id": st.from_regex(r"[a-z0-9-]{1,64}", fullmatch=True),
+        "at": st.just("2026-11-29T12:00:00Z"),
+    }
+)
+BODIES = st.builds(
+    lambda ids, extra: {**ids, **extra},
+    IDS,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "reason": LONG_TEXT,
+            "result": VALUE,
+            "retry_in_seconds": st.floats(0, 3600),
+            "delivered": st.integers(1, 1000),
+            "note": VALUE,
+        },
+    ),
+)
+ID_KEYS = ("job_id", "idempotency_key", "node_id", "at")
+
+
+def utf8_json(value: Any) -> bytes | None:
+    """The compact JSON of a value in UTF-8, or None when its text is not Unicode."""
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return None
+
+
+def repaired(value: Any) -> Any:
+    """The value with its unpaired surrogates as U+FFFD, as an event carries it."""
+    text = json.dumps(value, ensure_ascii=False)
+    return json.loads(re.sub("[\ud800-\udfff]", "\ufffd", text))
+
+
+def assert_shortened(original: Any, sent: Any, key: str) -> None:
+    """What a part of an event may have become: itself, a cut string, an excerpt."""
+    if sent == repaired(original):
+        return
+    if key == "result" or isinstance(original, dict | list):
+        assert set(sent) == {"truncated", "excerpt", "bytes"}, sent
+        whole = utf8_json(original)
+        if whole is not None:
+            assert sent["bytes"] == len(whole)
+            assert whole.decode().startswith(sent["excerpt"])
+        return
+    assert isinstance(original, str) and isinstance(sent, str)
+    if utf8_json(original) is not None:
+        assert sent.endswith(TRUNCATED_MARK)
+        assert original.startswith(sent[: -len(TRUNCATED_MARK)])
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    body=BODIES,
+    max_bytes=st.integers(2, 300) | st.integers(300, 6000) | st.sampled_from([4096, 65536]),
+)
+def test_any_event_encodes_within_its_bound(body: dict[str, Any], max_bytes: int) -> None:
+    data = encode_event(body, max_bytes=max_bytes)
+    assert len(data) <= max_bytes
+    sent = json.loads(data.decode("utf-8"), parse_constant=lambda name: pytest.fail(name))
+    assert isinstance(sent, dict) and set(sent) <= {*body, "truncated"}
+    whole = utf8_json(body)
+    if whole is not None and len(whole) <= max_bytes:
+        # nothing to shorten: exactly its compact JSON
+        event("fits")
+        assert data == whole
+        return
+    event("shortened" if len(sent) > 1 else "only the mark left" if sent else "left empty")
+    if whole is not None:
+        assert sent.get("truncated") is True or sent == {}
+    if max_bytes >= 4096:
+        # room for the ids at their longest: they are never shortened then
+        assert all(sent[key] == body[key] for key in ID_KEYS if utf8_json(body[key]))
+    for key, value in sent.items():
+        if key != "truncated" and key not in ID_KEYS:
+            assert_shortened(body[key], value, key)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kind=st.sampled_from(FailureKind),
+    attempt=st.integers(1, 50),
+    max_attempts=st.integers(1, 20),
+    backoff=st.lists(st.floats(0.1, 600), max_size=5).map(tuple),
+)
+def test_retries_stay_within_the_attempts(
+    kind: FailureKind, attempt: int, max_attempts: int, backoff: tuple[float, ...]
+) -> None:
+    verdict = after_failure(kind, attempt=attempt, max_attempts=max_attempts, backoff=backoff)
+    assert verdict.retry is (kind is FailureKind.RETRYABLE and attempt < max_attempts)
+    if verdict.retry:
+        assert verdict.delay == (backoff[min(attempt, len(backoff)) - 1] if backoff else 1.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import tracemalloc
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -11,13 +12,17 @@ import pytest
 from pydantic import ValidationError
 
 from app.domain.jobs import (
+    FAILURE_CLASSES,
     MAX_JOB_BYTES,
     MAX_JOB_DEPTH,
+    MAX_JOB_VALUES,
     MAX_REJECTION_REASON,
+    TRUNCATED_MARK,
     Admission,
     EventKind,
     FailureKind,
     Job,
+    JobFailure,
     PermanentJobFailure,
     Rejection,
     RetryableJobFailure,
@@ -26,6 +31,8 @@ from app.domain.jobs import (
     classify_failure,
     consumer_filter,
     consumer_name,
+    encode_event,
+    event_body,
     event_subject,
     job_subject,
     parse_job,
@@ -99,6 +106,8 @@ def nested(depth: int) -> Any:
 
 TOO_DEEP = f"nests arrays and objects more than {MAX_JOB_DEPTH} deep"
 TOO_BIG = f"more than the {MAX_JOB_BYTES} a job may be"
+TOO_MANY = f"more than the {MAX_JOB_VALUES} values a job may have"
+SUBJECT = "mm.write.A.memory.write"
 
 
 def with_fields(**fields: str) -> bytes:
@@ -113,9 +122,12 @@ def with_fields(**fields: str) -> bytes:
     ("data", "reason"),
     [
         # nesting deeper than the interpreter's recursion limit: RecursionError before
-        (b"[" * 100_000, TOO_DEEP),
-        (b'{"a":' * 100_000, TOO_DEEP),
-        (b"[" * 100_000 + b"]" * 100_000, TOO_DEEP),
+        (b"[" * 40_000, TOO_DEEP),
+        (b'{"a":' * 20_000, TOO_DEEP),
+        (b"[" * 40_000 + b"]" * 40_000, TOO_DEEP),
+        # ... and with more structure than a job may have: refused before it is decoded
+        (b"[" * 100_000, TOO_MANY),
+        (b'{"a":' * 100_000, TOO_MANY),
         # deep but parseable: a Job before, whose payload no encoder downstream may take
         (raw(body(payload={"deep": nested(MAX_JOB_DEPTH - 1)})), TOO_DEEP),
         # more than NATS's default max_payload: refused before it is decoded
@@ -165,6 +177,81 @@ def test_deep_but_allowed_nesting_is_a_job() -> None:
         raw(body(payload={"deep": nested(MAX_JOB_DEPTH - 2)})), "mm.write.A.memory.write"
     )
     assert isinstance(result, Job)
+
+
+def poison(element: bytes) -> bytes:
+    """A job of MAX_JOB_BYTES at most whose payload is one array of `element`, repeated."""
+    base = raw(body(payload={"a": []}))
+    count = (MAX_JOB_BYTES - len(base)) // (len(element) + 1)
+    data = base.replace(b"[]", b"[" + b",".join([element] * count) + b"]")
+    assert len(data) <= MAX_JOB_BYTES
+    return data
+
+
+def traced_peak(data: bytes) -> tuple[Job | Rejection, int]:
+    """parse_job's result and the most memory it held at once (tracemalloc: deterministic)."""
+    tracemalloc.start()
+    try:
+        result = parse_job(data, SUBJECT)
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    "element", [b"{}", b"[]", b"0", b"null", b'""', b"[0]", b'{"a":0}', b'{"\\"{[,:":[]}']
+)
+def test_a_job_of_too_many_values_is_refused_before_it_is_decoded(element: bytes) -> None:
+    # 1 MiB of `{},{},...` is a valid job's size, and json.loads kept 24 MiB of it (47 MiB
+    # at its peak): a few at once exhausted a 256 MiB pod
+    result, peak = traced_peak(poison(element))
+    assert isinstance(result, Rejection), result
+    assert TOO_MANY in result.reason
+    assert peak < 1024 * 1024  # measured: 2.4 KiB
+
+
+def structure(value: Any) -> int:
+    """The `{`, `[`, `,` and `:` of a value's JSON outside its strings: at least one for
+    every value in it but the outermost."""
+    if isinstance(value, dict):
+        return 1 + max(len(value) - 1, 0) + len(value) + sum(map(structure, value.values()))
+    if isinstance(value, list):
+        return 1 + max(len(value) - 1, 0) + sum(map(structure, value))
+    return 0
+
+
+def test_the_value_bound_is_exact() -> None:
+    zeros = MAX_JOB_VALUES - structure(body(payload={"a": []})) + 1
+    at_bound = body(payload={"a": [0] * zeros})
+    assert structure(at_bound) == MAX_JOB_VALUES
+    assert isinstance(parse_job(raw(at_bound), SUBJECT), Job)
+    over = parse_job(raw(body(payload={"a": [0] * (zeros + 1)})), SUBJECT)
+    assert isinstance(over, Rejection) and TOO_MANY in over.reason
+
+
+def test_structure_inside_strings_is_not_counted() -> None:
+    payload = {
+        "code": "{[,:]}" * 80_000,
+        # escaped quotes and backslashes do not end a string
+        "quoted": '"{,' * 60_000,
+        "slashes": "\\" * 10_000 + '"' + "{" * 60_000,
+        "text": "日本語{[,:}" * 10_000,
+    }
+    data = json.dumps(body(payload=payload), indent=2, ensure_ascii=False).encode()
+    assert len(data) <= MAX_JOB_BYTES
+    assert isinstance(parse_job(data, SUBJECT), Job)
+
+
+def test_the_costliest_allowed_structure_stays_small() -> None:
+    # one-member objects were the costliest structure per counted character measured
+    # (72 bytes retained each); the bound keeps any allowed job's structure below the
+    # ~8 MiB that the text of a 1 MiB job can take on its own (one astral character makes
+    # Python hold every character of the decoded text in 4 bytes)
+    count = (MAX_JOB_VALUES - structure(body(payload={"a": []}))) // 3
+    data = raw(body(payload={"a": [{"a": 1.5}] * count}))
+    result, peak = traced_peak(data)
+    assert isinstance(result, Job)
+    assert peak < 8 * 1024 * 1024
 
 
 def test_a_job_of_exactly_the_size_limit_parses() -> None:
@@ -237,8 +324,12 @@ def job(**overrides: Any) -> Job:
         (job(), Admission.RUN, ""),
         (job(deadline="2026-11-29T12:00:00Z"), Admission.EXPIRE, "has passed"),
         (job(deadline="2026-11-29T12:00:01Z"), Admission.RUN, ""),
-        (job(requirements={"trust_zone": "z2"}), Admission.SECURITY, "trust zone 'z2'"),
-        (job(requirements={"trust_zone": "z2", "tier": ["B"]}), Admission.SECURITY, "z2"),
+        # another trust zone is one more requirement: a node of the tier in that zone (the
+        # consumer is shared by the whole tier) may run it
+        (job(requirements={"trust_zone": "z2"}), Admission.NOT_HERE,
+         "requirements not met: trust_zone"),
+        (job(requirements={"trust_zone": "z2", "tier": ["B"]}), Admission.NOT_HERE,
+         "requirements not met: tier, trust_zone"),
         (job(requirements={"tier": ["B", "C"]}), Admission.NOT_HERE, "tier"),
         (job(requirements={"capabilities": ["gpu"]}), Admission.NOT_HERE, "capabilities"),
         (job(requirements={"hardware": {"min_memory_gb": 64}}), Admission.NOT_HERE,
@@ -252,6 +343,18 @@ def test_admit(candidate: Job | Rejection, admission: Admission, says: str) -> N
     decision = admit(candidate, node=NODE, now=NOW)
     assert decision.admission is admission
     assert says in decision.reason
+
+
+def test_a_node_without_a_trust_zone_does_not_run_a_job_that_names_one() -> None:
+    zoneless = NODE.model_copy(update={"trust_zone": None})
+    decision = admit(job(requirements={"trust_zone": "z1"}), node=zoneless, now=NOW)
+    assert decision == admit(job(requirements={"trust_zone": "z2"}), node=NODE, now=NOW)
+    assert decision.admission is Admission.NOT_HERE
+    assert "security" not in decision.reason
+
+
+def test_no_admission_is_a_security_refusal() -> None:
+    assert {a.value for a in Admission} == {"run", "reject", "expire", "not-here"}
 
 
 class PayloadMissing(PermanentJobFailure, KeyError):
@@ -300,6 +403,31 @@ def test_classify_failure(error: BaseException, kind: FailureKind) -> None:
     assert classify_failure(error) is kind
 
 
+class OwnKind(JobFailure):
+    """A handler's JobFailure that sets its kind itself, not by subclassing."""
+
+    kind = FailureKind.PERMANENT
+
+
+def test_a_job_failure_says_its_own_kind() -> None:
+    assert classify_failure(OwnKind()) is FailureKind.PERMANENT
+
+
+def test_the_failure_table_is_ordered_first_match_wins() -> None:
+    classes = [cls for cls, _ in FAILURE_CLASSES]
+    assert classes == [OSError, ValueError, KeyError, TypeError, BaseException]
+    # every row is reachable: no class is already taken by an earlier row
+    for later, (cls, _) in enumerate(FAILURE_CLASSES):
+        assert not any(issubclass(cls, earlier) for earlier in classes[:later]), cls
+    # the last row takes anything: the table decides every exception
+    assert FAILURE_CLASSES[-1] == (BaseException, FailureKind.RETRYABLE)
+
+
+@pytest.mark.parametrize(("cls", "kind"), FAILURE_CLASSES)
+def test_each_row_decides_its_class(cls: type[BaseException], kind: FailureKind) -> None:
+    assert classify_failure(cls.__new__(cls)) is kind
+
+
 def test_a_payload_validation_error_is_permanent() -> None:
     with pytest.raises(ValidationError) as caught:
         Job.model_validate({})
@@ -310,24 +438,34 @@ BACKOFF = (5.0, 30.0, 120.0)
 
 
 @pytest.mark.parametrize(
-    ("kind", "delivered", "retry", "delay"),
+    ("kind", "attempt", "retry", "delay"),
     [
-        (FailureKind.RETRYABLE, 1, True, 5.0),
+        # the attempt is the ledger's claim number: 1 for the first run of the job
+        (FailureKind.RETRYABLE, 1, True, 5.0),  # retry 1 waits backoff[0]
         (FailureKind.RETRYABLE, 2, True, 30.0),
         (FailureKind.RETRYABLE, 3, True, 120.0),
         (FailureKind.RETRYABLE, 4, True, 120.0),  # past the list: its last step
-        (FailureKind.RETRYABLE, 5, False, 0.0),  # the last delivery: dead letter
+        (FailureKind.RETRYABLE, 5, False, 0.0),  # the last attempt: dead letter
         (FailureKind.RETRYABLE, 9, False, 0.0),
         (FailureKind.PERMANENT, 1, False, 0.0),
+        (FailureKind.PERMANENT, 4, False, 0.0),
+        # not a claim number; taken as the first attempt, not as backoff[-1]
+        (FailureKind.RETRYABLE, 0, True, 5.0),
     ],
 )
-def test_after_failure(kind: FailureKind, delivered: int, retry: bool, delay: float) -> None:
-    verdict = after_failure(kind, delivered=delivered, max_deliver=5, backoff=BACKOFF)
+def test_after_failure(kind: FailureKind, attempt: int, retry: bool, delay: float) -> None:
+    verdict = after_failure(kind, attempt=attempt, max_attempts=5, backoff=BACKOFF)
     assert (verdict.retry, verdict.delay) == (retry, delay)
 
 
+@pytest.mark.parametrize(("attempt", "retry"), [(1, False), (2, False)])
+def test_one_attempt_allowed_is_never_retried(attempt: int, retry: bool) -> None:
+    verdict = after_failure(FailureKind.RETRYABLE, attempt=attempt, max_attempts=1, backoff=BACKOFF)
+    assert verdict.retry is retry
+
+
 def test_after_failure_without_a_backoff_list() -> None:
-    verdict = after_failure(FailureKind.RETRYABLE, delivered=1, max_deliver=3, backoff=())
+    verdict = after_failure(FailureKind.RETRYABLE, attempt=1, max_attempts=3, backoff=())
     assert verdict.retry and verdict.delay == 1.0
 
 
@@ -336,3 +474,147 @@ def test_deadline_is_compared_with_the_given_clock() -> None:
     assert admit(job(deadline="2026-11-29T13:00:00Z"), node=NODE, now=later).admission is (
         Admission.EXPIRE
     )
+
+
+JOB_ID = "3f1c9a2e-8f6e-4d0a-9a55-1f5b2d9b8c11"
+IDS = {"job_id": JOB_ID, "idempotency_key": "k1", "node_id": "n1", "at": "2026-11-29T12:00:00Z"}
+
+
+def event(**fields: Any) -> dict[str, Any]:
+    return event_body(**{"node_id": "n1", "job_id": JOB_ID, "idempotency_key": "k1", "at": NOW,
+                         **fields})  # fmt: skip
+
+
+def compact(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def decoded(data: bytes) -> dict[str, Any]:
+    """Strict JSON (no NaN) in UTF-8, or the test fails."""
+    value = json.loads(data.decode("utf-8"), parse_constant=lambda name: pytest.fail(name))
+    assert isinstance(value, dict)
+    return value
+
+
+def assert_cut(original: str, cut: str) -> None:
+    assert cut.endswith(TRUNCATED_MARK), cut[-40:]
+    assert original.startswith(cut[: -len(TRUNCATED_MARK)])
+
+
+def assert_excerpt(original: Any, excerpt: Any) -> None:
+    assert set(excerpt) == {"truncated", "excerpt", "bytes"}
+    assert excerpt["truncated"] is True and excerpt["bytes"] == len(compact(original))
+    assert compact(original).decode().startswith(excerpt["excerpt"])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"reason": "ok", "retry_in_seconds": 5.0, "delivered": 2},
+        {"result": {"text": '日本語 😀 "quoted"\n', "n": [1, 2.5, None, True]}},
+        {"result": "x" * 4000},
+    ],
+)
+def test_an_event_that_fits_is_its_compact_json(fields: dict[str, Any]) -> None:
+    body = event(**fields)
+    assert encode_event(body, max_bytes=MAX_JOB_BYTES) == compact(body)
+    # exactly at the bound too
+    assert encode_event(body, max_bytes=len(compact(body))) == compact(body)
+
+
+@pytest.mark.parametrize(
+    ("result", "max_bytes"),
+    [
+        ({"body": "x" * 2_000_000}, MAX_JOB_BYTES),
+        ({"body": "x" * 10_000}, 4096),
+        ("s" * 100_000, 4096),
+        ([{"n": i} for i in range(5_000)], 4096),
+        ({"text": "日本語" * 10_000}, 4096),
+        ({"text": "😀" * 10_000}, 4096),
+        ({"quotes": '"\\' * 10_000, "controls": "\x01\n" * 1_000}, 4096),
+    ],
+)
+def test_a_result_too_big_becomes_an_excerpt(result: Any, max_bytes: int) -> None:
+    body = event(result=result, reason="fine")
+    data = encode_event(body, max_bytes=max_bytes)
+    # as close to the bound as whole characters allow (one may take 6 bytes, \u0001)
+    assert max_bytes - 6 <= len(data) <= max_bytes
+    out = decoded(data)
+    assert out["truncated"] is True
+    assert {k: out[k] for k in IDS} == IDS and out["reason"] == "fine"
+    assert_excerpt(result, out["result"])
+
+
+@pytest.mark.parametrize(
+    "reason",
+    ["r" * 10_000, "é" * 10_000, "😀" * 5_000, "日本" * 5_000, '"\\\n' * 5_000, "a\x00" * 3_000],
+)
+def test_a_long_reason_is_cut_with_a_mark(reason: str) -> None:
+    data = encode_event(event(reason=reason), max_bytes=4096)
+    assert 4096 - 6 <= len(data) <= 4096
+    out = decoded(data)
+    assert out["truncated"] is True and {k: out[k] for k in IDS} == IDS
+    assert_cut(reason, out["reason"])
+
+
+def test_the_biggest_part_is_shrunk_first() -> None:
+    result = {"body": "x" * 100_000}
+    out = decoded(encode_event(event(result=result, reason="r" * 2_000), max_bytes=8192))
+    assert out["reason"] == "r" * 2_000
+    assert_excerpt(result, out["result"])
+    out = decoded(encode_event(event(result={"n": 1}, reason="r" * 100_000), max_bytes=8192))
+    assert out["result"] == {"n": 1}
+    assert_cut("r" * 100_000, out["reason"])
+
+
+def test_parts_too_big_together_share_the_room() -> None:
+    # neither is cut to nothing because the other was bigger
+    result, reason = {"body": "x" * 2_000_000}, "r" * 1_000_000
+    data = encode_event(event(result=result, reason=reason), max_bytes=8192)
+    out = decoded(data)
+    assert len(data) <= 8192
+    assert_excerpt(result, out["result"])
+    assert_cut(reason, out["reason"])
+    assert len(out["result"]["excerpt"]) > 3000 and len(out["reason"]) > 3000
+
+
+def test_the_ids_are_kept_while_anything_else_can_go() -> None:
+    body = event(reason="r" * 1_000, result={"a": "b" * 1_000}, delivered=3, note="n" * 500)
+    out = decoded(encode_event(body, max_bytes=250))
+    assert {k: out[k] for k in IDS} == IDS and out["truncated"] is True
+    assert len(encode_event(body, max_bytes=250)) <= 250
+
+
+@pytest.mark.parametrize("max_bytes", [2, 10, 17, 18, 40, 100])
+def test_any_bound_is_kept(max_bytes: int) -> None:
+    body = event(reason="r" * 1_000, idempotency_key="k" * 255)
+    data = encode_event(body, max_bytes=max_bytes)
+    assert len(data) <= max_bytes
+    decoded(data)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        # not JSON: kept as the text of its repr, and the event says it was changed
+        ({"retry_in_seconds": float("nan")}, {"retry_in_seconds": "nan", "truncated": True}),
+        ({"result": {1, 2}}, {"result": "{1, 2}", "truncated": True}),
+        ({"result": {(1, 2): "tuple key"}}, {"result": "{(1, 2): 'tuple key'}", "truncated": True}),
+        # text that is not Unicode: its unpaired surrogate becomes U+FFFD, nothing is cut
+        ({"reason": "a\ud800b"}, {"reason": "a\ufffdb"}),
+    ],
+)
+def test_what_is_not_json_still_makes_an_event(
+    fields: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    out = decoded(encode_event(event(**fields), max_bytes=4096))
+    assert out == {**IDS, **expected}
+
+
+def test_a_result_nested_beyond_the_encoders_reach_makes_an_event() -> None:
+    deep: Any = []
+    for _ in range(100_000):
+        deep = [deep]
+    out = decoded(encode_event(event(result=deep), max_bytes=4096))
+    assert out["truncated"] is True and out["result"].startswith("[[[[")

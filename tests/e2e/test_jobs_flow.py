@@ -21,6 +21,7 @@ from app.adapters.kv_ledger import bucket, key_name
 from app.domain.jobs import job_subject
 from app.services.streams import new_job, publish_job
 from tests.support.jobs_world import (
+    EFFECT_URL,
     EffectCounter,
     at_least_completed,
     consumer_bound,
@@ -29,6 +30,7 @@ from tests.support.jobs_world import (
     manager_env,
     publish,
     publisher,
+    through_proxy,
     watching_events,
 )
 from tests.support.polling import eventually
@@ -115,23 +117,24 @@ async def test_two_processes_on_one_node_id_run_each_key_once(
     counter = EffectCounter(hold=1.0)
     keys = [f"same-node-{i}" for i in range(12)]
     env = manager_env(database, nats_server.url, "node-twin", "A") | {
-        "HTTP_JOB_ALLOWED_SUFFIXES": "127.0.0.1",
         "JOB_ACK_WAIT_SECONDS": "2",
         "JOB_HELD_DELAY_SECONDS": "0.2",
         "WORKER_CONCURRENCY": "8",
     }
     managers = []
-    for name in ("one", "two"):
-        (tmp_path / name).mkdir()
-        managers.append(ManagerProcess(env=env, workdir=tmp_path / name))
     with serve(counter.app()) as workload:
+        for name in ("one", "two"):
+            (tmp_path / name).mkdir()
+            managers.append(
+                ManagerProcess(env=env | through_proxy(workload.url), workdir=tmp_path / name)
+            )
         try:
             for proc in managers:
                 proc.start()
             async with publisher(nats_server.url) as bus:
                 await eventually(lambda: consumer_bound(nats_server.url, "MM_WRITE", 2))
                 for key in keys:
-                    effect = {"url": f"{workload.url}/effect", "body": {}}
+                    effect = {"url": EFFECT_URL, "body": {}}
                     job = new_job("http", idempotency_key=key, payload=effect)
                     await publish_job(bus, job, kind="write", tier="A")
                     await eventually(functools.partial(counter.started, key))

@@ -23,7 +23,7 @@ from nats.js import api
 from app.adapters.bus import BucketMissing, JetStreamBus, NatsAuth, inbox_prefix
 from app.adapters.embedded import EmbeddedNats
 from app.adapters.kv_ledger import JetStreamLedger, bucket, key_name
-from app.domain.ledger import Claim
+from app.domain.ledger import Claim, job_fingerprint
 from app.services.streams import consumer_specs, init_streams
 from app.settings import Settings
 from tests.support import nats_auth
@@ -265,13 +265,16 @@ async def test_the_manager_of_tier_c_does_its_work_with_tier_c_credentials(
         )
         job = "00000000-0000-4000-8000-000000000001"
         key = "confined/key with spaces"
+        noop = job_fingerprint("noop", {})
         claimed, _number = await ledger.claim(
-            key=key, job_id=job, job_type="noop", lease_seconds=30
+            key=key, job_id=job, job_type="noop", fingerprint=noop, lease_seconds=30
         )
         assert claimed is Claim.CLAIMED
         assert await ledger.renew(key=key, lease_seconds=30)
         assert await ledger.complete(key=key, result={"ok": True})
-        again, _left = await ledger.claim(key=key, job_id=job, job_type="noop", lease_seconds=30)
+        again, _left = await ledger.claim(
+            key=key, job_id=job, job_type="noop", fingerprint=noop, lease_seconds=30
+        )
         assert again is Claim.COMPLETED
         assert bus.refusal is None
     finally:
@@ -313,7 +316,7 @@ async def test_init_streams_makes_a_hand_made_bucket_safe_for_its_tier(
                 )  # fmt: skip
                 claimed, _number = await ledger.claim(
                     key="k", job_id="00000000-0000-4000-8000-000000000002", job_type="noop",
-                    lease_seconds=30,
+                    fingerprint=job_fingerprint("noop", {}), lease_seconds=30,
                 )  # fmt: skip
                 assert claimed is Claim.CLAIMED and bus.refusal is None
             finally:

@@ -20,11 +20,13 @@ from app.adapters.kv_ledger import bucket as ledger_bucket
 from app.domain.jobs import STREAMS
 from app.services.streams import new_job, publish_job
 from tests.support.jobs_world import (
+    EFFECT_URL,
     EffectCounter,
     consumer_bound,
     consumer_settled,
     publisher,
     stored_events,
+    through_proxy,
 )
 from tests.support.nats_cluster import has_meta_leader, running_cluster, stream_cluster
 from tests.support.polling import eventually
@@ -67,11 +69,11 @@ async def test_no_job_is_lost_or_run_twice_when_the_stream_leader_dies(tmp_path:
                 "NODE_ID": node,
                 "NODE_TIER": "A",
                 "REPORT_ENABLED": "false",
-                "HTTP_JOB_ALLOWED_SUFFIXES": "127.0.0.1",
                 "WORKER_CONCURRENCY": "8",
                 "JOB_ACK_WAIT_SECONDS": "10",
                 "JOB_HELD_DELAY_SECONDS": "0.5",
                 "SHUTDOWN_GRACE_SECONDS": "10",
+                **through_proxy(workload.url),
             }
             managers.append(ManagerProcess(env=env, workdir=tmp_path / node))
         try:
@@ -79,7 +81,7 @@ async def test_no_job_is_lost_or_run_twice_when_the_stream_leader_dies(tmp_path:
                 proc.start(timeout=60)
             await eventually(lambda: consumer_bound(cluster.urls, STREAM, 2), within=60, step=0.2)
             async with publisher(cluster.url) as bus:
-                effect = {"url": f"{workload.url}/effect", "body": {}}
+                effect = {"url": EFFECT_URL, "body": {}}
                 for key in keys:
                     job = new_job("http", idempotency_key=key, payload=effect)
                     await publish_job(bus, job, kind="write", tier="A")

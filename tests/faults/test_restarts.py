@@ -53,7 +53,7 @@ async def test_a_postgres_restart_under_load_loses_no_job_and_heartbeats_resume(
     env = manager_env(postgres.url, nats.url, "node-pg-restart", "A") | {
         "HEARTBEAT_INTERVAL_SECONDS": "0.5",
         "JOB_BACKOFF_SECONDS": "0.5,1",
-        "JOB_MAX_DELIVER": "20",
+        "JOB_MAX_ATTEMPTS": "20",
         "JOB_ACK_WAIT_SECONDS": "5",
     }
     (tmp_path / "m").mkdir()
@@ -130,7 +130,7 @@ async def test_a_thousand_jobs_survive_a_nats_server_restart(
     settings = make_settings(
         database_url=database, nats_url=nats.url, node_id="node-restart", node_tier="A",
         worker_concurrency=16, job_ack_wait_seconds=5.0, heartbeat_interval_seconds=1.0,
-        job_backoff_seconds=[0.5, 1.0], job_max_deliver=10,
+        job_backoff_seconds=[0.5, 1.0], job_max_attempts=10,
     )  # fmt: skip
     app = create_app(settings)
     try:

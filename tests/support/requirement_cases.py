@@ -46,6 +46,15 @@ CASES: list[tuple[str, Requirements, dict[str, list[Mismatch]]]] = [
     ("embeddings and inference", req(capabilities=["embeddings", "inference"]),
      {"a-eu-cpu": [Mismatch.CAPABILITIES], "b-us": [Mismatch.CAPABILITIES],
       "c-none": [Mismatch.CAPABILITIES]}),
+    # names with every character a name may have (ASCII letters, digits, -_.:), at their
+    # longest; compared exactly, case included
+    ("names of every allowed character",
+     req(region="eu-West_1.a:" + "r" * 52, trust_zone="Z" * 64, capabilities=["embeddings:v2"]),
+     {node: [Mismatch.REGION, Mismatch.TRUST_ZONE, Mismatch.CAPABILITIES]
+      for node in ("a-eu-gpu", "a-eu-cpu", "b-us", "c-none")}),
+    ("names are compared with their case", req(region="EU", trust_zone="Z1"),
+     {node: [Mismatch.REGION, Mismatch.TRUST_ZONE]
+      for node in ("a-eu-gpu", "a-eu-cpu", "b-us", "c-none")}),
     ("everything", req(tier=["A"], region="eu", trust_zone="z1", capabilities=["embeddings"],
                        hardware={"gpu": True, "min_memory_gb": 32}),
      {"a-eu-cpu": [Mismatch.TRUST_ZONE, Mismatch.GPU, Mismatch.MEMORY],
