@@ -395,16 +395,6 @@ class Settings(BaseSettings):
             raise ValueError("every backoff step must be positive")
         return value
 
-    @model_validator(mode="after")
-    def _deliveries_cover_backoff(self) -> Settings:
-        # the consumer's backoff is [ack_wait, *JOB_BACKOFF_SECONDS]: more steps than a
-        # message may be delivered would never be used
-        if self.job_max_deliveries <= len(self.job_backoff_seconds) + 1:
-            raise ValueError(
-                "JOB_MAX_DELIVERIES must be more than the number of JOB_BACKOFF_SECONDS plus one"
-            )
-        return self
-
     @field_validator(
         "nats_creds_file", "nats_nkey_seed_file", "nats_tls_ca_file", "nats_tls_cert_file",
         "nats_tls_key_file", "node_config_file",

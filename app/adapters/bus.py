@@ -201,7 +201,7 @@ class Delivery:
         await self._msg.ack()
 
     async def nak(self, delay: float) -> None:
-        # Always with a delay: a plain NAK ignores the consumer's BackOff.
+        # Always with a delay: a plain NAK is redelivered at once.
         await self._msg.nak(delay=max(delay, 0.001))
 
     async def term(self) -> None:

@@ -61,10 +61,12 @@ def consumer_specs(settings: Settings, tiers: tuple[str, ...] = TIERS) -> list[C
             # stored job.dead event, and JetStream would drop it silently (and a NAK after
             # a failed event publish would spend a delivery it no longer has).
             max_deliver=UNLIMITED_DELIVERIES,
-            # NATS takes backoff[0] as the ack wait when a backoff is set, so the list
-            # starts with it: an unanswered delivery (a crashed worker) is redelivered
-            # after ack_wait, later ones further apart; NAKs carry their own delays.
-            backoff_seconds=(settings.job_ack_wait_seconds, *settings.job_backoff_seconds),
+            # No BackOff: nats-server adds a consumer's backoff step to a NAK's own delay
+            # and subtracts the ack wait, so a hand-on NAKed with 2 s on a later delivery
+            # came back at once. Every NAK carries its delay (JOB_BACKOFF_SECONDS, the
+            # hold and hand-on delays); an unanswered delivery (a crashed worker) comes
+            # back after the ack wait.
+            backoff_seconds=(),
             max_ack_pending=settings.job_max_ack_pending,
         )
         for kind, stream in STREAMS.items()

@@ -3,14 +3,21 @@ consumer statistics read through it."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
+from pathlib import Path
 
 import pytest
 
 from app.adapters.bus import JetStreamBus, server_info
 from app.adapters.embedded import EmbeddedNats, free_port
 from app.metrics import Metrics
+from app.domain.jobs import STREAMS, consumer_name
+from app.services.streams import consumer_specs, init_streams, new_job, publish_job
 from app.services.wiring import consumer_stats
+from app.settings import Settings
+from tests.support.jobs_world import own_nats
 
 
 async def test_a_url_with_several_servers_reaches_one_that_is_up(
@@ -42,3 +49,56 @@ async def test_consumer_stats_that_cannot_be_read_are_a_warning_not_a_failed_loo
     finally:
         await bus.drain()
     assert any("consumer state of" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_nak_delay_holds_on_every_delivery_of_the_job_consumers(tmp_path: Path) -> None:
+    """The worker hands a job on (not-here, held) with a NAK and a delay; the redelivery
+    must not come before that delay on the second, third, ... delivery either. A consumer
+    BackOff breaks this on nats-server: it redelivers after delay + backoff[n] - ack_wait,
+    at once when the backoff step is shorter than the ack wait."""
+    settings = Settings(
+        _env_file=None, job_ack_wait_seconds=30, job_backoff_seconds=[1.0, 2.0]
+    )
+    delay = 1.5
+    with own_nats(tmp_path / "nats") as server:
+        bus = JetStreamBus(server.url, name="test-nak-delay", timeout=5)
+        await bus.connect()
+        try:
+            await init_streams(bus, settings, tiers=("free",))
+            await publish_job(bus, new_job("noop"), kind="online", tier="free")
+            sub = await bus.subscribe(stream=STREAMS["online"], durable=consumer_name("free"))
+            nakked_at = time.monotonic()
+            for expected in (1, 2, 3, 4):
+                got = []
+                while not got:  # polls; a redelivery that does not come fails at the end
+                    got = await sub.fetch(1, wait=1.0)
+                    assert time.monotonic() - nakked_at < 30, "never redelivered"
+                (delivery,) = got
+                assert delivery.delivered == expected
+                if expected > 1:
+                    waited = time.monotonic() - nakked_at
+                    assert waited >= delay * 0.9, f"delivery {expected} after {waited:.2f} s"
+                await delivery.nak(delay)
+                nakked_at = time.monotonic()
+            await sub.unsubscribe()
+        finally:
+            await bus.drain()
+
+
+async def test_a_job_consumer_made_with_a_backoff_loses_it_on_init(tmp_path: Path) -> None:
+    """Consumers an earlier release made (with BackOff) are updated in place."""
+    settings = Settings(_env_file=None)
+    with own_nats(tmp_path / "nats") as server:
+        bus = JetStreamBus(server.url, name="test-backoff-update", timeout=5)
+        await bus.connect()
+        try:
+            await init_streams(bus, settings, tiers=("free",))
+            (spec, *_) = consumer_specs(settings, ("free",))
+            with_backoff = dataclasses.replace(spec, backoff_seconds=(30.0, 5.0))
+            assert await bus.ensure_consumer(with_backoff) == "updated"
+            assert await bus.ensure_consumer(spec) == "updated"
+            assert await bus.ensure_consumer(spec) == "unchanged"
+            info = await bus._js.consumer_info(spec.stream, spec.durable)
+            assert not info.config.backoff
+        finally:
+            await bus.drain()
