@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 BusError = (nats.errors.Error, TimeoutError, OSError)
 REFUSAL_POLL_SECONDS = 0.1  # how often a first connection looks for a refusal
+DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's default max_payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,6 +474,16 @@ class JetStreamBus:
             "ack_pending": int(info.num_ack_pending or 0),
         }
 
+    def room(self, subject: str, msg_id: str | None = None) -> int:
+        """The most bytes of body a message to `subject` may have: the server's
+        max_payload (it counts the headers too) less the subject and headers, with some
+        slack for the client's framing. NATS's default until connected."""
+        limit = DEFAULT_MAX_PAYLOAD
+        if self._nc is not None and self._nc.is_connected:
+            limit = int(self._nc.max_payload)
+        headers = len("NATS/1.0\r\nNats-Msg-Id: \r\n\r\n") + len(msg_id or "")
+        return max(limit - headers - len(subject) - 64, 0)
+
     async def subscribe(self, *, stream: str, durable: str) -> PullSubscription:
         sub = await self._js.pull_subscribe_bind(durable=durable, stream=stream)
         return PullSubscription(sub)
@@ -480,17 +491,16 @@ class JetStreamBus:
     async def publish(
         self,
         subject: str,
-        body: dict[str, Any],
+        body: dict[str, Any] | bytes,
         *,
         msg_id: str | None = None,
         within: float | None = None,
     ) -> Published:
         """Publish to a stream and wait for its ack, at most `within` seconds (never more
-        than the bus's own timeout); `msg_id` deduplicates within the window."""
+        than the bus's own timeout); `msg_id` deduplicates within the window. `body` is
+        a JSON object, or bytes already encoded (see `room`)."""
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
         wait = self._timeout if within is None else min(within, self._timeout)
-        ack = await self._js.publish(
-            subject, json.dumps(body, separators=(",", ":")).encode(), headers=headers,
-            timeout=wait,
-        )  # fmt: skip
+        data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+        ack = await self._js.publish(subject, data, headers=headers, timeout=wait)
         return Published(seq=int(ack.seq), duplicate=bool(ack.duplicate))

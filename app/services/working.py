@@ -51,6 +51,7 @@ from app.domain.jobs import (
     after_failure,
     classify_failure,
     consumer_name,
+    encode_event,
     event_body,
     event_subject,
     parse_job,
@@ -757,11 +758,13 @@ class Worker:
         msg_id = f"{subject_id}:{kind.value}"
         if kind is EventKind.FAILED:
             msg_id += f":{fields.get('attempt', 0)}"
+        subject = event_subject(self.node_id, kind)
+        # cut to fit the server's max_payload: a refused event would hold the answer back
+        data = encode_event(body, max_bytes=self._bus.room(subject, msg_id))
         try:
             await self._bus.publish(
-                event_subject(self.node_id, kind), body, msg_id=msg_id,
-                within=request_timeout(self._config.ack_wait),
-            )  # fmt: skip
+                subject, data, msg_id=msg_id, within=request_timeout(self._config.ack_wait)
+            )
         except BusError as exc:
             log.warning("event %s for job %s not published: %s", kind.value, job_id, exc)
             return False

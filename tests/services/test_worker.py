@@ -21,6 +21,7 @@ from app.main import create_app
 from app.services.streams import init_streams, new_job
 from tests.conftest import SettingsFactory, running, runtime_of
 from tests.support.jobs_world import (
+    EFFECT_URL,
     EventLog,
     consumer_settled,
     ledger,
@@ -30,6 +31,7 @@ from tests.support.jobs_world import (
     watching_events,
 )
 from tests.support.polling import eventually
+from tests.support.servers import serve
 
 NODE = "node-worker-a"
 
@@ -68,13 +70,17 @@ async def manager(
 ) -> AsyncIterator[FastAPI]:
     app = create_app(make_settings(**worker_settings(database, nats_url)))
     async with running(app):
-        worker = runtime_of(app).components["worker"]
-        for _ in range(100):
-            if worker.state == "ok":
-                break
-            await asyncio.sleep(0.05)
-        assert worker.state == "ok", worker.as_dict()
+        await worker_ready(app)
         yield app
+
+
+async def worker_ready(app: FastAPI) -> None:
+    worker = runtime_of(app).components["worker"]
+
+    async def ok() -> bool:
+        return bool(worker.state == "ok")
+
+    await eventually(ok, within=10)
 
 
 async def test_a_noop_job_completes_once(manager: FastAPI, database: str, nats_url: str) -> None:
@@ -462,3 +468,43 @@ async def _fetch_all(nats_url: str, *, expected: int) -> int:
         return got
     finally:
         await nc.close()
+
+
+async def test_an_event_bigger_than_the_servers_max_payload_is_sent_truncated(
+    make_settings: SettingsFactory,
+    database: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server with a 64 KiB max_payload and a workload answering 64 KiB of control
+    characters (each six bytes in JSON): the job.completed event is cut to fit, marked
+    truncated, and the job is acked, not handed back until its deliveries are spent."""
+    config = tmp_path / "nats.conf"
+    config.write_text("max_payload: 65536\n")
+    server = EmbeddedNats(tmp_path / "nats", config=config).start()
+
+    async def answer(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"\x01" * 65536})
+
+    try:
+        with serve(answer) as workload:
+            monkeypatch.setenv("HTTP_PROXY", workload.url)
+            monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+            app = create_app(make_settings(**worker_settings(database, server.url)))
+            async with running(app), watching_events(server.url) as events:
+                await worker_ready(app)
+                async with publisher(server.url) as bus:
+                    job = await publish(bus, "http", payload={"url": EFFECT_URL, "body": {}})
+                await events.wait_for(
+                    lambda: "job.completed" in events.kinds(job.idempotency_key), within=30
+                )
+    finally:
+        server.stop()
+    (completed,) = events.of("job.completed")
+    assert completed["truncated"] is True
+    assert completed["result"]["truncated"] is True
+    assert completed["job_id"] == str(job.job_id)
+    row = (await ledger(database))[job.idempotency_key]
+    assert row["status"] == "completed"
