@@ -30,7 +30,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.adapters.workload_http import AllowedTargets
 from app.domain.redaction import redact_url
-from app.domain.requirements import CAPABILITY_NAME, Tier
+from app.domain.requirements import CAPABILITY_NAME, LOCATION_NAME, Tier
 from app.domain.updates import parse_public_key, signature_needs_own_url
 
 # Where the original (Express) service kept the node's key (`Settings.node_config_path`):
@@ -222,8 +222,9 @@ class Settings(BaseSettings):
     # --- capability registry
     registry_enabled: bool = True
     node_tier: Tier | None = Field(default=None, validation_alias=AliasChoices("NODE_TIER", "TIER"))
-    node_region: str | None = Field(default=None, max_length=50)
-    node_trust_zone: str | None = Field(default=None, max_length=50)
+    # the names a job's requirements may use (LOCATION_NAME), within the registry's columns
+    node_region: str | None = Field(default=None, max_length=50, pattern=LOCATION_NAME)
+    node_trust_zone: str | None = Field(default=None, max_length=50, pattern=LOCATION_NAME)
     node_capabilities: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     # --- observability

@@ -154,6 +154,9 @@ def test_production_accepts_a_key_file_instead(
         ("NODE_CAPABILITIES", '["ok", "bad name"]', "NODE_CAPABILITIES"),
         # ASCII only, as the fleet route's documented pattern (Python's isalnum takes any letter)
         ("NODE_CAPABILITIES", '["gp\\u0443"]', "NODE_CAPABILITIES"),
+        # what a job's requirements may name (a zone no requirement can match is a typo)
+        ("NODE_REGION", "eu west", "NODE_REGION"),
+        ("NODE_TRUST_ZONE", "z1\u00e9", "NODE_TRUST_ZONE"),
         ("NATS_URL", "nats://a:4222,http://b:4222", "NATS_URL"),
         ("NATS_URL", "nats://a:port", "NATS_URL"),
         ("NATS_URL", " , ", "NATS_URL"),
