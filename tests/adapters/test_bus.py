@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from app.adapters.bus import JetStreamBus, server_info
+from app.adapters.bus import Delivery, JetStreamBus, server_info
 from app.adapters.embedded import EmbeddedNats, free_port
-from app.metrics import Metrics
 from app.domain.jobs import STREAMS, consumer_name
+from app.metrics import Metrics
 from app.services.streams import consumer_specs, init_streams, new_job, publish_job
 from app.services.wiring import consumer_stats
 from app.settings import Settings
@@ -56,9 +56,7 @@ async def test_a_nak_delay_holds_on_every_delivery_of_the_job_consumers(tmp_path
     must not come before that delay on the second, third, ... delivery either. A consumer
     BackOff breaks this on nats-server: it redelivers after delay + backoff[n] - ack_wait,
     at once when the backoff step is shorter than the ack wait."""
-    settings = Settings(
-        _env_file=None, job_ack_wait_seconds=30, job_backoff_seconds=[1.0, 2.0]
-    )
+    settings = Settings(_env_file=None, job_ack_wait_seconds=30, job_backoff_seconds=[1.0, 2.0])
     delay = 1.5
     with own_nats(tmp_path / "nats") as server:
         bus = JetStreamBus(server.url, name="test-nak-delay", timeout=5)
@@ -69,7 +67,7 @@ async def test_a_nak_delay_holds_on_every_delivery_of_the_job_consumers(tmp_path
             sub = await bus.subscribe(stream=STREAMS["online"], durable=consumer_name("free"))
             nakked_at = time.monotonic()
             for expected in (1, 2, 3, 4):
-                got = []
+                got: list[Delivery] = []
                 while not got:  # polls; a redelivery that does not come fails at the end
                     got = await sub.fetch(1, wait=1.0)
                     assert time.monotonic() - nakked_at < 30, "never redelivered"

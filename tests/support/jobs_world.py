@@ -57,14 +57,23 @@ class EventLog:
 @asynccontextmanager
 async def watching_events(url: str) -> AsyncIterator[EventLog]:
     log = EventLog()
-    nc = await nats.connect(url)
 
     async def collect(msg: Any) -> None:
         log.events.append((msg.subject, json.loads(msg.data)))
 
-    await nc.subscribe("mm.events.>", cb=collect)
-    try:
+    async with _subscribed(url, "mm.events.>", collect):
         yield log
+
+
+@asynccontextmanager
+async def _subscribed(
+    url: str, subject: str, collect: Callable[[Any], Awaitable[None]]
+) -> AsyncIterator[None]:
+    """A connection of its own, subscribed to `subject` while the block runs."""
+    nc = await nats.connect(url)
+    await nc.subscribe(subject, cb=collect)
+    try:
+        yield
     finally:
         await nc.drain()
 
@@ -339,18 +348,14 @@ class NakLog:
 @asynccontextmanager
 async def watching_naks(url: str) -> AsyncIterator[NakLog]:
     log = NakLog()
-    nc = await nats.connect(url)
 
     async def collect(msg: Any) -> None:
         body = json.loads(msg.data)
         where = (str(body["stream"]), int(body["stream_seq"]))
         log.deliveries[where] = max(log.deliveries.get(where, 0), int(body["deliveries"]))
 
-    await nc.subscribe("$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.>", cb=collect)
-    try:
+    async with _subscribed(url, "$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.>", collect):
         yield log
-    finally:
-        await nc.drain()
 
 
 @contextmanager
