@@ -62,6 +62,8 @@ NODE, TIER, KIND = "bench-node", "A", "write"
 JOB_STREAM, DURABLE = STREAMS[KIND], consumer_name(TIER)
 BARE_STREAM, BARE_FILTER, BARE_DURABLE = "BENCH_BARE", "bench.bare.>", "bench-bare"
 BARE_SUBJECT = "bench.bare.noop"
+# the floor that keeps the worker's guarantee: an event stored before each ack
+BARE_EVENTS, BARE_EVENT_SUBJECT = "BENCH_BARE_EVENTS", "bench.bare-events.completed"
 POLL = 0.01  # seconds between consumer-state polls while draining
 CPU_BOUND = 0.8  # CPU seconds per wall second of this process above which it is CPU-bound
 STALL = 30.0  # seconds without progress before a phase is declared stuck
@@ -214,8 +216,14 @@ def _settings(world: World, database_url: str, concurrency: int, tag: str) -> Se
 # --- the floor: nats-py alone ------------------------------------------------------------
 
 
-async def _bare(world: World, settings: Settings, n: int, batch: int, tag: str) -> dict[str, Any]:
-    """One loop: fetch(batch) from a durable pull consumer, ack each message, until n acked."""
+async def _bare(
+    world: World, settings: Settings, n: int, batch: int, tag: str, *, events: bool = False
+) -> dict[str, Any]:
+    """One loop: fetch(batch) from a durable pull consumer, ack each message, until n acked.
+
+    With `events`, the shape the worker's guarantee needs and nothing else: for each
+    fetched batch, one small event per message is published to a stream of its own (all
+    at once, awaiting every PubAck), and only then is each message acked."""
     (stream,) = [s for s in stream_specs(settings) if s.name == JOB_STREAM]
     (consumer,) = [c for c in consumer_specs(settings, (TIER,)) if c.stream == JOB_STREAM]
     bodies = [_body(job) for job in _jobs(n, f"bare-{tag}")]
@@ -224,15 +232,16 @@ async def _bare(world: World, settings: Settings, n: int, batch: int, tag: str) 
     nc = await nats.connect(world.nats_url, name="bench-bare-consumer")
     js = nc.jetstream(timeout=10.0)
     try:
-        try:
-            await js.delete_stream(BARE_STREAM)
-        except nats.js.errors.NotFoundError:
-            pass
+        await _recreate(js, BARE_STREAM)
         # the same stream and consumer settings as MM_WRITE and wm-A, by construction
         await bus.ensure_stream(replace(stream, name=BARE_STREAM, subjects=(BARE_FILTER,)))
         await bus.ensure_consumer(
             replace(consumer, stream=BARE_STREAM, durable=BARE_DURABLE, filter_subject=BARE_FILTER)
         )
+        if events:
+            await _recreate(js, BARE_EVENTS)
+            events_stream = replace(stream, name=BARE_EVENTS, subjects=(BARE_EVENT_SUBJECT,))
+            await bus.ensure_stream(replace(events_stream, retention="limits"))
         publish_wall = await _timed(
             f"floor, batch {batch}",
             n,
@@ -255,6 +264,8 @@ async def _bare(world: World, settings: Settings, n: int, batch: int, tag: str) 
                 empty += 1
                 _check(empty * FETCH_WAIT < STALL, f"the floor stalled at {acked} of {n} acked")
                 continue
+            if events:
+                await asyncio.gather(*(_event_for(js, msg) for msg in msgs))
             for msg in msgs:
                 await msg.ack()
                 acked += 1
@@ -268,6 +279,7 @@ async def _bare(world: World, settings: Settings, n: int, batch: int, tag: str) 
         )
         return {
             "messages": n,
+            "events": events,
             "fetch_batch": batch,
             "body_bytes": len(json_bytes(bodies[0])),
             "publish_seconds": round(publish_wall, 4),
@@ -279,12 +291,29 @@ async def _bare(world: World, settings: Settings, n: int, batch: int, tag: str) 
             "cpu_seconds": cpu,
         }
     finally:
-        try:
-            await js.delete_stream(BARE_STREAM)
-        except (nats.errors.Error, TimeoutError):
-            pass
+        for name in (BARE_STREAM, BARE_EVENTS):
+            try:
+                await js.delete_stream(name)
+            except (nats.errors.Error, TimeoutError):
+                pass
         await nc.close()
         await bus.drain()
+
+
+async def _recreate(js: Any, name: str) -> None:
+    try:
+        await js.delete_stream(name)
+    except nats.js.errors.NotFoundError:
+        pass
+
+
+async def _event_for(js: Any, msg: Any) -> None:
+    """An event of about the size of job.completed, with a message id, awaiting its ack."""
+    seq = msg.metadata.sequence.stream
+    body = b'{"job_id":"%d","node_id":"bench-node","code":"completed","result":{"noop":true}}'
+    await js.publish(
+        BARE_EVENT_SUBJECT, body % seq, headers={"Nats-Msg-Id": f"bare-{seq}:completed"}
+    )
 
 
 def json_bytes(body: Mapping[str, Any]) -> bytes:
@@ -421,13 +450,17 @@ async def _whole(
 async def _measure(world: World, n: int, concurrency: int) -> dict[str, Any]:
     batch = min(concurrency, FETCH_BATCH)  # the worker never fetches more than free slots
     tag = f"c{concurrency}"
-    result: dict[str, Any] = {"concurrency": concurrency, "bare": None, "whole": None}
+    result: dict[str, Any] = {
+        "concurrency": concurrency, "bare": None, "bare_events": None, "whole": None
+    }  # fmt: skip
     result["failure"] = None
     current = "floor"
     try:
         # only the stream and consumer settings are used: the database URL is a placeholder
         settings = _settings(world, world.pg_url, concurrency, tag)
         result["bare"] = await _bare(world, settings, n, batch, tag)
+        current = "floor with events"
+        result["bare_events"] = await _bare(world, settings, n, batch, f"{tag}-ev", events=True)
         current = "whole path"
         result["whole"] = await _whole(world, n, concurrency, tag)
     except CheckFailed as exc:
@@ -436,6 +469,15 @@ async def _measure(world: World, n: int, concurrency: int) -> dict[str, Any]:
     if result["bare"] and result["whole"]:
         result["ratio"] = round(result["whole"]["rate"] / result["bare"]["rate"], 3)
         result["target_met"] = result["ratio"] >= TARGET_RATIO
+    if result["bare_events"] and result["bare"]:
+        # what storing one event before each ack costs on its own, with no other work
+        result["events_floor_ratio"] = round(
+            result["bare_events"]["rate"] / result["bare"]["rate"], 3
+        )
+    if result["bare_events"] and result["whole"]:
+        result["ratio_to_events_floor"] = round(
+            result["whole"]["rate"] / result["bare_events"]["rate"], 3
+        )
     return result
 
 
@@ -552,6 +594,14 @@ def _tables(
                 f"{bare['publish_rate']:,.0f}", f"{bare['wall_seconds']:.3f}",
                 f"{bare['rate']:,.0f}", "1.00", "-", "-", _cpu(bare),
             ])  # fmt: skip
+        events = r.get("bare_events")
+        if events is not None and bare is not None:
+            rows.append([
+                f"floor + an event stored before each ack, fetch {events['fetch_batch']}",
+                f"{events['publish_rate']:,.0f}", f"{events['wall_seconds']:.3f}",
+                f"{events['rate']:,.0f}", f"{r['events_floor_ratio']:.2f}", "-", "-",
+                _cpu(events),
+            ])  # fmt: skip
         if whole is not None:
             lat = whole["claim_to_complete_ms"]
             verdict = "met" if r["target_met"] else "NOT met"
@@ -642,6 +692,16 @@ def _notes(
             "job slots in use on average"
             + (": CPU-bound." if busy >= CPU_BOUND else ": not CPU-bound, the slots sit idle.")
         )
+        events = r.get("bare_events")
+        if events is not None:
+            notes.append(
+                f"WORKER_CONCURRENCY={concurrency}: the floor plus one event stored before each "
+                f"ack (a batch's events published at once, every PubAck awaited, then the acks) "
+                f"does {events['rate']:,.0f} msgs/s, {r['events_floor_ratio']:.2f}x the bare "
+                f"floor, at {1000 * events['cpu_seconds']['python'] / n:.3f} ms of CPU per "
+                f"message: the guarantee alone costs that much. The whole path is "
+                f"{r['ratio_to_events_floor']:.2f}x of it."
+            )
     if profile is not None and "error" in profile:
         notes.append(f"profile not taken: {profile['error']}")
     elif profile is not None:
