@@ -57,7 +57,7 @@ from app.domain.jobs import (
     parse_job,
 )
 from app.domain.ledger import Claim, job_fingerprint
-from app.domain.requirements import NodeProfile, Requirements
+from app.domain.requirements import NodeProfile, Requirements, Tier
 from app.metrics import Metrics
 from app.services.handlers import Handler, HandlerContext
 
@@ -447,9 +447,18 @@ class Worker:
             self._running_keys.discard(key)
 
     async def _route(self, job: Job, reason: str) -> _Decided:
-        """Not for this node: handed on while a live node could run it (or nobody can
-        tell), dead-lettered as unroutable when the registry has none."""
-        if await self._eligible(job.requirements) == 0:
+        """Not for this node: handed on while a live node of this tier could run it (or
+        nobody can tell), dead-lettered as unroutable when the registry has none. Only
+        this tier's nodes read this tier's consumer: a node of another tier that could
+        run the job would never see it."""
+        wanted = job.requirements.tier
+        tier = Tier(self._config.tier)
+        if wanted is not None and tier not in wanted:
+            return _Decided(
+                Outcome.UNROUTABLE, job,
+                reason=f"no node of tier {tier.value} may run it (requirements.tier): {reason}",
+            )  # fmt: skip
+        if await self._eligible(job.requirements.model_copy(update={"tier": [tier]})) == 0:
             return _Decided(Outcome.UNROUTABLE, job, reason=f"no live node can run it: {reason}")
         return _Decided(Outcome.HANDED_ON, job, reason=reason)
 

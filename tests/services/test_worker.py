@@ -17,6 +17,8 @@ from fastapi import FastAPI
 from prometheus_client import generate_latest
 
 from app.adapters.embedded import EmbeddedNats
+from app.adapters.registry import AsyncpgRegistry
+from app.domain.requirements import NodeProfile
 from app.main import create_app
 from app.services.streams import init_streams, new_job
 from tests.conftest import SettingsFactory, running, runtime_of
@@ -508,3 +510,32 @@ async def test_an_event_bigger_than_the_servers_max_payload_is_sent_truncated(
     assert completed["job_id"] == str(job.job_id)
     row = (await ledger(database))[job.idempotency_key]
     assert row["status"] == "completed"
+
+
+@pytest.mark.parametrize(
+    ("requirements", "reason"),
+    [
+        # only tier B may run it, and it came on tier A's subject
+        ({"tier": ["B"]}, "tier"),
+        # only a node of tier B has the capability
+        ({"capabilities": ["b-only"]}, "capabilities"),
+    ],
+)
+async def test_a_job_only_another_tiers_node_can_run_is_unroutable_on_this_tier(
+    manager: FastAPI, database: str, nats_url: str, requirements: dict[str, Any], reason: str
+) -> None:
+    """The registry's live tier-B node does not read tier A's consumer: it is no reason to
+    hand the job on (it would be, until JOB_MAX_DELIVERIES)."""
+    registry = AsyncpgRegistry(database, timeout=5)
+    await registry.open()
+    try:
+        other = NodeProfile(node_id="node-tier-b", tier="B", capabilities=["b-only"])
+        await registry.upsert(other, status="online", interval_seconds=30)
+    finally:
+        await registry.close()
+    async with watching_events(nats_url) as events, publisher(nats_url) as bus:
+        job = await publish(bus, requirements=requirements)
+        await events.wait_for(lambda: "job.dead" in events.kinds(job.idempotency_key))
+    (dead,) = events.of("job.dead")
+    assert dead["code"] == "unroutable" and dead["delivered"] == 1
+    assert reason in dead["reason"]
