@@ -3,7 +3,7 @@
 A handler is `async def handle(job: Job, context: HandlerContext) -> JSON-able result`.
 It raises `RetryableJobFailure` or `PermanentJobFailure` to say how a failure should be
 treated; otherwise `classify_failure` decides (a ValueError, KeyError or TypeError is
-permanent, anything else retried within the consumer's max_deliver; docs/jobs.md).
+permanent, anything else retried up to JOB_MAX_ATTEMPTS attempts; docs/jobs.md).
 
 Plugins register in the `workload_manager.handlers` entry-point group, the entry
 point's name being the job type:

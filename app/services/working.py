@@ -13,8 +13,9 @@ The shape, in one place:
   first when the answer is final;
 - one **keep-alive** loop tells JetStream (`in_progress`) and the ledger (its lease) that
   every delivery held here is still ours, from the moment it is fetched until it is
-  answered. A renewal the ledger refuses means the lease ran out and another process
-  took the key: the handler is stopped, and nothing is published or acked for it.
+  answered. A renewal the ledger refuses while the handler runs means the lease ran out
+  and another process took the key: the handler is stopped, and nothing is published or
+  acked for it.
 
 Budgets: the retry budget is the ledger's count of real attempts (JOB_MAX_ATTEMPTS), so a
 job handed on to a node that can run it, or handed back during an outage, spends none
@@ -203,6 +204,7 @@ class Worker:
         self._routes: dict[str, tuple[float, int | None]] = {}
         self._counters: dict[tuple[str, str], Any] = {}
         self._runners: list[asyncio.Task[None]] = []
+        self._fetchers: list[asyncio.Task[None]] = []
         self._keeper: asyncio.Task[None] | None = None
         self._stopping = False
         self.node_id = ""
@@ -230,8 +232,10 @@ class Worker:
                 for i in range(self._config.concurrency)
             ]
             self._keeper = group.create_task(self._keep_alive(), name="job-keep-alive")
-            for kind, stream in STREAMS.items():
+            self._fetchers = [
                 group.create_task(self._fetch(stream), name=f"job-fetch-{kind}")
+                for kind, stream in STREAMS.items()
+            ]
             group.create_task(self._watch(stopping), name="worker-stop-watch")
 
     async def _watch(self, stopping: asyncio.Event) -> None:
@@ -241,6 +245,9 @@ class Worker:
             except TimeoutError:
                 continue
             self._stopping = True
+        # a fetch in flight ends within one fetch wait; what it brings is queued and
+        # handed back by the runners, which must still be there
+        await asyncio.wait(self._fetchers)
         await self._settled()
         self._end_tasks()
 
@@ -287,6 +294,24 @@ class Worker:
             task.cancel()  # a running handler hands its job back (release, nak)
         if busy:
             await asyncio.wait(busy, timeout=max(0.1, ends - clock()))
+        await self._hand_back_queued()
+
+    async def _hand_back_queued(self) -> None:
+        """NAK what still waits in the queue once no runner is left to take it: it comes
+        back to another node at once instead of after the ack wait."""
+        waiting: list[_Held] = []
+        while not self._queue.empty():
+            held = self._queue.get_nowait()
+            self._held.pop(id(held), None)
+            waiting.append(held)
+        back = plan(Outcome.HANDED_BACK, delays=self._delays, delivered=1)
+        for held in waiting:
+            try:
+                await self._send(held, back)
+            except BusError as exc:
+                log.warning("queued job not handed back: %s", exc)
+        if not self._held and not self._busy:
+            self._idle.set()
 
     async def announce_draining(self) -> None:
         await self._node_event(EventKind.NODE_DRAINING)
@@ -327,6 +352,7 @@ class Worker:
                 deliveries = await subscription.fetch(max(room, 1), wait=self._config.fetch_wait)
             except BusError as exc:
                 failures += 1
+                await subscription.unsubscribe()
                 subscription = None
                 await self._pause(f"fetch from {stream}", exc, failures)
                 continue
@@ -528,10 +554,20 @@ class Worker:
                 held.scope = scope
                 result = await self._handlers[job.type](job, context)
         except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and not task.cancelling():
+                # the handler's own (a future it awaited was cancelled), not a stop: a
+                # failure like any other, and the runner goes on
+                if held.lost:
+                    return _Decided(Outcome.LOST_CLAIM, job, attempt=attempt)
+                return await self._failed(job, attempt, RuntimeError("handler was cancelled"))
             # shutdown ran out of grace: hand the job back for someone else, now
             await self._write(lambda: self._ledger.release(key=key), within=HAND_BACK_SECONDS)
             held.answered = True
-            await held.delivery.nak(1.0)
+            try:
+                await held.delivery.nak(1.0)
+            except BusError as exc:
+                log.warning("job %s not handed back: %s", job.job_id, exc)
             raise
         except Exception as exc:
             if held.lost:
@@ -629,12 +665,14 @@ class Worker:
         outcome, job = decided.outcome, decided.job
         job_id = getattr(job, "job_id", None)
         job_type = job.type if isinstance(job, Job) else "invalid"
+        # alert keys are bounded by the handlers this node has, not by what publishers send
+        kind = job_type if job_type in self._handlers else "unknown"
         if outcome is Outcome.INVALID:
             log.warning("job rejected: %s", decided.reason)
         elif outcome is Outcome.UNROUTABLE:
             self._metrics.jobs_unroutable.inc()
             log.warning("job %s (%s) dead-lettered: %s", job_id, job_type, decided.reason)
-            self._alert(f"job:unroutable:{job_type}",
+            self._alert(f"job:unroutable:{kind}",
                         f"no live node can run {job_type} jobs ({decided.reason})")  # fmt: skip
         elif outcome is Outcome.LOST_CLAIM:
             log.warning(
@@ -644,7 +682,7 @@ class Worker:
         elif outcome in DEAD_LETTERS and outcome is not Outcome.DUPLICATE_DEAD:
             log.warning("job %s (%s) dead-lettered (%s): %s",
                         job_id, job_type, outcome.value, decided.reason)  # fmt: skip
-            self._alert(f"job:dead:{job_type}",
+            self._alert(f"job:dead:{kind}",
                         f"{job_type} job {job_id} dead-lettered: {decided.reason}")  # fmt: skip
 
     def _alert(self, key: str, text: str) -> None:
@@ -683,7 +721,9 @@ class Worker:
         except LEDGER_ERRORS as exc:
             log.warning("lease renewal for job %s failed: %s", key, exc)
             return
-        if not renewed and held.key is not None:
+        # refused while the handler runs: another process took the key. Once it has run,
+        # a refusal is this process's own completion or failure having landed
+        if not renewed and held.scope is not None:
             held.lost = True
             if held.scope is not None:  # stop the handler: its effects are no longer ours
                 held.scope.reschedule(asyncio.get_running_loop().time())
@@ -726,7 +766,7 @@ class Worker:
 
         try:
             await self._persist(send, (EventUnsent,), within=self._lease)
-        except EventUnsent:
+        except (EventUnsent, TimeoutError):
             return False
         return True
 
@@ -737,19 +777,21 @@ class Worker:
         *,
         within: float,
     ) -> None:
-        """`operation`, and only when it fails, again with jitter for up to `within`
-        seconds. The first try goes without the retry machinery: entering it for every
-        job cost a tenth of a noop job's CPU (py-spy, `make bench`)."""
-        try:
-            await operation()
-            return
-        except errors:
-            pass
-        async for attempt in stamina.retry_context(
-            on=errors, attempts=None, wait_initial=0.1, wait_max=1.0, timeout=within
-        ):
-            with attempt:
+        """`operation`, and only when it fails, again with jitter, all within `within`
+        seconds (the first try counts too: past it, TimeoutError). The first try goes
+        without the retry machinery: entering it for every job cost a tenth of a noop
+        job's CPU (py-spy, `make bench`)."""
+        async with asyncio.timeout(within):
+            try:
                 await operation()
+                return
+            except errors:
+                pass
+            async for attempt in stamina.retry_context(
+                on=errors, attempts=None, wait_initial=0.1, wait_max=1.0, timeout=within
+            ):
+                with attempt:
+                    await operation()
 
     async def _event(
         self, kind: EventKind, job: Job | Rejection | None, delivery: Delivery, **fields: Any
@@ -765,6 +807,9 @@ class Worker:
         # per job and kind lets the stream drop the copy; job.failed is one per attempt
         subject_id = key or job_id or f"{delivery.subject}#{delivery.stream_sequence}"
         msg_id = f"{subject_id}:{kind.value}"
+        if kind in (EventKind.REJECTED, EventKind.EXPIRED) and job_id is not None:
+            # another job under the same key (a key conflict) has events of its own
+            msg_id = f"{subject_id}:{job_id}:{kind.value}"
         if kind is EventKind.FAILED:
             msg_id += f":{fields.get('attempt', 0)}"
         subject = event_subject(self.node_id, kind)
