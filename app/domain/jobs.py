@@ -414,6 +414,13 @@ def encode_event(body: dict[str, Any], *, max_bytes: int) -> bytes:
     value that is not JSON (a set, NaN, an object) becomes the text of its repr, and the
     body is marked truncated; an unpaired surrogate in text becomes U+FFFD.
     """
+    if all(isinstance(key, str) for key in body):
+        # the common case, in one dumps: what the parts below would join to when it fits
+        text, exact = _json_text(body)
+        if exact:
+            data = text.encode()
+            if len(data) <= max_bytes:
+                return data
     parts: dict[str, _Part] = {}
     changed = False
     for key, value in body.items():
