@@ -25,6 +25,7 @@ of it; JOB_MAX_DELIVERIES bounds deliveries spent on anything, so every path end
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -91,6 +92,10 @@ def lease_seconds(ack_wait: float) -> float:
 def request_timeout(ack_wait: float) -> float:
     """The most one ledger request or event publish may take: a quarter of the lease."""
     return lease_seconds(ack_wait) / LEASE_TRIES
+
+
+def _forget(tasks: dict[str, asyncio.Task[None]], key: str, _: asyncio.Task[None]) -> None:
+    tasks.pop(key, None)
 
 
 class EventUnsent(Exception):
@@ -693,19 +698,35 @@ class Worker:
 
     async def _keep_alive(self) -> None:
         """Every ack_wait/3: `in_progress` for each delivery held that long without one,
-        and a lease renewal for each claimed job."""
+        and a lease renewal for each claimed job. The renewals run beside the loop, one
+        at a time per key and each within a request timeout: a ledger that stalls must
+        not hold the next `in_progress` back past the ack wait (JetStream would hand the
+        running job out again)."""
         interval = max(self._config.ack_wait / 3, 0.1)
         clock = asyncio.get_running_loop().time
-        while True:
-            await asyncio.sleep(interval)
-            now = clock()
-            due = [held for held in self._held.values() if now - held.touched >= interval]
-            for held in due:
-                held.touched = now
-            if due:
-                await asyncio.gather(*(self._touch(held) for held in due))
+        renewing: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                now = clock()
+                due = [held for held in self._held.values() if now - held.touched >= interval]
+                for held in due:
+                    held.touched = now
+                if due:
+                    await asyncio.gather(*(self._touch(held) for held in due))
+                for held in due:
+                    key = held.key
+                    if key is None or held.lost or held.answered or key in renewing:
+                        continue
+                    task = asyncio.create_task(self._renew(held, key), name="job-lease-renewal")
+                    renewing[key] = task
+                    task.add_done_callback(functools.partial(_forget, renewing, key))
+        finally:
+            for task in list(renewing.values()):
+                task.cancel()
 
-    async def _touch(self, held: _Held) -> None:
+    @staticmethod
+    async def _touch(held: _Held) -> None:
         if held.answered:
             return
         try:
@@ -713,11 +734,11 @@ class Worker:
             await held.delivery.in_progress()
         except BusError as exc:
             log.warning("in_progress for a job failed: %s", exc)
-        key = held.key
-        if key is None or held.lost:
-            return
+
+    async def _renew(self, held: _Held, key: str) -> None:
         try:
-            renewed = await self._ledger.renew(key=key, lease_seconds=self._lease)
+            async with asyncio.timeout(request_timeout(self._config.ack_wait)):
+                renewed = await self._ledger.renew(key=key, lease_seconds=self._lease)
         except LEDGER_ERRORS as exc:
             log.warning("lease renewal for job %s failed: %s", key, exc)
             return
@@ -725,8 +746,7 @@ class Worker:
         # a refusal is this process's own completion or failure having landed
         if not renewed and held.scope is not None:
             held.lost = True
-            if held.scope is not None:  # stop the handler: its effects are no longer ours
-                held.scope.reschedule(asyncio.get_running_loop().time())
+            held.scope.reschedule(asyncio.get_running_loop().time())  # its effects are not ours
 
     async def _write(
         self, operation: Callable[[], Awaitable[bool]], *, within: float | None = None

@@ -6,17 +6,20 @@ import asyncio
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+import nats
+import psutil
 import pytest
 from fastapi import FastAPI
 from prometheus_client import generate_latest
 
-from app.adapters.embedded import EmbeddedNats
+from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.adapters.registry import AsyncpgRegistry
 from app.domain.requirements import NodeProfile
 from app.main import create_app
@@ -563,3 +566,59 @@ async def test_shutdown_hands_back_the_jobs_waiting_in_the_queue_too(
             return len(naks.deliveries) == 2
 
         await eventually(both_nakked, within=10)
+
+
+async def test_a_stalled_ledger_does_not_hold_back_the_in_progress_of_a_running_job(
+    make_settings: SettingsFactory, nats_url: str, tmp_path: Path
+) -> None:
+    """PostgreSQL stops answering for longer than the ack wait while a job runs: the lease
+    renewal waits, but `in_progress` still goes out on time, so JetStream does not hand
+    the running job out again."""
+    pg = EmbeddedPostgres(tmp_path / "pg").start()
+    try:
+        settings = worker_settings(pg.url, nats_url, job_ack_wait_seconds=3.0)
+        app = create_app(make_settings(**settings))
+        async with running(app), watching_events(nats_url) as events:
+            await _worker_ready(app)
+            async with publisher(nats_url) as bus:
+                job = await publish(bus, payload={"delay_seconds": 9.0})
+
+            async def claimed() -> bool:
+                row = (await ledger(pg.url)).get(job.idempotency_key)
+                return row is not None and row["status"] == "running"
+
+            await eventually(claimed, within=10)
+            with _stopped(pg):
+                # the fault's length, not a wait for a condition: longer than the ack wait
+                await asyncio.sleep(5.0)
+            await events.wait_for(
+                lambda: "job.completed" in events.kinds(job.idempotency_key), within=30
+            )
+            info = await _consumer(nats_url)
+    finally:
+        pg.stop()
+    # the consumer's sequence counts every delivery, redeliveries included
+    assert info.delivered.consumer_seq == 1, "the running job was delivered again"
+
+
+@contextmanager
+def _stopped(pg: EmbeddedPostgres) -> Iterator[None]:
+    """Every process of the server stopped (SIGSTOP): connections open, nothing answers."""
+    assert pg.pid is not None
+    main = psutil.Process(pg.pid)
+    processes = [main, *main.children(recursive=True)]
+    for process in processes:
+        process.suspend()
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.resume()
+
+
+async def _consumer(url: str) -> Any:
+    nc = await nats.connect(url)
+    try:
+        return await nc.jetstream().consumer_info("MM_WRITE", "wm-A")
+    finally:
+        await nc.close()
