@@ -8,6 +8,7 @@ records and explains everything else, before any manager code relies on it.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import hashlib
 import json
 import time
@@ -547,6 +548,24 @@ def test_timeout_outlasts_the_client(
     assert recorded[0].status == STATUS_CLIENT_CLOSED
     assert recorded[0].injected_failure == "timeout"
     assert backend.reports == []
+
+
+def test_a_request_left_over_from_before_a_reset_is_not_recorded_after_it(
+    backend: LocalBackend, base_url: str, node_key: Ed25519PrivateKey
+) -> None:
+    """A module-scoped backend serves many tests: a stalled request of one test that ends
+    after the next test's reset must not show up among that test's requests."""
+    backend.fail("health", "timeout", delay=30)
+    with httpx.Client(timeout=5.0) as client:
+        request = signed_request(base_url, "POST", HEALTH, node_key, json_body=health_report())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.send, request)
+            backend.wait_for(lambda: backend.stalled() == 1, 5.0)
+            backend.reset()  # the next test begins; then the stalled request ends
+            backend.release_stalled()
+            pending.result(timeout=5.0)
+    backend.wait_for(lambda: backend.stalled() == 0, 5.0)
+    assert backend.requests == []
 
 
 def test_short_timeout_delay_still_answers(backend: LocalBackend, call: Call) -> None:

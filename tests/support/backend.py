@@ -202,6 +202,10 @@ class LocalBackend:
         # Bumped to wake requests stalled by a "timeout" failure, so that stopping
         # the server never waits out the full delay.
         self._release_generation = 0
+        # Bumped by reset(): a request that began before it (a stalled one of the test
+        # before) neither changes nor shows in what the next test sees.
+        self._epoch = 0
+        self._stalled = 0  # requests held by a "timeout" failure now
 
     # ----------------------------------------------------------------- test-facing API
 
@@ -320,6 +324,12 @@ class LocalBackend:
             self._recorded.clear()
             self.serve_reported = True
             self._release_generation += 1
+            self._epoch += 1
+
+    def stalled(self) -> int:
+        """How many requests a "timeout" failure holds now."""
+        with self._lock:
+            return self._stalled
 
     @property
     def revision(self) -> str:
@@ -418,6 +428,8 @@ class LocalBackend:
         headers = _collect_headers(scope)
         parsed_json = _try_json(body)
         received_at = self.clock()
+        with self._lock:
+            epoch = self._epoch
 
         route, params, reply = self._route(method, raw_path)
         # Checked even when the route is already refused, so the record says whether
@@ -450,6 +462,8 @@ class LocalBackend:
             hung_up = await sender(send, receive, streamed, failure, self._generation)
             reply = _Reply(status=STATUS_CLIENT_CLOSED) if hung_up else streamed
 
+        if reply is None and not self._current(epoch):
+            reply = _Reply(status=503)  # began before a reset: changes nothing now
         if reply is None:
             assert route is not None
             try:
@@ -458,6 +472,7 @@ class LocalBackend:
                 reply = exc.reply()
 
         self._record(
+            epoch,
             RecordedRequest(
                 method=method,
                 path=scope["path"],
@@ -471,14 +486,19 @@ class LocalBackend:
                 route=route,
                 injected_failure=failure.mode if failure is not None else None,
                 received_at=received_at,
-            )
+            ),
         )
         if reply.status != STATUS_CLIENT_CLOSED and streamed is None:
             await _send_reply(send, reply)
 
-    def _record(self, request: RecordedRequest) -> None:
+    def _current(self, epoch: int) -> bool:
         with self._lock:
-            self._requests.append(request)
+            return epoch == self._epoch
+
+    def _record(self, epoch: int, request: RecordedRequest) -> None:
+        with self._lock:
+            if epoch == self._epoch:
+                self._requests.append(request)
 
     def _route(
         self, method: str, raw_path: bytes
@@ -597,6 +617,8 @@ class LocalBackend:
         generation = self._generation()
         # The body is fully read, so the next receive() only returns on disconnect.
         disconnect: asyncio.Future[Message] = asyncio.ensure_future(receive())
+        with self._lock:
+            self._stalled += 1
         try:
             while True:
                 remaining = deadline - loop.time()
@@ -610,6 +632,8 @@ class LocalBackend:
                     # Anything else is not a hang-up; keep stalling without re-reading.
                     disconnect = loop.create_future()
         finally:
+            with self._lock:
+                self._stalled -= 1
             if not disconnect.done():
                 disconnect.cancel()
 
