@@ -234,6 +234,50 @@ class UpdateDecision:
     image: str | None = None
 
 
+def reassertion(
+    *, current: str, highest: Confirmed | None, failed: frozenset[str], repository: str
+) -> UpdateDecision:
+    """At start-up: is the own image below the highest version confirmed on this node?
+
+    Something other than the self-update put an older image back (K3S re-applies the
+    install file of its auto-deploy folder at every start, with the image it was installed
+    with). The confirmed image is then taken again, without the version file: an update
+    (watched, confirmed or rolled back as any other). Noop when nothing is confirmed or the
+    running version is not below it; skip, with the reason, when the confirmed image is
+    unknown, not the configured repository's, or its version failed since.
+    """
+    if highest is None:
+        return UpdateDecision(Choice.NOOP, "no version confirmed on this node")
+    try:
+        running = Version(current)
+    except InvalidVersion:
+        return UpdateDecision(Choice.SKIP, f"the running version {current!r} is not a version")
+    if running >= Version(highest.version):
+        return UpdateDecision(
+            Choice.NOOP, f"running {current}, {highest.version} is the highest confirmed"
+        )
+    if highest.image is None:
+        return UpdateDecision(
+            Choice.SKIP,
+            f"running {current}, below {highest.version}, whose image is not recorded",
+            highest.version,
+        )
+    if highest.version in failed:
+        return UpdateDecision(
+            Choice.SKIP, f"{highest.version} failed since it was confirmed", highest.version
+        )
+    refusal = image_refusal(highest.image, version=highest.version, repository=repository)
+    if refusal is not None:
+        return UpdateDecision(Choice.SKIP, refusal, highest.version)
+    return UpdateDecision(
+        Choice.UPDATE,
+        f"running {current}, below {highest.version}, the highest version confirmed on this "
+        "node: the install put an older image back",
+        highest.version,
+        highest.image,
+    )
+
+
 def in_window(now: datetime, window: tuple[time, time] | None) -> bool:
     if window is None:
         return True

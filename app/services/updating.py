@@ -6,7 +6,10 @@ time, confirmation), and a pure `pending_update` says what that update still owe
 step is done before anything else, and without the version file: watching a rollout that
 is still going (then confirming it or rolling it back), a rollback, or recording a rollback
 that someone else already did. `resume()` does the same at start-up, so a restarted
-manager finishes what the one before it began.
+manager finishes what the one before it began; and when nothing is owed but the own image
+is below the highest version confirmed on this node (an install file re-applied over a
+confirmed update, as K3S does with its auto-deploy folder at every start), it takes the
+confirmed image again, as an update, without the version file (`reassertion`).
 
 When nothing is owed, the version file is read (and, with a public key, its signature
 verified) and a pure `decide_update` says noop, update or skip; it never takes a version
@@ -58,6 +61,7 @@ from app.domain.updates import (
     parse_version_file,
     pending_update,
     read_marks,
+    reassertion,
     stamp,
 )
 from app.metrics import Metrics
@@ -195,18 +199,41 @@ class SelfUpdater:
         """
         try:
             own = await self._own()
-            pending = self._pending(own, read_marks(_annotations(own)))
+            marks = read_marks(_annotations(own))
+            pending = self._pending(own, marks)
         except KubeError as exc:
             self._component.failed(datetime.now(UTC), str(exc))
             log.warning("self-update: cannot read the own Deployment at start: %s", exc)
             return "nothing"
         if pending.owed is Owed.NOTHING:
-            return "nothing"
+            return await self._reassert(own, marks)
         log.warning(
             "self-update to %s: resuming, %s owed: %s",
             pending.version, pending.owed.value, pending.reason,
         )  # fmt: skip
         return await self._settle(pending, own)
+
+    async def _reassert(self, own: dict[str, Any], marks: UpdateMarks) -> str:
+        """The confirmed image again when the own one is below it (`reassertion`)."""
+        decision = reassertion(
+            current=self._current_version(own, marks), highest=marks.highest,
+            failed=marks.failed, repository=self._policy.repository,
+        )  # fmt: skip
+        if decision.choice is Choice.NOOP:
+            return "nothing"
+        if decision.choice is Choice.SKIP:
+            log.warning("self-update: not re-asserting the confirmed version: %s", decision.reason)
+            return "nothing"
+        log.warning("self-update: re-asserting at start: %s", decision.reason)
+        try:
+            return await self.update(decision)
+        except SelfUpdateBusy:
+            log.info("self-update: re-assertion deferred: a sync or an update is running")
+            return "nothing"
+        except KubeError as exc:
+            self._component.failed(datetime.now(UTC), f"re-asserting {decision.version}: {exc}")
+            log.warning("self-update: re-asserting %s failed: %s", decision.version, exc)
+            return "nothing"
 
     async def update(self, decision: UpdateDecision) -> str:
         """Apply and watch; returns "available", "rolled-back" or "rollback-failed"."""

@@ -129,3 +129,24 @@ async def test_a_version_below_the_confirmed_one_is_refused_after_a_rollback_by_
     decision = await updater.check()
     assert decision.choice.value == "skip", decision
     assert "below 0.3.0, the highest version confirmed on this node" in decision.reason
+
+
+async def test_a_reapplied_install_is_undone_at_start_without_the_version_file(
+    control_plane: ControlPlane,
+    updater: SelfUpdater,
+    version_file: tuple[VersionFileServer, ThreadedServer],
+) -> None:
+    """K3S re-applies its auto-deploy folder at every start: the install's older image
+    comes back over a confirmed update. The manager that starts from it re-asserts the
+    confirmed image (the version file, down here, is not what brings it back)."""
+    version_file[0].set(body=b"0.2.0")
+    await updater.run_scheduled()
+    assert own(control_plane)["metadata"]["annotations"][HIGHEST] == "0.2.0"
+    version_file[0].set(status=503, body=b"unavailable")
+    control_plane.kubectl("-n", OWN_NS, "set", "image", "deployment/workload-manager",
+                          f"manager={REPO}:0.1.0")  # fmt: skip
+    assert await updater.resume() == "available"
+    deployed = own(control_plane)
+    assert image(deployed) == f"{REPO}:0.2.0"
+    assert deployed["metadata"]["annotations"][CONFIRMED] == "0.2.0"
+    assert await updater.resume() == "nothing", "once there, nothing more is done"

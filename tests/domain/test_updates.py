@@ -37,6 +37,7 @@ from app.domain.updates import (
     parse_version_file,
     pending_update,
     read_marks,
+    reassertion,
     signature_location,
     signature_needs_own_url,
     split_image,
@@ -518,3 +519,32 @@ def test_a_stamped_start_reads_back() -> None:
     at = datetime(2026, 11, 29, 11, 59, 0, 750_000, tzinfo=UTC)
     assert stamp(at) == "2026-11-29T11:59:00Z"
     assert read_marks({UPDATE_STARTED: stamp(at)}).started_at == at.replace(microsecond=0)
+
+
+# A re-applied install file (K3S re-applies its auto-deploy folder at every start) puts the
+# install's image back below the version confirmed on this node: the manager re-asserts it.
+CONFIRMED_2 = Confirmed("0.2.0", f"{REPO}:0.2.0")
+
+
+@pytest.mark.parametrize(
+    ("current", "highest", "failed", "choice", "image"),
+    [
+        ("0.1.0", CONFIRMED_2, frozenset(), Choice.UPDATE, f"{REPO}:0.2.0"),
+        ("0.2.0", CONFIRMED_2, frozenset(), Choice.NOOP, None),  # already there
+        ("0.3.0", CONFIRMED_2, frozenset(), Choice.NOOP, None),  # above the floor
+        ("0.1.0", None, frozenset(), Choice.NOOP, None),  # nothing confirmed here
+        ("0.1.0", Confirmed("0.2.0", None), frozenset(), Choice.SKIP, None),  # image unknown
+        ("0.1.0", CONFIRMED_2, frozenset({"0.2.0"}), Choice.SKIP, None),  # failed since
+        ("0.1.0", Confirmed("0.2.0", "elsewhere/manager:0.2.0"), frozenset(), Choice.SKIP, None),
+        ("not-a-version", CONFIRMED_2, frozenset(), Choice.SKIP, None),
+    ],
+)
+def test_reassertion_of_the_confirmed_version(
+    current: str, highest: Confirmed | None, failed: frozenset[str], choice: Choice, image: str | None
+) -> None:
+    decision = reassertion(current=current, highest=highest, failed=failed, repository=REPO)
+    assert decision.choice is choice, decision
+    assert decision.image == image
+    if choice is Choice.UPDATE:
+        assert decision.version == "0.2.0"
+        assert "below 0.2.0, the highest version confirmed on this node" in decision.reason
