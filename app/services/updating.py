@@ -163,8 +163,11 @@ class SelfUpdater:
         return decision, pending, own
 
     async def run_scheduled(self) -> None:
-        if self._lock.locked():
-            log.info("self-update check skipped: a sync or an update is running")
+        # A sync holds the shared lock for a moment at each of its intervals: a check that
+        # skipped whenever it met one could skip every time (the same interval and no
+        # jitter put both on the same ticks). It waits for the lock, up to its deadline.
+        if not await self._lock_frees(self._deadline):
+            log.info("self-update check skipped: a sync or an update ran for %.0f s", self._deadline)
             return
         now = datetime.now(UTC)
         try:
@@ -186,7 +189,20 @@ class SelfUpdater:
             return
         self._component.succeeded(now, owed=None, **(self.last or {}))
         if decision.choice is Choice.UPDATE:
-            await self.update(decision)
+            try:
+                await self.update(decision)
+            except SelfUpdateBusy:
+                log.info("self-update to %s deferred: a sync started meanwhile", decision.version)
+
+    async def _lock_frees(self, within: float) -> bool:
+        """Wait until no sync or update holds the lock (without keeping it)."""
+        if not self._lock.locked():
+            return True
+        try:
+            async with asyncio.timeout(within), self._lock:
+                return True
+        except TimeoutError:
+            return False
 
     async def resume(self) -> str:
         """At start-up: finish what the own Deployment says the last update still owes.

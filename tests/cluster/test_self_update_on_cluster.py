@@ -4,6 +4,7 @@ good image and rolls back one that never becomes ready (ProgressDeadlineExceeded
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
@@ -150,3 +151,24 @@ async def test_a_reapplied_install_is_undone_at_start_without_the_version_file(
     assert image(deployed) == f"{REPO}:0.2.0"
     assert deployed["metadata"]["annotations"][CONFIRMED] == "0.2.0"
     assert await updater.resume() == "nothing", "once there, nothing more is done"
+
+
+async def test_a_check_that_meets_a_running_sync_waits_for_it_instead_of_skipping(
+    control_plane: ControlPlane,
+    updater: SelfUpdater,
+    version_file: tuple[VersionFileServer, ThreadedServer],
+) -> None:
+    """A sync holds the shared lock for a moment at each of its intervals; a check that
+    always lands in that moment (the same interval, no jitter) must not skip forever. On
+    the real node it did: the self-update never ran while syncs every 3 s held the lock."""
+    version_file[0].set(body=b"0.2.0")
+    lock = updater._lock  # the lock the syncer shares
+    await lock.acquire()
+    try:
+        check = asyncio.create_task(updater.run_scheduled())
+        await asyncio.sleep(0)  # let the check start and meet the held lock
+        assert not check.done(), "the check skipped instead of waiting for the sync"
+    finally:
+        lock.release()
+    await asyncio.wait_for(check, timeout=60)
+    assert image(own(control_plane)) == f"{REPO}:0.2.0"
