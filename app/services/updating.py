@@ -167,7 +167,9 @@ class SelfUpdater:
         # skipped whenever it met one could skip every time (the same interval and no
         # jitter put both on the same ticks). It waits for the lock, up to its deadline.
         if not await self._lock_frees(self._deadline):
-            log.info("self-update check skipped: a sync or an update ran for %.0f s", self._deadline)
+            log.info(
+                "self-update check skipped: a sync or an update ran for %.0f s", self._deadline
+            )
             return
         now = datetime.now(UTC)
         try:
@@ -271,8 +273,7 @@ class SelfUpdater:
                         TARGET_IMAGE: decision.image,
                         UPDATE_STARTED: stamp(datetime.now(UTC)),
                     }},
-                    "spec": {"template": {"spec": {"containers": [
-                        {"name": self._container, "image": decision.image}]}}},
+                    "spec": self._images(own, decision.image, instead_of=previous),
                 },
             )  # fmt: skip
             self._metrics.self_updates.labels("applied").inc()
@@ -357,14 +358,15 @@ class SelfUpdater:
                 UPDATE_STARTED: None,
             }},
         }  # fmt: skip
-        if put_image_back:
-            patch["spec"] = {"template": {"spec": {"containers": [
-                {"name": self._container, "image": previous}]}}}  # fmt: skip
+
+        async def roll_back() -> dict[str, Any]:
+            if put_image_back:
+                own = await self._own()
+                patch["spec"] = self._images(own, previous, instead_of=self._container_image(own))
+            return await self._kube.patch(self._deployment, patch)
+
         try:
-            await self._retrying(
-                f"rollback of the update to {version}",
-                lambda: self._kube.patch(self._deployment, patch),
-            )
+            await self._retrying(f"rollback of the update to {version}", roll_back)
         except KubeError as exc:
             self._metrics.self_updates.labels("rollback-failed").inc()
             message = (
@@ -431,6 +433,20 @@ class SelfUpdater:
                 "was not found"
             )
         return own
+
+    def _images(self, own: dict[str, Any], image: str, *, instead_of: str) -> dict[str, Any]:
+        """The spec patch that runs `image`: the manager container, and every init container
+        that ran the manager's image with it (the install's `migrate`: the schema is
+        migrated by the code that needs it, and put back with it)."""
+        spec: dict[str, Any] = {"containers": [{"name": self._container, "image": image}]}
+        init = [
+            {"name": c["name"], "image": image}
+            for c in own["spec"]["template"]["spec"].get("initContainers") or []
+            if c.get("image") == instead_of and c.get("name")
+        ]
+        if init:
+            spec["initContainers"] = init
+        return {"template": {"spec": spec}}
 
     def _container_image(self, own: dict[str, Any]) -> str:
         for container in own["spec"]["template"]["spec"]["containers"]:

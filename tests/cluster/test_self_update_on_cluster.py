@@ -49,7 +49,9 @@ async def updater(
         "apply",
         "-f",
         "-",
-        input=json.dumps(own_deployment(f"{REPO}:0.1.0", sidecar=False, progress_deadline=3)),
+        input=json.dumps(
+            own_deployment(f"{REPO}:0.1.0", sidecar=False, progress_deadline=3, migrate=True)
+        ),
     )
     control_plane.kubectl("-n", OWN_NS, "rollout", "status", "deployment/workload-manager",
                           "--timeout=60s")  # fmt: skip
@@ -172,3 +174,25 @@ async def test_a_check_that_meets_a_running_sync_waits_for_it_instead_of_skippin
         lock.release()
     await asyncio.wait_for(check, timeout=60)
     assert image(own(control_plane)) == f"{REPO}:0.2.0"
+
+
+def init_images(obj: dict[str, Any]) -> dict[str, str]:
+    return {c["name"]: c["image"] for c in obj["spec"]["template"]["spec"]["initContainers"]}
+
+
+async def test_the_migrations_init_container_moves_with_the_manager_and_back(
+    control_plane: ControlPlane,
+    updater: SelfUpdater,
+    version_file: tuple[VersionFileServer, ThreadedServer],
+) -> None:
+    """The install runs the schema migrations in a `migrate` init container of the same
+    image: a new version's pod must migrate with the new version's code (production does
+    not migrate on start), and a rollback must put the old one back."""
+    version_file[0].set(body=b"0.2.0")
+    await updater.run_scheduled()
+    assert init_images(own(control_plane)) == {"migrate": f"{REPO}:0.2.0", "wait": "busybox:1.36"}
+    version_file[0].set(body=NEVER_READY_VERSION.encode())
+    await updater.run_scheduled()
+    deployed = own(control_plane)
+    assert image(deployed) == f"{REPO}:0.2.0", "rolled back"
+    assert init_images(deployed) == {"migrate": f"{REPO}:0.2.0", "wait": "busybox:1.36"}

@@ -59,12 +59,17 @@ OWN_NS = "workload-manager"
 
 
 def own_deployment(
-    image: str, *, sidecar: bool = True, progress_deadline: int | None = None
+    image: str, *, sidecar: bool = True, progress_deadline: int | None = None,
+    migrate: bool = False,
 ) -> dict[str, Any]:
-    """The manager's own Deployment (container `manager`), as the self-update finds it."""
+    """The manager's own Deployment (container `manager`), as the self-update finds it;
+    with `migrate`, the install's `migrate` init container of the same image (and one of
+    another image, which is not the manager's)."""
     containers: list[dict[str, Any]] = [{"name": "manager", "image": image}]
     if sidecar:
         containers.append({"name": "sidecar", "image": "busybox:1.36"})
+    init = [{"name": "migrate", "image": image, "args": ["migrate"]},
+            {"name": "wait", "image": "busybox:1.36"}]  # fmt: skip
     spec: dict[str, Any] = {
         "selector": {"matchLabels": {"app": "wm"}},
         "strategy": {"type": "RollingUpdate",
@@ -72,6 +77,8 @@ def own_deployment(
         "template": {"metadata": {"labels": {"app": "wm"}},
                      "spec": {"containers": containers}},
     }  # fmt: skip
+    if migrate:
+        spec["template"]["spec"]["initContainers"] = init
     if progress_deadline is not None:
         spec["progressDeadlineSeconds"] = progress_deadline
     return {
