@@ -1,6 +1,9 @@
 # syntax=docker/dockerfile:1
+# tools/image/build.sh passes a local equivalent: BASE=localhost/python:3.11-slim-bookworm
+ARG BASE=python:3.11-slim-bookworm
+
 # Build stage: wheels for the project and its dependencies.
-FROM python:3.11-slim-bookworm AS build
+FROM ${BASE} AS build
 WORKDIR /src
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
@@ -11,7 +14,7 @@ COPY app ./app
 RUN pip install --no-compile .
 
 # Runtime stage: the virtualenv only, as an unprivileged user.
-FROM python:3.11-slim-bookworm
+FROM ${BASE}
 LABEL org.opencontainers.image.title="workload-manager" \
       org.opencontainers.image.description="Node workload manager for single-node K3S clusters"
 ENV PATH=/opt/venv/bin:$PATH \

@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHECKOV_VENV  := $(VENV)/tools/checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-stamp
 
-.PHONY: install run dev test test-fast test-faults lint fmt bench soak clean help control-plane run-cluster checkov
+.PHONY: install run dev test test-fast test-faults test-node lint fmt bench soak clean help control-plane run-cluster run-node image install-file checkov
 
 help:
 	@echo "make run    - start the manager on embedded defaults (Postgres + NATS from wheels)"
@@ -21,6 +21,10 @@ help:
 	@echo "make soak   - 10 minutes under steady load; writes bench/results/soak.json (not in CI)"
 	@echo "make control-plane - build kube-apiserver, controllers, etcd and kwok for the tests (cached)"
 	@echo "make run-cluster - make run plus a real control plane, syncing examples/desired-state"
+	@echo "make image  - the manager's OCI image from the Dockerfile, built here (no registry)"
+	@echo "make install-file - render k8s/ into build/install/workload-manager.yaml (docs/install.md)"
+	@echo "make run-node - a real node (kubelet, containerd) with the manager installed from its image"
+	@echo "make test-node - only the real node's tests (tests/node)"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,8 +48,11 @@ run: $(STAMP)
 dev: $(STAMP)
 	$(BIN)/workload-manager serve --reload
 
-test: $(STAMP) control-plane
+test: $(STAMP) control-plane image
 	$(BIN)/python -m pytest
+
+test-node: $(STAMP) control-plane image
+	$(BIN)/python -m pytest tests/node
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not e2e"
@@ -77,11 +84,35 @@ soak: $(STAMP) control-plane
 control-plane:
 	tools/control-plane/build.sh
 	tools/control-plane/crds.sh
+	tools/control-plane/build.sh --node
+
+# The manager's image from the Dockerfile, on a base built here from Debian's packages
+# (tools/image/build.sh; cached in ~/.cache/workload-manager/image); the OCI archive's path
+# is the last line. Also the real node's pause and workload (pinger) images.
+# Root and these Debian packages: tools/debian-packages.sh installs the missing ones.
+NODE_PACKAGES := containerd runc containernetworking-plugins iproute2 iptables socat buildah \
+                 debootstrap busybox-static
+
+image:
+	tools/debian-packages.sh $(NODE_PACKAGES)
+	tools/image/build.sh --helpers
+	tools/image/build.sh
+
+install-file:
+	@mkdir -p build/install
+	kubectl kustomize k8s > build/install/workload-manager.yaml
+	@echo build/install/workload-manager.yaml
 
 # `make run` plus the control plane above and the example desired state (not a container
 # runtime: kwok only fakes the pods' status)
 run-cluster: $(STAMP) control-plane
 	$(BIN)/python -m tests.support.run_cluster
+
+# A real single-node cluster in a network namespace of its own (tests/support/node.py), the
+# manager installed on it from its image, syncing examples/desired-state from the local
+# backend; prints the kubectl commands to look. Ctrl-C removes everything.
+run-node: $(STAMP) control-plane image
+	$(BIN)/python -m tests.support.run_node
 
 clean:
 	rm -rf .data .mypy_cache .ruff_cache build dist *.egg-info

@@ -540,7 +540,11 @@ CONFIRMED_2 = Confirmed("0.2.0", f"{REPO}:0.2.0")
     ],
 )
 def test_reassertion_of_the_confirmed_version(
-    current: str, highest: Confirmed | None, failed: frozenset[str], choice: Choice, image: str | None
+    current: str,
+    highest: Confirmed | None,
+    failed: frozenset[str],
+    choice: Choice,
+    image: str | None,
 ) -> None:
     decision = reassertion(current=current, highest=highest, failed=failed, repository=REPO)
     assert decision.choice is choice, decision

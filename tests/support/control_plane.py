@@ -44,7 +44,8 @@ subjectKeyIdentifier = hash
 basicConstraints = critical,CA:FALSE
 keyUsage = critical,digitalSignature
 extendedKeyUsage = serverAuth
-subjectAltName = DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,IP:127.0.0.1,IP:10.96.0.1
+subjectAltName = DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,\
+DNS:kubernetes.default.svc,IP:127.0.0.1,IP:10.96.0.1{extra_sans}
 [client]
 basicConstraints = critical,CA:FALSE
 keyUsage = critical,digitalSignature
@@ -116,14 +117,22 @@ def binaries() -> Path:
 
 @dataclass
 class ControlPlane:
+    """`launcher` runs every process (kubectl too) through a prefix, such as the real node's
+    `nsenter` into its network namespace; `address` is where the API server listens and
+    what it advertises (the `kubernetes` Service's endpoint); without `fake_node` no kwok
+    runs and the nodes are real kubelets."""
+
     workdir: Path
     bin: Path
     api_port: int
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    launcher: tuple[str, ...] = ()
+    address: str = "127.0.0.1"
+    fake_node: bool = True
 
     @property
     def url(self) -> str:
-        return f"https://127.0.0.1:{self.api_port}"
+        return f"https://{self.address}:{self.api_port}"
 
     @property
     def pki(self) -> Path:
@@ -140,9 +149,21 @@ class ControlPlane:
     # -- start and stop ----------------------------------------------------------------
 
     @classmethod
-    def start(cls, workdir: Path, *, timeout: float = 120.0) -> ControlPlane:
+    def start(
+        cls,
+        workdir: Path,
+        *,
+        timeout: float = 120.0,
+        launcher: Sequence[str] = (),
+        address: str = "127.0.0.1",
+        api_port: int | None = None,
+        fake_node: bool = True,
+    ) -> ControlPlane:
         workdir.mkdir(parents=True, exist_ok=True)
-        plane = cls(workdir=workdir, bin=binaries(), api_port=free_port())
+        plane = cls(
+            workdir=workdir, bin=binaries(), api_port=api_port or free_port(),
+            launcher=tuple(launcher), address=address, fake_node=fake_node,
+        )  # fmt: skip
         try:
             plane._start(timeout)
         except BaseException:
@@ -172,8 +193,11 @@ class ControlPlane:
             "kube-apiserver",
             [
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-                f"--secure-port={self.api_port}", "--endpoint-reconciler-type=none",
+                f"--bind-address={self.address}", f"--advertise-address={self.address}",
+                f"--secure-port={self.api_port}",
+                # kwok's nodes are not reachable: no endpoint for the `kubernetes` Service;
+                # on the real node its pods reach the API server through it
+                f"--endpoint-reconciler-type={'none' if self.fake_node else 'lease'}",
                 f"--tls-cert-file={pki / 'apiserver.crt'}",
                 f"--tls-private-key-file={pki / 'apiserver.key'}",
                 f"--client-ca-file={self.ca}",
@@ -190,6 +214,11 @@ class ControlPlane:
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--allow-privileged=true",
+                # to a real kubelet (exec, logs) as the admin: the kubelet asks the API
+                # server whether that identity may
+                f"--kubelet-client-certificate={pki / 'admin.crt'}",
+                f"--kubelet-client-key={pki / 'admin.key'}",
+                "--kubelet-preferred-address-types=InternalIP",
             ],
         )  # fmt: skip
         self._until(
@@ -219,6 +248,13 @@ class ControlPlane:
                 f"--secure-port={free_port()}", "--leader-elect=false",
             ],
         )  # fmt: skip
+        self._until(
+            "the default ServiceAccount", deadline,
+            lambda: self.kubectl("-n", "default", "get", "serviceaccount", "default",
+                                 check=False).returncode == 0,
+        )  # fmt: skip
+        if not self.fake_node:
+            return
         stages = self.workdir / "kwok-stages.yaml"
         stages.write_text(_with_never_ready((self.bin / "kwok-stages.yaml").read_text()))
         self._spawn(
@@ -238,16 +274,11 @@ class ControlPlane:
             lambda: self.kubectl("wait", "--for=condition=Ready", f"node/{FAKE_NODE}",
                                  "--timeout=2s", check=False).returncode == 0,
         )  # fmt: skip
-        self._until(
-            "the default ServiceAccount", deadline,
-            lambda: self.kubectl("-n", "default", "get", "serviceaccount", "default",
-                                 check=False).returncode == 0,
-        )  # fmt: skip
 
     def _spawn(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> None:
         with open(self.workdir / f"{name}.log", "ab") as log:
             self.processes[name] = subprocess.Popen(
-                [str(self.bin / name), *args],
+                [*self.launcher, str(self.bin / name), *args],
                 stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
                 env={**os.environ, **(env or {})}, start_new_session=True,
             )  # fmt: skip
@@ -282,7 +313,8 @@ class ControlPlane:
     def _certificates(self) -> None:
         pki = self.pki
         pki.mkdir(exist_ok=True)
-        (pki / "openssl.cnf").write_text(_OPENSSL_CNF)
+        extra = "".join(f",IP:{ip}" for ip in {self.address} - {"127.0.0.1"})
+        (pki / "openssl.cnf").write_text(_OPENSSL_CNF.format(extra_sans=extra))
         key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
         cnf = ["-config", str(pki / "openssl.cnf")]
 
@@ -313,6 +345,32 @@ class ControlPlane:
         openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1",
                 "-out", "sa.key")  # fmt: skip
         openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub")
+
+    def client_kubeconfig(self, name: str, subject: str) -> Path:
+        """A kubeconfig with a client certificate of `subject` (`/O=group/CN=user`), signed
+        by the cluster's CA: the identities of the real node's kubelet and kube-proxy."""
+        pki = self.pki
+        key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+
+        def openssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], cwd=pki, check=True, capture_output=True)
+
+        openssl("req", "-new", "-nodes", *key, "-config", "openssl.cnf", "-subj", subject,
+                "-keyout", f"{name}.key", "-out", f"{name}.csr")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-days", "2", "-extfile", "openssl.cnf",
+                "-extensions", "client", "-out", f"{name}.crt")  # fmt: skip
+        path = self.workdir / f"{name}.kubeconfig"
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": name,
+            "clusters": [{"name": "node", "cluster": {
+                "server": self.url, "certificate-authority": str(self.ca)}}],
+            "users": [{"name": name, "user": {
+                "client-certificate": str(pki / f"{name}.crt"),
+                "client-key": str(pki / f"{name}.key")}}],
+            "contexts": [{"name": name, "context": {"cluster": "node", "user": name}}],
+        }))  # fmt: skip
+        return path
 
     def _write_admin_kubeconfig(self) -> None:
         pki = self.pki
@@ -352,7 +410,7 @@ class ControlPlane:
         if kubectl is None:
             raise ControlPlaneUnavailable("kubectl not found (Debian: kubernetes-client)")
         result = subprocess.run(
-            [kubectl, f"--kubeconfig={self.admin_kubeconfig}", *args],
+            [*self.launcher, kubectl, f"--kubeconfig={self.admin_kubeconfig}", *args],
             input=input, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         if check and result.returncode != 0:

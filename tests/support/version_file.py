@@ -59,7 +59,10 @@ OWN_NS = "workload-manager"
 
 
 def own_deployment(
-    image: str, *, sidecar: bool = True, progress_deadline: int | None = None,
+    image: str,
+    *,
+    sidecar: bool = True,
+    progress_deadline: int | None = None,
     migrate: bool = False,
 ) -> dict[str, Any]:
     """The manager's own Deployment (container `manager`), as the self-update finds it;

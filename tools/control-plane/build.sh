@@ -13,18 +13,21 @@
 #
 # Options: --force  rebuild even if the cache entry exists
 #          --print  print the bin directory without building (exit 1 if not built)
+#          --node   the real node's kubelet and kube-proxy instead (node/go.mod: the same
+#                   k8s.io/kubernetes version), in a cache entry of their own
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
 source "$here/versions.env"
 
-force=0 print_only=0
+force=0 print_only=0 node=0
 for arg in "$@"; do
   case "$arg" in
     --force) force=1 ;;
     --print) print_only=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --node) node=1 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "build.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -42,17 +45,24 @@ RECIPE=1
 
 # Run in $here so that a GOTOOLCHAIN switch (go.mod's go line) is reflected.
 read -r goversion goos goarch < <(cd "$here" && go env GOVERSION GOOS GOARCH | tr '\n' ' '; echo)
-mod_hash=$( (cd "$here" && echo "recipe=$RECIPE" && cat go.mod go.sum etcd/go.mod etcd/go.sum kwok/go.mod kwok/go.sum) \
-  | sha256sum | cut -c1-12)
-key="k8s-${KUBE_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_${goversion}_${goos}-${goarch}_${mod_hash}"
 cache_root="${CONTROL_PLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/workload-manager/control-plane}"
+if (( node )); then
+  mod_hash=$( (cd "$here" && echo "recipe=$RECIPE" && cat node/go.mod node/go.sum) | sha256sum | cut -c1-12)
+  key="node-k8s-${KUBE_VERSION}_${goversion}_${goos}-${goarch}_${mod_hash}"
+  binaries=(kubelet kube-proxy)
+else
+  mod_hash=$( (cd "$here" && echo "recipe=$RECIPE" && cat go.mod go.sum etcd/go.mod etcd/go.sum kwok/go.mod kwok/go.sum) \
+    | sha256sum | cut -c1-12)
+  key="k8s-${KUBE_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_${goversion}_${goos}-${goarch}_${mod_hash}"
+  binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+fi
 entry="$cache_root/$key"
 bin="$entry/bin"
-binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 
 complete() {
   local b
-  [[ -f "$bin/VERSIONS" && -f "$bin/kwok-stages.yaml" ]] || return 1
+  [[ -f "$bin/VERSIONS" ]] || return 1
+  (( node )) || [[ -f "$bin/kwok-stages.yaml" ]] || return 1
   for b in "${binaries[@]}"; do [[ -x "$bin/$b" ]] || return 1; done
 }
 
@@ -90,8 +100,38 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   kube_ldflags+=" -X $pkg.gitTreeState=clean"
 done
 
+# finish LINES: the VERSIONS file (LINES are the extra versions of this build), the build
+# moved into place, its bin directory printed
+finish() {
+  {
+    echo "KUBE_VERSION=${KUBE_VERSION}"
+    printf '%b' "$1"
+    cat <<EOF
+GO_VERSION=${goversion}
+PLATFORM=${goos}/${goarch}
+RECIPE=${RECIPE}
+MODULES_SHA256_12=${mod_hash}
+BUILT_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+BUILD_SECONDS=$(( $(date +%s) - start ))
+EOF
+  } > "$tmp/VERSIONS"
+  rm -rf "$bin"
+  mv "$tmp" "$bin"
+  trap - EXIT
+  log "built in $(( $(date +%s) - start ))s, $(du -sh "$bin" | cut -f1)"
+  echo "$bin"
+}
+
 start=$(date +%s)
 log "building into $entry ($(nproc) cores)"
+
+if (( node )); then
+  log "kubelet, kube-proxy (k8s.io/kubernetes ${KUBE_VERSION})"
+  (cd "$here/node" && go build "${common[@]}" -ldflags "$kube_ldflags" -o "$tmp/" \
+    k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy)
+  finish ""
+  exit 0
+fi
 
 log "kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes ${KUBE_VERSION})"
 (cd "$here" && go build "${common[@]}" -ldflags "$kube_ldflags" -o "$tmp/" \
@@ -122,20 +162,6 @@ kwok_dir=$(cd "$here/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
   done
 } > "$tmp/kwok-stages.yaml"
 
-cat > "$tmp/VERSIONS" <<EOF
-KUBE_VERSION=${KUBE_VERSION}
-ETCD_VERSION=${ETCD_VERSION}
+finish "ETCD_VERSION=${ETCD_VERSION}
 KWOK_VERSION=${KWOK_VERSION}
-GO_VERSION=${goversion}
-PLATFORM=${goos}/${goarch}
-RECIPE=${RECIPE}
-MODULES_SHA256_12=${mod_hash}
-BUILT_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-BUILD_SECONDS=$(( $(date +%s) - start ))
-EOF
-
-rm -rf "$bin"
-mv "$tmp" "$bin"
-trap - EXIT
-log "built in $(( $(date +%s) - start ))s, $(du -sh "$bin" | cut -f1)"
-echo "$bin"
+"

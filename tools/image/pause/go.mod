@@ -1,0 +1,3 @@
+module workload-manager/tools/image/pause
+
+go 1.22
