@@ -24,7 +24,12 @@ from typing import Any
 import aiohttp
 import stamina
 import yaml
-from kubernetes_asyncio import client, config
+
+from app.adapters import kube_lazy
+
+kube_lazy.install()  # before the import below: only the parts used are loaded
+
+from kubernetes_asyncio import client, config  # noqa: E402
 
 APPLY_PATCH = "application/apply-patch+yaml"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
