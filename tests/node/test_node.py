@@ -214,11 +214,14 @@ def test_self_update_replaces_its_own_pod_and_the_old_one_exits_on_sigterm(
 ) -> None:
     old = until("one ready manager", lambda: running_version(world, "0.1.0"))[0]
     grace = old["spec"]["terminationGracePeriodSeconds"]
-    watch = subprocess.Popen(
-        [*world.node.launcher, "kubectl", f"--kubeconfig={world.node.plane.admin_kubeconfig}",  # type: ignore[union-attr]
-         "-n", OWN_NS, "get", "pod", old["metadata"]["name"], "--watch", "-o", "json"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    # to a file, not a pipe: a pipe nobody reads fills (64 KiB) and holds the watch back
+    watched = world.node.logs / "old-manager-pod.watch.json"
+    with open(watched, "w") as out:
+        watch = subprocess.Popen(
+            [*world.node.launcher, "kubectl", f"--kubeconfig={world.node.plane.admin_kubeconfig}",  # type: ignore[union-attr]
+             "-n", OWN_NS, "get", "pod", old["metadata"]["name"], "--watch", "-o", "json"],
+            stdout=out,
+        )  # fmt: skip
     try:
         world.versions.set(body=GOOD.encode())
         until("0.2.0 running, the old pod gone", lambda: running_version(world, GOOD),
@@ -229,15 +232,21 @@ def test_self_update_replaces_its_own_pod_and_the_old_one_exits_on_sigterm(
               is None)  # fmt: skip
     finally:
         watch.terminate()
-        seen, _ = watch.communicate(timeout=10)
+        watch.wait(timeout=10)
+    seen = watched.read_text()
     states = [json.loads(doc) for doc in _json_documents(seen)]
     last = next(
         state for state in reversed(states)
         if "terminated" in state["status"]["containerStatuses"][0]["state"]
     )  # fmt: skip
-    deleting = datetime.fromisoformat(last["metadata"]["deletionTimestamp"])
     terminated = last["status"]["containerStatuses"][0]["state"]["terminated"]
-    signalled = deleting.timestamp() - grace  # the kubelet sends SIGTERM at the deletion
+    # the deletion as first seen: its timestamp is when the grace period ends (later
+    # writes move it, the kubelet's final delete to the moment the pod goes)
+    first = next(
+        state["metadata"] for state in states if state["metadata"].get("deletionTimestamp")
+    )
+    deadline = datetime.fromisoformat(first["deletionTimestamp"]).timestamp()
+    signalled = deadline - first["deletionGracePeriodSeconds"]  # SIGTERM, at the deletion
     took = datetime.fromisoformat(terminated["finishedAt"]).timestamp() - signalled
     print(f"old manager pod exited {took:.0f} s (±1 s) after SIGTERM, grace {grace} s")  # noqa: T201
     assert terminated["exitCode"] == 0, "exited by itself on SIGTERM, not killed at the grace"
@@ -283,14 +292,18 @@ def test_reapplying_the_install_does_not_undo_the_confirmed_update(world: NodeWo
 
 
 def _json_documents(text: str) -> list[str]:
-    """Split `kubectl get --watch -o json`'s concatenated objects."""
+    """Split `kubectl get --watch -o json`'s concatenated objects; the last one may be cut
+    short (the watch is ended while it writes), and is left out."""
     decoder, at, found = json.JSONDecoder(), 0, []
     while at < len(text):
         while at < len(text) and text[at].isspace():
             at += 1
         if at >= len(text):
             break
-        _, end = decoder.raw_decode(text, at)
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            break
         found.append(text[at:end])
         at = end
     return found
