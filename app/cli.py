@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -79,13 +80,39 @@ def _serve(args: argparse.Namespace) -> int:
         # lifespan's (loops, jobs, the last report)
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_seconds * 0.1)),
     )
+    # The port first, before anything starts or registers: a second manager started
+    # beside a running one (`make run` twice) ends here, having touched nothing.
     try:
-        Server(config).run()
+        listening = _listen(config.host, config.port)
+    except OSError as exc:
+        print(
+            f"workload-manager: cannot listen on {config.host}:{config.port}: "
+            f"{exc.strerror or exc} (is another manager running? PORT sets the port)",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        Server(config).run(sockets=[listening])
     except KeyboardInterrupt:
         # Ctrl-C: uvicorn has shut down as for SIGTERM, then raises the interrupt again;
         # exit as a shell reports an interrupted command, without a traceback
         return 128 + signal.SIGINT
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, bound as uvicorn binds its own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def _sync(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ as Python objects.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -34,6 +35,21 @@ RegistryUnavailable = (
 )  # fmt: skip
 
 
+class NodeHeldElsewhere(Exception):
+    """The node's row is held by another manager instance that is live."""
+
+    def __init__(
+        self, node_id: str, holder: str | None, status: str | None, age: float | None
+    ) -> None:
+        seen = f", last heartbeat {age:.0f} s ago" if age is not None else ""
+        super().__init__(
+            f"node {node_id} is held by another live instance ({holder or 'unknown'}, "
+            f"{status or 'unknown'}{seen}): this instance does not register it"
+        )
+        self.node_id = node_id
+        self.holder = holder
+
+
 async def server_version(url: str, *, connect_timeout: float) -> str:
     """Connect, ask the server's version and disconnect; raises on failure or timeout."""
     conn = await asyncpg.connect(url, timeout=connect_timeout)
@@ -56,20 +72,29 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 _UPSERT = """
 INSERT INTO worker_capabilities AS w (node_id, tier, region, trust_zone, hardware, capabilities,
                                       status, last_heartbeat, heartbeat_interval_seconds,
-                                      created_at, updated_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, now(), $8, now(), now())
+                                      instance_id, created_at, updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, now(), $8, $9, now(), now())
 ON CONFLICT (node_id) DO UPDATE SET
   tier = EXCLUDED.tier, region = EXCLUDED.region, trust_zone = EXCLUDED.trust_zone,
   hardware = EXCLUDED.hardware, capabilities = EXCLUDED.capabilities,
   status = EXCLUDED.status, last_heartbeat = now(),
-  heartbeat_interval_seconds = EXCLUDED.heartbeat_interval_seconds, updated_at = now()
+  heartbeat_interval_seconds = EXCLUDED.heartbeat_interval_seconds,
+  instance_id = EXCLUDED.instance_id, updated_at = now()
+WHERE w.instance_id IS NULL OR w.instance_id = EXCLUDED.instance_id
+   OR worker_liveness(w.status, w.last_heartbeat, w.heartbeat_interval_seconds)
+      IN ('draining', 'offline')
 RETURNING last_heartbeat
+"""
+
+_HOLDER = """
+SELECT instance_id, status, EXTRACT(EPOCH FROM now() - last_heartbeat)::float8 AS age
+FROM worker_capabilities WHERE node_id = $1
 """
 
 _HEARTBEAT = """
 UPDATE worker_capabilities
 SET last_heartbeat = now(), updated_at = now(), status = $2
-WHERE node_id = $1
+WHERE node_id = $1 AND instance_id = $3
 RETURNING last_heartbeat
 """
 
@@ -92,7 +117,11 @@ FROM eligible_workers($1, $2, $3, $4, $5, $6, $7, coalesce($8, now()))
 
 
 class AsyncpgRegistry:
-    def __init__(self, url: str, *, timeout: float, max_connections: int = 4) -> None:
+    def __init__(
+        self, url: str, *, timeout: float, max_connections: int = 4, instance: str | None = None
+    ) -> None:
+        # this manager process, as the node's row records who holds it
+        self.instance = instance or uuid.uuid4().hex
         self._url = url
         self._timeout = timeout
         self._max = max_connections
@@ -124,7 +153,9 @@ class AsyncpgRegistry:
         return self._pool
 
     async def upsert(self, node: NodeProfile, *, status: str, interval_seconds: int) -> None:
-        await self.pool.fetchval(
+        """Register or rewrite the node's row as held by this instance; NodeHeldElsewhere
+        when another instance that is neither leaving nor quiet holds it."""
+        written = await self.pool.fetchval(
             _UPSERT,
             node.node_id,
             node.tier.value,
@@ -134,12 +165,24 @@ class AsyncpgRegistry:
             node.capabilities,
             status,
             interval_seconds,
+            self.instance,
             timeout=self._timeout,
         )
+        if written is None:
+            holder = await self.pool.fetchrow(_HOLDER, node.node_id, timeout=self._timeout)
+            raise NodeHeldElsewhere(
+                node.node_id,
+                holder["instance_id"] if holder else None,
+                holder["status"] if holder else None,
+                holder["age"] if holder else None,
+            )
 
     async def heartbeat(self, node_id: str, *, status: str) -> bool:
-        """Move last_heartbeat; False when the node has no row (it must register first)."""
-        moved = await self.pool.fetchval(_HEARTBEAT, node_id, status, timeout=self._timeout)
+        """Move last_heartbeat; False when this instance does not hold the node's row (it
+        has none yet, or another instance took it over): it must register first."""
+        moved = await self.pool.fetchval(
+            _HEARTBEAT, node_id, status, self.instance, timeout=self._timeout
+        )
         return moved is not None
 
     async def nodes(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import stamina
 
-from app.adapters.registry import AsyncpgRegistry, RegistryUnavailable
+from app.adapters.registry import AsyncpgRegistry, NodeHeldElsewhere, RegistryUnavailable
 from app.domain.components import Component
 from app.domain.migrations import MigrationError
 from app.domain.requirements import NodeProfile, Tier
@@ -100,6 +100,9 @@ class Heartbeat:
         self._written: NodeProfile | None = None
         self.status = "online"
         self._marked: str | None = None  # the last status `mark` wrote
+        # one write at a time, each with the status as it is when the write begins: a beat
+        # in flight at SIGTERM cannot put `online` back over `draining`
+        self._writing = asyncio.Lock()
         # set once the node is registered (and, in development, the schema is migrated)
         self.registered = asyncio.Event()
 
@@ -119,7 +122,14 @@ class Heartbeat:
                 timeout=None,
             ):
                 with attempt:
-                    await self._write(self.status)
+                    await self._write()
+        except NodeHeldElsewhere as exc:
+            # a second manager for a node one already serves: it stays out of the way
+            self._metrics.heartbeats.labels("failed").inc()
+            self._component.failed(datetime.now(UTC), str(exc))
+            self._written = None
+            log.warning("registry: %s", exc)
+            return False
         except (*RegistryUnavailable, MigrationError) as exc:
             self._metrics.heartbeats.labels("failed").inc()
             self._component.failed(datetime.now(UTC), f"{type(exc).__name__}: {exc}")
@@ -143,15 +153,19 @@ class Heartbeat:
         self.registered.set()
         return True
 
-    async def _write(self, status: str) -> None:
+    async def _write(self) -> None:
         if self._prepare is not None:
             # e.g. migrations in development: done once, as soon as the database answers
             await self._prepare()
             self._prepare = None
         profile = await self.profile()
-        if self._written == profile and await self.registry.heartbeat(self._node_id, status=status):
-            return
-        await self.registry.upsert(profile, status=status, interval_seconds=self._interval)
+        async with self._writing:
+            status = self.status  # read now: `mark` may have changed it meanwhile
+            if self._written == profile and await self.registry.heartbeat(
+                self._node_id, status=status
+            ):
+                return
+            await self.registry.upsert(profile, status=status, interval_seconds=self._interval)
         if self._written is None:
             log.info("registered node %s (tier %s) as %s", self._node_id, self._tier, status)
         self._written = profile
@@ -164,7 +178,10 @@ class Heartbeat:
             return
         self.status = status
         try:
-            await asyncio.wait_for(self._write(status), timeout=within)
+            await asyncio.wait_for(self._write(), timeout=within)
+        except NodeHeldElsewhere as exc:
+            log.warning("node %s not marked %s: %s", self._node_id, status, exc)
+            return
         except (*RegistryUnavailable, MigrationError) as exc:
             log.warning("could not mark node %s %s in the registry: %s", self._node_id, status, exc)
             return

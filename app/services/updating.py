@@ -192,9 +192,10 @@ class SelfUpdater:
         self._component.succeeded(now, owed=None, **(self.last or {}))
         if decision.choice is Choice.UPDATE:
             try:
-                await self.update(decision)
-            except SelfUpdateBusy:
-                log.info("self-update to %s deferred: a sync started meanwhile", decision.version)
+                # a sync that began while the version file was read is waited for
+                await self.update(decision, wait=self._deadline)
+            except SelfUpdateBusy as exc:
+                log.info("self-update to %s deferred: %s", decision.version, exc)
 
     async def _lock_frees(self, within: float) -> bool:
         """Wait until no sync or update holds the lock (without keeping it)."""
@@ -253,39 +254,53 @@ class SelfUpdater:
             log.warning("self-update: re-asserting %s failed: %s", decision.version, exc)
             return "nothing"
 
-    async def update(self, decision: UpdateDecision) -> str:
-        """Apply and watch; returns "available", "rolled-back" or "rollback-failed"."""
-        if self._lock.locked():
+    async def update(self, decision: UpdateDecision, *, wait: float = 0.0) -> str:
+        """Apply and watch; returns "available", "rolled-back" or "rollback-failed".
+
+        A sync or an update holding the cluster lock is waited for up to `wait` seconds
+        (none by default); SelfUpdateBusy when it still holds it then."""
+        if self._lock.locked() and wait <= 0:
             raise SelfUpdateBusy("a sync or an update is running")
-        async with self._lock:
-            assert decision.image is not None and decision.version is not None
-            own = await self._own()
-            previous = self._container_image(own)
-            log.warning(
-                "self-update: %s (image %s, was %s)", decision.reason, decision.image, previous
-            )
-            patched = await self._kube.patch(
-                self._deployment,
-                {
-                    "metadata": {"annotations": {
-                        PREVIOUS_IMAGE: previous,
-                        TARGET_VERSION: decision.version,
-                        TARGET_IMAGE: decision.image,
-                        UPDATE_STARTED: stamp(datetime.now(UTC)),
-                    }},
-                    "spec": self._images(own, decision.image, instead_of=previous),
-                },
-            )  # fmt: skip
-            self._metrics.self_updates.labels("applied").inc()
-            if self._alerts is not None:
-                self._alerts.alert(f"self-update:applied:{decision.version}",
-                                   f"self-update applied: {decision.reason}")  # fmt: skip
-            generation = int((patched.get("metadata") or {}).get("generation") or 0)
-            pending = Pending(
-                Owed.WATCH, decision.reason, decision.version, previous, self._deadline,
-                decision.image,
-            )  # fmt: skip
-            return await self._see_through(pending, generation, read_marks(_annotations(own)))
+        try:
+            async with asyncio.timeout(max(wait, 0.0) or None):
+                await self._lock.acquire()
+        except TimeoutError:
+            raise SelfUpdateBusy(
+                f"a sync or an update held the cluster lock for {wait:.0f} s"
+            ) from None
+        try:
+            return await self._apply(decision)
+        finally:
+            self._lock.release()
+
+    async def _apply(self, decision: UpdateDecision) -> str:
+        """Under the cluster lock: patch the own Deployment, then see the rollout through."""
+        assert decision.image is not None and decision.version is not None
+        own = await self._own()
+        previous = self._container_image(own)
+        log.warning("self-update: %s (image %s, was %s)", decision.reason, decision.image, previous)
+        patched = await self._kube.patch(
+            self._deployment,
+            {
+                "metadata": {"annotations": {
+                    PREVIOUS_IMAGE: previous,
+                    TARGET_VERSION: decision.version,
+                    TARGET_IMAGE: decision.image,
+                    UPDATE_STARTED: stamp(datetime.now(UTC)),
+                }},
+                "spec": self._images(own, decision.image, instead_of=previous),
+            },
+        )  # fmt: skip
+        self._metrics.self_updates.labels("applied").inc()
+        if self._alerts is not None:
+            self._alerts.alert(f"self-update:applied:{decision.version}",
+                               f"self-update applied: {decision.reason}")  # fmt: skip
+        generation = int((patched.get("metadata") or {}).get("generation") or 0)
+        pending = Pending(
+            Owed.WATCH, decision.reason, decision.version, previous, self._deadline,
+            decision.image,
+        )  # fmt: skip
+        return await self._see_through(pending, generation, read_marks(_annotations(own)))
 
     async def _settle(self, pending: Pending, own: dict[str, Any]) -> str:
         """Do what the last update owes (WATCH, ROLLBACK or FINISH_ROLLBACK), under the lock."""

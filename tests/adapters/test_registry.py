@@ -11,7 +11,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from app.adapters.registry import AsyncpgRegistry
+from app.adapters.registry import AsyncpgRegistry, NodeHeldElsewhere
 from app.domain.migrations import MigrationError
 from app.domain.requirements import Mismatch, NodeProfile, Requirements
 from app.services import migrating
@@ -73,9 +73,10 @@ async def test_schema_keeps_the_seed_ddl(registry: AsyncpgRegistry) -> None:
     assert all(d["column_default"] == "CURRENT_TIMESTAMP" for d in defaults)
     for name, definition in SEED_INDEXES.items():
         assert indexes[name] == definition
-    # later migrations only add: one column, one GIN index
+    # later migrations only add: two columns, one GIN index
     assert [c["column_name"] for c in columns][len(SEED_COLUMNS) :] == [
-        "heartbeat_interval_seconds"
+        "heartbeat_interval_seconds",
+        "instance_id",
     ]
     assert set(indexes) - set(SEED_INDEXES) == {"idx_worker_capabilities_capabilities"}
 
@@ -90,6 +91,7 @@ async def test_migrations_are_recorded_and_run_once(registry: AsyncpgRegistry) -
         (3, "job_ledger"),
         (4, "job_ledger_claimant"),
         (5, "job_ledger_fingerprint"),
+        (6, "worker_instance"),
     ]
 
 
@@ -251,3 +253,33 @@ async def test_node_listing_filters(fleet: AsyncpgRegistry) -> None:
 async def test_profile_round_trips(fleet: AsyncpgRegistry) -> None:
     (node,) = await fleet.eligible(Requirements(region="us"))
     assert node == NodeProfile.model_validate(NODES[2].model_dump())
+
+
+async def test_a_live_instance_keeps_its_row_and_a_leaving_one_hands_it_over(
+    database: str,
+) -> None:
+    """Two manager processes for one node: the second is refused while the first is live,
+    can write neither `draining` nor `offline` over it, and takes the row once the first
+    is leaving."""
+    first = AsyncpgRegistry(database, timeout=5)
+    second = AsyncpgRegistry(database, timeout=5)
+    await first.open()
+    await second.open()
+    try:
+        await migrating.migrate(first, MIGRATIONS)
+        await first.upsert(PROFILE, status="online", interval_seconds=30)
+        with pytest.raises(NodeHeldElsewhere, match=first.instance):
+            await second.upsert(PROFILE, status="online", interval_seconds=30)
+        assert await second.heartbeat(PROFILE.node_id, status="offline") is False
+        with pytest.raises(NodeHeldElsewhere):
+            await second.upsert(PROFILE, status="offline", interval_seconds=30)
+        (row,) = await first.nodes()
+        assert row["status"] == "online"
+        assert await first.heartbeat(PROFILE.node_id, status="draining") is True
+        await second.upsert(PROFILE, status="online", interval_seconds=30)
+        assert await first.heartbeat(PROFILE.node_id, status="offline") is False
+        (row,) = await first.nodes()
+        assert row["status"] == "online"
+    finally:
+        await first.close()
+        await second.close()

@@ -176,6 +176,39 @@ async def test_a_check_that_meets_a_running_sync_waits_for_it_instead_of_skippin
     assert image(own(control_plane)) == f"{REPO}:0.2.0"
 
 
+async def test_a_sync_that_starts_during_the_check_delays_the_update_not_by_an_interval(
+    control_plane: ControlPlane,
+    updater: SelfUpdater,
+    version_file: tuple[VersionFileServer, ThreadedServer],
+) -> None:
+    """The lock was free when the check began; a sync took it while the version file was
+    read. The update waits for that sync, instead of being deferred to the next check."""
+    version_file[0].set(body=b"0.2.0")
+    lock = updater._lock  # the lock the syncer shares
+    read = updater._source.fetch
+    sync_started = asyncio.Event()
+
+    async def read_while_a_sync_starts() -> bytes:
+        content = await read()
+        await lock.acquire()
+        sync_started.set()
+        return content
+
+    updater._source.fetch = read_while_a_sync_starts  # type: ignore[method-assign]
+    try:
+        check = asyncio.create_task(updater.run_scheduled())
+        await asyncio.wait_for(sync_started.wait(), timeout=30)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not check.done(), "the update gave up on meeting the sync"
+    finally:
+        if lock.locked():
+            lock.release()
+        updater._source.fetch = read  # type: ignore[method-assign]
+    await asyncio.wait_for(check, timeout=60)
+    assert image(own(control_plane)) == f"{REPO}:0.2.0"
+
+
 def init_images(obj: dict[str, Any]) -> dict[str, str]:
     return {c["name"]: c["image"] for c in obj["spec"]["template"]["spec"]["initContainers"]}
 

@@ -10,7 +10,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.adapters.embedded import EmbeddedPostgres, free_port
+from app.adapters.registry import AsyncpgRegistry
+from app.domain.components import Component
+from app.domain.requirements import Tier
 from app.main import create_app
+from app.metrics import Metrics
+from app.services import migrating
+from app.services.heartbeating import Heartbeat, LocalProfile
 from tests.conftest import SettingsFactory, running
 from tests.support.polling import eventually
 
@@ -172,3 +178,54 @@ async def _heartbeats(client: httpx.AsyncClient, outcome: str) -> float:
             ):
                 return float(sample.value)
     return 0.0
+
+
+async def test_a_beat_in_flight_when_draining_is_marked_does_not_write_online_over_it(
+    database: str,
+) -> None:
+    """SIGTERM while a heartbeat is between reading the node's profile and writing it:
+    the beat must not put `online` back over the `draining` the shutdown wrote."""
+    registry = AsyncpgRegistry(database, timeout=5.0)
+    await registry.open()
+    try:
+        await migrating.migrate(registry, migrating.migrations_dir(None))
+        release = asyncio.Event()
+        calls = 0
+
+        async def fingerprint() -> dict[str, object]:
+            nonlocal calls
+            calls += 1
+            if calls == 1:  # the scheduled beat: held until the shutdown has marked
+                await release.wait()
+            return {"cpu_count": 2}
+
+        profile = LocalProfile(
+            node_id=NODE, tier=Tier.B, region="eu", trust_zone=None, capabilities=[],
+            fingerprint=fingerprint,
+        )  # fmt: skip
+        heartbeat = Heartbeat(
+            registry=registry, profile=profile, interval_seconds=30,
+            component=Component("registry", True, "test"), metrics=Metrics(),
+        )  # fmt: skip
+
+        async def beat_waits() -> bool:
+            return calls == 1
+
+        async def marked() -> bool:
+            return mark.done()
+
+        beat = asyncio.create_task(heartbeat.beat())
+        await eventually(beat_waits)
+        mark = asyncio.create_task(heartbeat.mark("draining", within=5.0))
+        await eventually(marked)
+        assert mark.result() is None
+        release.set()
+        await asyncio.wait_for(asyncio.gather(beat, mark), timeout=10)
+        row = await fetch_row(database)
+        assert row is not None and row["status"] == "draining"
+        # and later beats keep saying draining
+        assert await heartbeat.beat()
+        row = await fetch_row(database)
+        assert row is not None and row["status"] == "draining"
+    finally:
+        await registry.close()
