@@ -210,6 +210,8 @@ class Settings(BaseSettings):
     # how long the JetStream ledger remembers a finished key (default: the streams' max age,
     # after which no delivery of the job can come)
     job_ledger_ttl_seconds: float | None = Field(default=None, ge=60.0, le=365 * 86_400.0)
+    # the streams' and buckets' replicas for `init-streams`; unset: from the server (1 on a
+    # single server, the cluster's size up to 3; an existing stream keeps its own)
     nats_stream_replicas: int | None = Field(default=None, ge=1, le=5)
     nats_stream_max_age_seconds: float = _ranged(7 * 86_400.0, 60.0, 365 * 86_400.0)
     nats_duplicate_window_seconds: float = _ranged(120.0, 1.0, 86_400.0)
@@ -436,12 +438,6 @@ class Settings(BaseSettings):
             return None
         start, end = self.self_update_window.split("-")
         return time.fromisoformat(start), time.fromisoformat(end)
-
-    @property
-    def stream_replicas(self) -> int:
-        if self.nats_stream_replicas is not None:
-            return self.nats_stream_replicas
-        return 3 if self.is_production else 1
 
     @property
     def auto_init_streams(self) -> bool:

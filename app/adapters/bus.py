@@ -53,6 +53,41 @@ class BucketMissing(Exception):
     """A key-value bucket the manager needs does not exist (an operator's step to take)."""
 
 
+# JetStream's refusals of a stream's (or bucket's) replica count: more than one on a server
+# that is not clustered; more than the cluster has peers for; not enough resources (peers
+# up, storage) for that many
+REPLICA_REFUSALS = {
+    10074: "replicas > 1 not supported in non-clustered mode",
+    10005: "no suitable peers for placement",
+    10023: "insufficient resources",
+}
+
+
+class ReplicasRefused(nats.errors.Error):
+    """The server refused a stream's (or key-value bucket's) replica count. A bus error
+    like the others (`BusError`), with the setting to change in its message."""
+
+    def __init__(self, stream: str, replicas: int, description: str) -> None:
+        super().__init__(stream, replicas, description)
+        self.stream = stream
+        self.replicas = replicas
+        self.description = description
+
+    def __str__(self) -> str:
+        return (
+            f"the NATS server refused stream {self.stream} with {self.replicas} replicas "
+            f"({self.description}): set NATS_STREAM_REPLICAS to what the server can hold "
+            "(1 for a single server, at most the cluster's size)"
+        )
+
+
+def _replicas_refused(exc: BaseException, stream: str, replicas: int) -> ReplicasRefused | None:
+    """`exc` as ReplicasRefused when it is JetStream's refusal of the replica count."""
+    if not isinstance(exc, nats.js.errors.APIError) or exc.err_code not in REPLICA_REFUSALS:
+        return None
+    return ReplicasRefused(stream, replicas, exc.description or REPLICA_REFUSALS[exc.err_code])
+
+
 class NatsRefused(Exception):
     """NATS refused this node: its credentials (authorization) or a subject it needs
     (permissions). Not a fault to retry quickly: an operator has to change something."""
@@ -334,6 +369,36 @@ class JetStreamBus:
     def _js(self) -> Any:
         return self._nc.jetstream(timeout=self._timeout)
 
+    @property
+    def _server_info(self) -> dict[str, Any]:
+        # the INFO of the server connected to (last connected to), which nats-py keeps
+        # only privately (nats-py 2.16 has no public accessor for `cluster`/`connect_urls`)
+        info = getattr(self._nc, "_server_info", None)
+        return info if isinstance(info, dict) else {}
+
+    @property
+    def cluster_name(self) -> str | None:
+        """The name of the server's cluster; None for a server that is not clustered (its
+        INFO has no `cluster`), or before the first connection."""
+        name = self._server_info.get("cluster")
+        return str(name) if name else None
+
+    @property
+    def advertised_servers(self) -> int:
+        """How many client URLs the server advertises (`connect_urls`: its cluster's
+        members, itself included); 0 for a single server, or a cluster that advertises
+        none (`no_advertise`)."""
+        urls = self._server_info.get("connect_urls") or []
+        return len(urls) if isinstance(urls, list) else 0
+
+    async def stream_replicas(self, name: str) -> int | None:
+        """The replica count of the existing stream `name`; None when there is none."""
+        try:
+            info = await self._js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            return None
+        return int(info.config.num_replicas or 1)
+
     async def drain(self, *, within: float | None = None) -> None:
         """Stop subscriptions, flush what is pending, close; within `within` seconds (the
         client's own drain timeout is 30 s, longer than a pod's whole grace period)."""
@@ -350,7 +415,17 @@ class JetStreamBus:
                 await self._nc.close()
 
     async def ensure_stream(self, spec: StreamSpec) -> str:
-        """Create or update a stream to match `spec`; returns created | updated | unchanged."""
+        """Create or update a stream to match `spec`; returns created | updated | unchanged.
+        A replica count the server refuses ends in ReplicasRefused."""
+        try:
+            return await self._ensure_stream(spec)
+        except nats.js.errors.APIError as exc:
+            refused = _replicas_refused(exc, spec.name, spec.replicas)
+            if refused is not None:
+                raise refused from exc
+            raise
+
+    async def _ensure_stream(self, spec: StreamSpec) -> str:
         config = api.StreamConfig(
             name=spec.name,
             subjects=list(spec.subjects),
@@ -420,19 +495,26 @@ class JetStreamBus:
           confine, where the other form names it in the body;
         - no rollups: a `Nats-Rollup` header on a key anyone may write would purge that
           key's subject, or the whole stream, and no permission can see a header. The
-          ledger writes but never deletes or purges (a KV purge is a rollup)."""
+          ledger writes but never deletes or purges (a KV purge is a rollup).
+        A replica count the server refuses ends in ReplicasRefused."""
         try:
             await self._js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
             # nats-py creates a bucket's stream with rollups allowed; they are switched off
             # below, before any node has written to it
-            await self._js.create_key_value(
-                api.KeyValueConfig(
-                    bucket=bucket, history=1, ttl=ttl_seconds, replicas=replicas,
-                    storage=api.StorageType.FILE, direct=True,
-                    description="workload manager: job idempotency ledger",
-                )
-            )  # fmt: skip
+            try:
+                await self._js.create_key_value(
+                    api.KeyValueConfig(
+                        bucket=bucket, history=1, ttl=ttl_seconds, replicas=replicas,
+                        storage=api.StorageType.FILE, direct=True,
+                        description="workload manager: job idempotency ledger",
+                    )
+                )  # fmt: skip
+            except nats.js.errors.APIError as exc:
+                refused = _replicas_refused(exc, f"KV_{bucket}", replicas)
+                if refused is not None:
+                    raise refused from exc
+                raise
             made = "created"
         else:
             made = "unchanged"

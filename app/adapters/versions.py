@@ -31,7 +31,6 @@ import os
 import re
 import threading
 from typing import TYPE_CHECKING
-from urllib.parse import quote
 
 import httpx
 from cryptography.exceptions import InvalidSignature
@@ -49,6 +48,8 @@ from app.domain.updates import (
 )
 
 if TYPE_CHECKING:
+    from botocore.awsrequest import AWSRequest
+    from botocore.client import BaseClient
     from botocore.credentials import Credentials, ReadOnlyCredentials
     from botocore.session import Session
 
@@ -57,8 +58,6 @@ log = logging.getLogger(__name__)
 # How much of an S3 error answer is read for its <Code> and <Message>.
 _S3_ERROR_BYTES = 8 * 1024
 _S3_ERROR_FIELD = re.compile(rb"<(Code|Message)>([^<]{1,300})</\1>")
-# Buckets that can be a host name label (no dots: those break the TLS wildcard).
-_VIRTUAL_HOST_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 
 
 class VersionSourceError(RuntimeError):
@@ -244,12 +243,16 @@ class S3Object:
     """The object of an s3://bucket/key URL: its HTTP URL, and GETs to it signed with SigV4.
 
     The region is AWS_REGION, else botocore's (AWS_DEFAULT_REGION, or the config file's).
-    The endpoint is `endpoint` (an S3-compatible store; path-style URLs) if given, else AWS's
-    regional one (virtual-hosted URLs where the bucket name allows). Credentials are found
-    once, by botocore's chain, and kept: botocore renews the temporary ones (web identity,
-    instance profile) itself, before they expire. Finding or renewing them may read files
-    and call the instance metadata service or STS, so it runs in a worker thread (which the
-    caller bounds with its timeout); an empty chain is looked at again on the next fetch.
+    The object's URL is botocore's, from an S3 client of its own: at `endpoint` (an
+    S3-compatible store) if given, else at the endpoint the AWS SDKs' settings give S3 (by
+    botocore's rules: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the config file's `services`
+    section, then the profile's `endpoint_url`; none with
+    AWS_IGNORE_CONFIGURED_ENDPOINT_URLS), both path-style, else at AWS's own (virtual-hosted
+    where the bucket name allows). Credentials are found once, by botocore's chain, and kept:
+    botocore renews the temporary ones (web identity, instance profile) itself, before they
+    expire. Finding or renewing them may read files and call the instance metadata service
+    or STS, so it runs in a worker thread (which the caller bounds with its timeout); an
+    empty chain is looked at again on the next fetch.
     """
 
     def __init__(self, url: str, *, endpoint: str | None) -> None:
@@ -260,69 +263,130 @@ class S3Object:
         self._session: Session | None = None
         self._region: str | None = None
         self._credentials: Credentials | None = None
+        self._client: BaseClient | None = None
 
     async def signed_get(
         self, headers: dict[str, str], *, suffix: str = ""
     ) -> tuple[str, dict[str, str]]:
         """The URL to GET and the headers (`headers` and the signature's) to send with it;
         with `suffix`, of the object whose key is this one's followed by it."""
-        credentials, region = await asyncio.to_thread(self._credentials_and_region)
+        credentials, region, url = await asyncio.to_thread(self._prepare, suffix)
         from botocore.auth import S3SigV4Auth
         from botocore.awsrequest import AWSRequest
 
-        url = self.http_url(region, suffix=suffix)
         request = AWSRequest(method="GET", url=url, headers=headers)
         S3SigV4Auth(credentials, "s3", region).add_auth(request)
         return url, dict(request.headers.items())
 
+    def _prepare(self, suffix: str) -> tuple[ReadOnlyCredentials, str, str]:
+        """In a worker thread: the chain's current credentials (renewed if due), the region
+        and the URL of the object (with `suffix` after its key)."""
+        with self._lock:
+            frozen, region = self._credentials_and_region()
+            try:
+                url = self._object_url(region, suffix)
+            except Exception as exc:  # botocore's: a bad endpoint setting, a bad config file
+                raise VersionSourceError(
+                    f"GET {self.url}: S3 endpoint: {type(exc).__name__}: {exc}"
+                ) from None
+        return frozen, region, url
+
     def http_url(self, region: str, *, suffix: str = "") -> str:
-        key = quote(self.key + suffix, safe="/~")
-        if self._endpoint is not None:
-            return f"{self._endpoint}/{self.bucket}/{key}"
-        domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
-        if _VIRTUAL_HOST_BUCKET.match(self.bucket):
-            return f"https://{self.bucket}.s3.{region}.{domain}/{key}"
-        return f"https://s3.{region}.{domain}/{self.bucket}/{key}"
+        """The object's URL in `region` (with `suffix` after its key), as GETs use it."""
+        with self._lock:
+            if self._session is None:
+                self._session = _botocore_session()
+            return self._object_url(region, suffix)
+
+    def _object_url(self, region: str, suffix: str) -> str:
+        """botocore's URL of the object: that of the GetObject request its S3 client (made
+        once) builds, stopped before it is signed and sent (the GET is signed here)."""
+        assert self._session is not None
+        if self._client is None:
+            from botocore.config import Config
+
+            path_style = self._endpoint is not None or _configured_endpoint(self._session)
+            client = self._session.create_client(
+                "s3",
+                region_name=region,
+                endpoint_url=self._endpoint,
+                config=Config(s3={"addressing_style": "path"}) if path_style else None,
+            )
+            client.meta.events.register_last("before-sign.s3.GetObject", _stop_at_signing)
+            self._client = client
+        try:
+            self._client.get_object(  # type: ignore[attr-defined]  # botocore's, generated
+                Bucket=self.bucket, Key=self.key + suffix
+            )
+        except _Built as built:
+            # without its query (`x-id=GetObject`): the URL shown to S3 is the object's own
+            return built.url.partition("?")[0]
+        raise AssertionError("botocore sent a GetObject request")  # pragma: no cover
 
     def _credentials_and_region(self) -> tuple[ReadOnlyCredentials, str]:
-        """In a worker thread: the chain's current credentials (renewed if due), the region."""
-        with self._lock:
-            try:
-                if self._session is None:
-                    self._session = _botocore_session()
-                if self._region is None:
-                    region = os.environ.get("AWS_REGION") or self._session.get_config_variable(
-                        "region"
+        """Under the lock: the chain's current credentials (renewed if due), the region."""
+        try:
+            if self._session is None:
+                self._session = _botocore_session()
+            if self._region is None:
+                region = os.environ.get("AWS_REGION") or self._session.get_config_variable("region")
+                if not region:
+                    raise VersionSourceError(
+                        f"GET {self.url}: no AWS region: set AWS_REGION (or "
+                        "AWS_DEFAULT_REGION, or region in the AWS config file)"
                     )
-                    if not region:
-                        raise VersionSourceError(
-                            f"GET {self.url}: no AWS region: set AWS_REGION (or "
-                            "AWS_DEFAULT_REGION, or region in the AWS config file)"
-                        )
-                    self._region = str(region)
+                self._region = str(region)
+            if self._credentials is None:
+                self._credentials = self._session.get_credentials()
                 if self._credentials is None:
-                    self._credentials = self._session.get_credentials()
-                    if self._credentials is None:
-                        raise VersionSourceError(
-                            f"GET {self.url}: no AWS credentials found (looked in the "
-                            "environment, web identity, the shared config and credentials "
-                            "files, container and instance metadata)"
-                        )
-                    log.info(
-                        "self-update: AWS credentials for %s from %s",
-                        self.url, self._credentials.method,
-                    )  # fmt: skip
-                frozen = self._credentials.get_frozen_credentials()
-            except VersionSourceError:
-                raise
-            except Exception as exc:  # botocore's, from reading files, IMDS or STS
-                raise VersionSourceError(
-                    f"GET {self.url}: AWS credentials: {type(exc).__name__}: {exc}"
-                ) from None
-            region = self._region
+                    raise VersionSourceError(
+                        f"GET {self.url}: no AWS credentials found (looked in the "
+                        "environment, web identity, the shared config and credentials "
+                        "files, container and instance metadata)"
+                    )
+                log.info(
+                    "self-update: AWS credentials for %s from %s",
+                    self.url, self._credentials.method,
+                )  # fmt: skip
+            frozen = self._credentials.get_frozen_credentials()
+        except VersionSourceError:
+            raise
+        except Exception as exc:  # botocore's, from reading files, IMDS or STS
+            raise VersionSourceError(
+                f"GET {self.url}: AWS credentials: {type(exc).__name__}: {exc}"
+            ) from None
         if not frozen.access_key or not frozen.secret_key:
             raise VersionSourceError(f"GET {self.url}: AWS credentials are incomplete")
-        return frozen, region
+        return frozen, self._region
+
+
+class _Built(Exception):  # not an error: how the built request comes back
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.url = url
+
+
+def _stop_at_signing(request: AWSRequest, **_: object) -> None:
+    """botocore's before-sign hook: the request is built (its URL final), and is never
+    signed nor sent by botocore."""
+    raise _Built(str(request.url))
+
+
+def _configured_endpoint(session: Session) -> bool:
+    """Whether the AWS SDKs' settings give S3 an endpoint (which botocore then uses), by
+    botocore's own lookup: AWS_IGNORE_CONFIGURED_ENDPOINT_URLS (or the config file's
+    ignore_configured_endpoint_urls), then AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the config
+    file's `services` section for s3, the profile's endpoint_url."""
+    from botocore.configprovider import ConfiguredEndpointProvider
+
+    if session.get_config_variable("ignore_configured_endpoint_urls"):
+        return False
+    provider = ConfiguredEndpointProvider(
+        full_config=session.full_config,
+        scoped_config=session.get_scoped_config(),
+        client_name="s3",
+    )
+    return bool(provider.provide())
 
 
 def _botocore_session() -> Session:

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
 from app.api.auth import UNAUTHORIZED, require_api_token, runtime
-from app.api.params import single_valued
+from app.api.params import single_valued, single_valued_integers
 from app.domain.requirements import CAPABILITY_NAME
 
 router = APIRouter(
@@ -21,7 +21,10 @@ Liveness = Literal["online", "draining", "suspect", "offline"]
     "/v1/fleet/nodes",
     summary="Registered nodes with their liveness (judged by the database clock)",
     responses={503: {"description": "The registry is off or unreachable"}},
-    dependencies=[Depends(single_valued("tier", "status", "capability", "limit"))],
+    dependencies=[
+        Depends(single_valued("tier", "status", "capability")),
+        Depends(single_valued_integers("limit")),
+    ],
 )
 async def fleet_nodes(
     request: Request,

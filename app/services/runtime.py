@@ -302,7 +302,30 @@ def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monot
 
 
 async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
-    """Open every component, start the loops and tasks; `stop_runtime` runs first on exit."""
+    """Open every component, start the loops and tasks; `stop_runtime` runs first on exit.
+
+    A start that fails part-way stops what it had started (the alert sender, the loops)
+    before the exit stack closes the clients those use, then raises."""
+    try:
+        await _start(rt, stack)
+    except BaseException:
+        await _abandon_start(rt)
+        raise
+    stack.push_async_callback(stop_runtime, rt)
+    rt.started = True
+
+
+async def _abandon_start(rt: Runtime) -> None:
+    """After a failed start: the tasks and loops it started, stopped within the shutdown
+    grace; nothing is written to the registry (the node was not announced)."""
+    deadline = rt.shutdown
+    deadline.begin()
+    rt.stopping = True
+    await rt.scheduler.stop(within=deadline.budget(cap=2.0, reserve=0.5))
+    await rt.supervisor.stop_all(budget=deadline.budget(reserve=0.25))
+
+
+async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
     settings, components = rt.settings, rt.components
     await _start_data_services(rt, stack)
 
@@ -370,8 +393,6 @@ async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
         rt.supervisor.start("self-update-resume", resume, restart=False)
     rt.scheduler.start()
     components["scheduler"].succeeded(datetime.now(UTC))
-    stack.push_async_callback(stop_runtime, rt)
-    rt.started = True
     log.info(
         "workload manager %s started as node %s (%s); components on: %s",
         __version__,

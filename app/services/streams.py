@@ -4,11 +4,16 @@
 durable pull consumer per job stream and tier (`wm-<tier>`, shared by every node of the
 tier) and each tier's ledger bucket (`JOB_LEDGER_<tier>`). `publish_job` is the library
 form of `workload-manager publish`.
+
+Replicas: NATS_STREAM_REPLICAS when set; else what the server reports (`derive_replicas`):
+1 on a single server, the cluster's size up to 3 on a cluster, and an existing stream
+keeps the count it has. A count the server refuses ends in ReplicasRefused.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,9 +31,33 @@ from app.domain.requirements import Requirements, Tier
 from app.settings import Settings
 
 TIERS = tuple(t.value for t in Tier)
+MAX_DERIVED_REPLICAS = 3  # JetStream's usual most; more only when NATS_STREAM_REPLICAS says
 
 
-def stream_specs(settings: Settings) -> list[StreamSpec]:
+def derive_replicas(
+    setting: int | None, *, cluster: str | None, advertised: int, existing: int | None
+) -> int:
+    """A stream's (or bucket's) replica count: `setting` (NATS_STREAM_REPLICAS) when set;
+    else an existing stream's own count (derivation never changes a stream, least of all
+    lowers it); else 1 on a server that is not clustered (`cluster` None: JetStream refuses
+    more there), else the `advertised` client URLs of its cluster, at most 3 (3 when it
+    advertises none)."""
+    if setting is not None:
+        return setting
+    if existing is not None:
+        return existing
+    if cluster is None:
+        return 1
+    if advertised <= 0:
+        return MAX_DERIVED_REPLICAS
+    return min(MAX_DERIVED_REPLICAS, advertised)
+
+
+def stream_specs(settings: Settings, replicas: Mapping[str, int] | None = None) -> list[StreamSpec]:
+    """The streams' specs; `replicas` per stream name (what `init_streams` derives), a
+    stream without one getting NATS_STREAM_REPLICAS, else 1."""
+    chosen = replicas or {}
+
     def spec(name: str, subject: str, retention: str) -> StreamSpec:
         return StreamSpec(
             name=name,
@@ -36,7 +65,7 @@ def stream_specs(settings: Settings) -> list[StreamSpec]:
             retention=retention,
             max_age_seconds=settings.nats_stream_max_age_seconds,
             duplicate_window_seconds=settings.nats_duplicate_window_seconds,
-            replicas=settings.stream_replicas,
+            replicas=chosen.get(name, settings.nats_stream_replicas or 1),
         )
 
     specs = [
@@ -77,9 +106,24 @@ def consumer_specs(settings: Settings, tiers: tuple[str, ...] = TIERS) -> list[C
 async def init_streams(
     bus: JetStreamBus, settings: Settings, *, tiers: tuple[str, ...] = TIERS
 ) -> list[tuple[str, str]]:
-    """Create or update everything; returns (what, created|updated|unchanged) pairs."""
+    """Create or update everything; returns (what, created|updated|unchanged) pairs.
+    ReplicasRefused when the server refuses the replica count (see `derive_replicas`)."""
+
+    async def replicas(stream: str) -> int:
+        existing = None
+        if settings.nats_stream_replicas is None:  # the setting needs no look
+            existing = await bus.stream_replicas(stream)
+        return derive_replicas(
+            settings.nats_stream_replicas,
+            cluster=bus.cluster_name,
+            advertised=bus.advertised_servers,
+            existing=existing,
+        )
+
+    names = [spec.name for spec in stream_specs(settings)]
+    chosen = {name: await replicas(name) for name in names}
     changes = []
-    for stream in stream_specs(settings):
+    for stream in stream_specs(settings, chosen):
         changes.append((f"stream {stream.name}", await bus.ensure_stream(stream)))
     for consumer in consumer_specs(settings, tiers):
         what = f"consumer {consumer.stream}/{consumer.durable}"
@@ -87,10 +131,11 @@ async def init_streams(
     # the idempotency ledger of nodes without PostgreSQL, a bucket per tier
     # (adapters/kv_ledger.py)
     for tier in tiers:
+        # only a new bucket takes it; an existing one keeps its own
         made = await bus.ensure_key_value(
             ledger_bucket(tier),
             ttl_seconds=settings.ledger_ttl_seconds,
-            replicas=settings.stream_replicas,
+            replicas=await replicas(f"KV_{ledger_bucket(tier)}"),
         )
         changes.append((f"bucket {ledger_bucket(tier)}", made))
     return changes

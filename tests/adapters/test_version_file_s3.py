@@ -219,6 +219,80 @@ async def test_a_signature_url_of_its_own_is_read_as_that_object_with_the_same_k
         await source.aclose()
 
 
+def requested_urls(source: VersionFile) -> list[str]:
+    """The URLs the source GETs from now on (none is sent: each is answered 404 here)."""
+    urls: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        urls.append(str(request.url))
+        return httpx.Response(404)
+
+    source._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    return urls
+
+
+DEAD = "http://127.0.0.1:9"  # nothing listens there: a request to it fails at once
+
+
+@pytest.mark.parametrize(
+    ("variables", "config"),
+    [
+        ({"AWS_ENDPOINT_URL": "{moto}"}, ""),
+        ({"AWS_ENDPOINT_URL_S3": "{moto}"}, ""),
+        ({"AWS_ENDPOINT_URL_S3": "{moto}", "AWS_ENDPOINT_URL": DEAD}, ""),  # S3's first
+        ({}, "[default]\nendpoint_url = {moto}\n"),
+        ({}, "[default]\nendpoint_url = " + DEAD  # the services section's S3 one first
+         + "\nservices = here\n[services here]\ns3 =\n  endpoint_url = {moto}\n"),
+    ],
+)  # fmt: skip
+async def test_the_sdks_endpoint_settings_point_an_s3_url_at_the_store(
+    s3: S3World, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    variables: dict[str, str], config: str,
+) -> None:  # fmt: skip
+    """Without SELF_UPDATE_S3_ENDPOINT, the AWS SDKs' own endpoint settings count, in their
+    order (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the config file's), and path-style."""
+    use_keys(monkeypatch, s3.reader)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value.format(moto=s3.url))
+    if config:
+        (tmp_path / "aws-config").write_text(config.format(moto=s3.url))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    source = VersionFile(s3.version_file, timeout=5.0)
+    try:
+        assert await source.fetch() == b'{"version": "0.2.0"}'
+        assert await source.fetch() == b'{"version": "0.2.0"}'  # a 304, the cached copy
+        s3.put(b"0.3.0")
+        assert await source.fetch() == b"0.3.0"
+    finally:
+        await source.aclose()
+
+
+async def test_self_update_s3_endpoint_wins_over_the_sdks_endpoint_variables(
+    s3: S3World, source: VersionFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_keys(monkeypatch, s3.reader)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", DEAD)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", DEAD)
+    assert await source.fetch() == b'{"version": "0.2.0"}'
+
+
+async def test_ignoring_configured_endpoints_reads_from_aws_again(
+    s3: S3World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_keys(monkeypatch, s3.reader)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.url)
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    source = VersionFile(s3.version_file, timeout=5.0)
+    urls = requested_urls(source)
+    try:
+        with pytest.raises(VersionSourceError, match="HTTP 404"):
+            await source.fetch()
+    finally:
+        await source.aclose()
+    assert urls == [f"https://wm-releases.s3.{REGION}.amazonaws.com/{KEY}"]
+
+
 @pytest.mark.parametrize(
     ("url", "endpoint", "expected"),
     [

@@ -190,3 +190,14 @@ async def test_a_single_valued_query_parameter_given_twice_is_a_422_naming_it(
     assert response.status_code == 422, response.text
     (error,) = response.json()["detail"]
     assert error["loc"] == ["query", name] and "more than once" in error["msg"]
+
+
+@pytest.mark.parametrize("limit", ["1\u00a0", "1_0", "+1", " 1", "1.0", "1e2", "٣"])
+async def test_a_limit_that_is_not_written_as_a_plain_integer_is_a_422(
+    client: httpx.AsyncClient, limit: str
+) -> None:
+    """The schema says integer; Python's and pydantic's lenient parsing (underscores, a
+    sign, spaces, a zero fraction, other scripts' digits) is not what it promises."""
+    response = await client.get("/v1/fleet/nodes", params={"limit": limit})
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["query", "limit"]

@@ -109,14 +109,16 @@ def test_init_streams_is_idempotent_and_publish_reaches_the_stream(tmp_path: Pat
         server.stop()
 
 
-async def test_two_processes_on_one_node_id_run_each_key_once(
+async def test_two_processes_on_one_tier_run_each_key_once(
     database: str, nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
-    """Two manager processes with the same NODE_ID share the tier's consumer; every job is
-    published twice under one key. Each key's effect happens exactly once."""
+    """Two manager processes of one tier share the tier's durable consumer; every job is
+    published twice under one key. Each key's effect happens exactly once. (Two processes
+    with one NODE_ID do not share it: the second stays out of the way, see
+    tests/e2e/test_second_instance.py.)"""
     counter = EffectCounter(hold=1.0)
-    keys = [f"same-node-{i}" for i in range(12)]
-    env = manager_env(database, nats_server.url, "node-twin", "A") | {
+    keys = [f"same-tier-{i}" for i in range(12)]
+    extra = {
         "JOB_ACK_WAIT_SECONDS": "2",
         "JOB_HELD_DELAY_SECONDS": "0.2",
         "WORKER_CONCURRENCY": "8",
@@ -125,6 +127,7 @@ async def test_two_processes_on_one_node_id_run_each_key_once(
     with serve(counter.app()) as workload:
         for name in ("one", "two"):
             (tmp_path / name).mkdir()
+            env = manager_env(database, nats_server.url, f"node-twin-{name}", "A") | extra
             managers.append(
                 ManagerProcess(env=env | through_proxy(workload.url), workdir=tmp_path / name)
             )

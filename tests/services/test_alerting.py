@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -9,7 +10,9 @@ import pytest
 from app.adapters.matrix import MatrixError, MatrixRoom
 from app.main import create_app
 from app.metrics import Metrics
+from app.services import runtime
 from app.services.alerting import Alerter
+from app.settings import Settings
 from tests.conftest import SettingsFactory, running, runtime_of
 from tests.support.matrix_receiver import ROOM, TOKEN, MatrixReceiver
 from tests.support.polling import eventually
@@ -30,6 +33,17 @@ def receiver(matrix: tuple[MatrixReceiver, ThreadedServer]) -> MatrixReceiver:
         matrix[0].puts = 0
         matrix[0].fail_next = 0
     return matrix[0]
+
+
+def alerting_settings(
+    make_settings: SettingsFactory, server: ThreadedServer, node_id: str
+) -> Settings:
+    return make_settings(
+        node_id=node_id,
+        matrix_homeserver=server.url,
+        matrix_room_id=ROOM,
+        matrix_access_token=TOKEN,
+    )
 
 
 def test_one_alert_per_key_per_window() -> None:
@@ -78,14 +92,7 @@ async def test_a_workload_turning_unhealthy_and_recovering_reaches_the_room(
     matrix: tuple[MatrixReceiver, ThreadedServer],
     receiver: MatrixReceiver,
 ) -> None:
-    app = create_app(
-        make_settings(
-            node_id="node-alerts",
-            matrix_homeserver=matrix[1].url,
-            matrix_room_id=ROOM,
-            matrix_access_token=TOKEN,
-        )
-    )
+    app = create_app(alerting_settings(make_settings, matrix[1], "node-alerts"))
     async with running(app) as client:
         rt = runtime_of(app)
         assert rt.components["alerts"].enabled
@@ -135,3 +142,21 @@ async def test_workload_alerts_need_no_reporting(make_settings: SettingsFactory)
             return any(a.key == "workload:api:unhealthy" for a in rt.alerts.recent)
 
         await eventually(alerted, within=10)
+
+
+async def test_a_start_up_failure_stops_the_alert_sender_it_started(
+    make_settings: SettingsFactory,
+    matrix: tuple[MatrixReceiver, ThreadedServer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def refused(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the registry could not be opened")
+
+    # a component that fails to open after the alert sender has started
+    monkeypatch.setattr(runtime, "open_registry", refused)
+    app = create_app(alerting_settings(make_settings, matrix[1], "node-alerts-start"))
+    with pytest.raises(RuntimeError, match="could not be opened"):
+        async with running(app):
+            pass
+    left = [t.get_name() for t in asyncio.all_tasks() if not t.done()]
+    assert not [name for name in left if "alert-sender" in name], left
