@@ -467,8 +467,9 @@ async def stop_runtime(rt: Runtime) -> None:
     1. `draining` in the registry: the fleet routes around the node from now on.
     2. At once, side by side: the loop in progress (a sync mid-write) finishes or is
        cancelled; the jobs in flight finish or are handed back, nothing new starts.
-    3. One last report. 4. `offline` in the registry. 5. The other supervised tasks
-       (the alert sender's last messages). The exit stack then closes the clients.
+    3. The uptime record saved; one last report. 4. `offline` in the registry. 5. The
+       other supervised tasks (the alert sender's last messages). The exit stack then
+       closes the clients.
     """
     deadline = rt.shutdown
     deadline.begin()
@@ -484,6 +485,8 @@ async def stop_runtime(rt: Runtime) -> None:
     await asyncio.gather(
         rt.scheduler.stop(within=deadline.budget(reserve=tail)), _drain_worker(rt, tail)
     )
+    if rt.uptime_record is not None:  # what was counted since the last save
+        await within("uptime record", deadline.budget(cap=2.0, reserve=tail), rt.uptime_record.save)
     if rt.reporter is not None and rt.components["report"].enabled:
         await within(
             "final report", deadline.budget(cap=5.0, reserve=tail / 2), rt.reporter.report_once

@@ -156,6 +156,8 @@ class UptimeKeeper:
 # --- uptime: the share of time healthy, kept across restarts ----------------------------
 
 UPTIME_KEY = "uptime.json"
+CONFIG_MAP_DATA_LIMIT = 1_000_000  # bytes: 1 MiB less room for metadata
+SAVE_EVERY_SECONDS = 300.0  # a crash loses at most this much; a stop saves first
 
 
 class UptimeStore(Protocol):
@@ -179,7 +181,15 @@ class ConfigMapStore:
         return json.loads(data[UPTIME_KEY])
 
     async def save(self, data: dict[str, Any]) -> None:
+        """Refuses (ValueError) a record the API server would refuse: an object is 1 MiB
+        at most, its metadata included. The defaults' 700 workloads take about 520 KB;
+        raising MAX_TRACKED_WORKLOADS or MAX_DESIRED_WORKLOADS far beyond can reach it."""
         text = json.dumps(data, separators=(",", ":"))
+        if len(text) > CONFIG_MAP_DATA_LIMIT:
+            raise ValueError(
+                f"the record is {len(text)} bytes, more than a ConfigMap holds "
+                f"({CONFIG_MAP_DATA_LIMIT}): too many workloads tracked"
+            )
         await self._kube.write_config_map(self.name, {UPTIME_KEY: text})
 
 
@@ -207,8 +217,9 @@ class FileStore:
 
 
 class UptimeRecorder:
-    """Counts each workload's healthy time from the book, saves it every `save_every`
-    seconds, and answers its share over the last 24 h and 7 d."""
+    """Counts each workload's healthy time from the book, saves it at most every
+    `save_every` seconds and only when it changed (and once more at shutdown), and answers
+    its share over the last 24 h and 7 d."""
 
     def __init__(
         self,
@@ -218,7 +229,7 @@ class UptimeRecorder:
         errors: tuple[type[Exception], ...],
         component: Component,
         max_step: float,
-        save_every: float = 60.0,
+        save_every: float = SAVE_EVERY_SECONDS,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._book = book
@@ -231,14 +242,18 @@ class UptimeRecorder:
         self.record = UptimeRecord()
         self._last: float | None = None
         self._saved_at: float | None = None
+        self._saved: dict[str, Any] | None = None  # what the store holds, as far as known
+        self._failing = False
 
     async def open(self) -> None:
         """Read the saved record; a missing one starts empty, a garbled or unreadable one
-        too (said in the log and `/v1/status`: the next save replaces it)."""
+        too (said in the log and `/v1/status`: the next save replaces it). A version 1
+        record is read and written back in the compact form at the next save."""
         try:
             data = await self._store.load()
             if data is not None:
                 self.record = UptimeRecord.from_json(data)
+            self._saved = data if data is not None else self.record.to_json()
         except self._errors as exc:
             log.warning("uptime record not read, starting empty: %s", exc)
             self._component.detail["uptime_record"] = f"not read, started empty: {exc}"
@@ -257,17 +272,28 @@ class UptimeRecorder:
         if last is not None and 0 < now - last <= self._max_step:
             statuses = {view.name: view.status for view in self._book.views()}
             self.record.observe(statuses, start=last, end=now)
-        if self._saved_at is None or now - self._saved_at >= self._save_every:
+        if self._saved_at is None or abs(now - self._saved_at) >= self._save_every:
             await self.save(now)
 
     async def save(self, now: float | None = None) -> None:
+        """Write the record if it differs from what the store holds; a failed write keeps
+        it in memory and is tried again at the next save time."""
         now = self._wall() if now is None else now
+        self._saved_at = now
         self.record.prune(now=now)
+        data = self.record.to_json()
+        if data == self._saved:
+            return
         try:
-            await self._store.save(self.record.to_json())
+            await self._store.save(data)
         except self._errors as exc:
-            log.warning("uptime record not saved (kept in memory, tried again): %s", exc)
+            if not self._failing:
+                log.warning("uptime record not saved (kept in memory, tried again): %s", exc)
+            self._failing = True
             self._component.detail["uptime_record"] = f"not saved: {exc}"
             return
-        self._saved_at = now
+        if self._failing:
+            log.info("uptime record saved again")
+        self._failing = False
+        self._saved = data
         self._component.detail["uptime_record"] = "saved"

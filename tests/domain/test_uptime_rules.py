@@ -103,11 +103,42 @@ def test_a_week_is_kept_and_the_record_survives_json() -> None:
     assert again.hours == record.hours
 
 
+def test_the_compact_record_keeps_whole_seconds_and_every_hour_of_the_week() -> None:
+    record = UptimeRecord()
+    record.observe({"api": "healthy"}, start=T0, end=T0 + WEEK + 0.4)
+    record.observe(
+        {"api": "unhealthy", "db": "healthy"}, start=T0 + WEEK + 0.4, end=T0 + WEEK + 99.7
+    )
+    record.prune(now=T0 + WEEK + 99.7)
+    data = record.to_json()
+    assert data["version"] == 2
+    again = UptimeRecord.from_json(json.loads(json.dumps(data)))
+    assert again.hours.keys() == record.hours.keys()
+    for name, by in record.hours.items():
+        assert again.hours[name].keys() == by.keys()
+        for hour, (seen, up) in by.items():
+            assert again.hours[name][hour] == [round(seen), min(round(seen), round(up))]
+    now = T0 + WEEK + 99.7
+    share, exact = (
+        again.share("api", now=now, window=WEEK),
+        record.share("api", now=now, window=WEEK),
+    )
+    assert share is not None and exact is not None and abs(share - exact) < 1e-4
+
+
 @pytest.mark.parametrize(
     ("data", "where"),
     [
-        (None, "version 1"),
-        ({"version": 2, "hours": {}}, "version 1"),
+        (None, "version 2 or 1"),
+        ({"version": 3, "hours": {}}, "version 2 or 1"),
+        ({"version": 2, "hours": {}}, "first_hour"),
+        ({"version": 2, "first_hour": True, "hours": {}}, "first_hour"),
+        ({"version": 2, "first_hour": 7, "hours": []}, "hours: not a mapping"),
+        ({"version": 2, "first_hour": 7, "hours": {"api": 5}}, "hours.api: not base64"),
+        ({"version": 2, "first_hour": 7, "hours": {"api": "AAA"}}, "hours.api: not base64"),
+        ({"version": 2, "first_hour": 7, "hours": {"api": "AAAA" * 171}}, "a week at most"),
+        ({"version": 2, "first_hour": 7, "hours": {"api": "////"}}, "hour 7 is not"),
+        ({"version": 2, "first_hour": 7, "hours": {"api": "AAAAAAEA"}}, "hour 8 is not"),
         ({"version": 1, "hours": []}, "hours: not a mapping"),
         ({"version": 1, "hours": {"api": 5}}, "hours.api"),
         ({"version": 1, "hours": {"api": {"7": [1, 2]}}}, "hours.api.7"),
