@@ -8,12 +8,14 @@ STAMP  := $(VENV)/.installed-stamp
 CHECKOV_VENV  := $(VENV)/tools/checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-stamp
 
-.PHONY: install run dev test test-fast test-faults test-node lint fmt bench soak clean help control-plane run-cluster run-node image install-file checkov
+.PHONY: install run dev test test-fast fuzz test-faults test-node lint fmt bench soak clean help control-plane run-cluster run-node image install-file checkov
 
 help:
 	@echo "make run    - start the manager on embedded defaults (Postgres + NATS from wheels)"
 	@echo "make dev    - the same, restarting on code changes"
 	@echo "make test   - the whole test suite (starts every server it needs)"
+	@echo "make test-fast - pure rules, the API and the adapters that need no control plane (no Go build)"
+	@echo "make fuzz   - the property and schema fuzz tests with new random examples (not in CI)"
 	@echo "make test-faults - only the fault suite (tests/faults)"
 	@echo "make lint   - ruff, mypy --strict, import contracts, hadolint, checkov on the rendered k8s/"
 	@echo "make checkov - build the scanner's own virtualenv ($(CHECKOV_VENV))"
@@ -54,8 +56,16 @@ test: $(STAMP) control-plane image
 test-node: $(STAMP) control-plane image
 	$(BIN)/python -m pytest tests/node
 
+# Pure rules, the API and the adapters against the servers that come from wheels
+# (PostgreSQL, nats-server, moto): no Go build, no image; four processes (mostly waiting).
+FAST_TESTS := tests/domain tests/api tests/adapters tests/k8s tests/doubles
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not e2e"
+	$(BIN)/python -m pytest -n 4 -m "not e2e and not control_plane and not node" $(FAST_TESTS)
+
+fuzz: $(STAMP) control-plane
+	HYPOTHESIS_PROFILE=explore $(BIN)/python -m pytest tests/api/test_ping_properties.py \
+		tests/domain/test_redaction.py tests/domain/test_job_properties.py \
+		tests/adapters/test_workload_http.py tests/e2e/test_openapi_fuzz.py
 
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest tests/faults

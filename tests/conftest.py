@@ -75,6 +75,14 @@ def pytest_terminal_summary(
         terminalreporter.write_line(f"temporary files (server logs among them) kept in {path}")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test that needs the control plane (the Go-built kube-apiserver and its
+    controllers), directly or through its fixtures: `make test-fast` leaves them out."""
+    for item in items:
+        if "control_plane" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.control_plane)
+
+
 def isolate_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Remove every variable the settings read from the environment, and hide the
     developer's ~/.config/lfgnode/config.yaml (the node key's default file)."""

@@ -8,7 +8,7 @@ Security Policy forbids scripts and every outside resource on top of that.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from html import escape
 from typing import Any
@@ -19,6 +19,7 @@ from fastapi.responses import HTMLResponse
 from app.api.auth import UNAUTHORIZED, require_page_token, runtime
 from app.api.schemas import AlertInfo, ComponentInfo, Status, SyncInfo, WorkloadInfo
 from app.api.status import build_status
+from app.domain.uptime import DAY, HOUR, WEEK, HourShare, UptimeHistory
 
 router = APIRouter(
     tags=["page"], dependencies=[Depends(require_page_token)], responses=UNAUTHORIZED
@@ -26,6 +27,8 @@ router = APIRouter(
 
 # results of the last sync listed on the page; the rest are counted
 SYNC_ROWS = 50
+# an hour of the uptime strip is "up" from this share healthy, "partly down" from the next
+UP_HOUR, PART_HOUR = 0.999, 0.5
 
 HEADERS = {
     "Cache-Control": "no-store",
@@ -48,6 +51,10 @@ th{background:#f6f8fa;font-weight:600}
 .s-stale{background:#bc4c00}
 .s-unknown,.s-missing,.s-off,.s-unchanged{background:#6e7781}
 code{font-size:.9em}
+.strip{display:flex;gap:1px;margin-top:.25rem}
+.strip i{display:inline-block;width:6px;height:14px;background:#d0d7de}
+.strip i.u-up{background:#1a7f37}.strip i.u-part{background:#9a6700}
+.strip i.u-down{background:#cf222e}
 """
 
 
@@ -108,7 +115,45 @@ def _share(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f}%"
 
 
-def _workloads(workloads: list[WorkloadInfo]) -> str:
+def _covered(share: float | None, observed: float, window: float) -> str:
+    """A share with the time it covers when that is less than the window: a workload
+    seen for 39 s is "100.0% of 39 s", not a week's 100 %."""
+    if share is None:
+        return "—"
+    return _share(share) if observed >= window else f"{_share(share)} of {_duration(observed)}"
+
+
+def _strip(hours: tuple[HourShare, ...]) -> str:
+    """The last 24 clock hours as a row of cells, each in words too (its title, and the
+    row's label for screen readers)."""
+    cells, counts = [], {"up": 0, "part": 0, "down": 0, "none": 0}
+    for h in hours:
+        at = datetime.fromtimestamp(h.hour * HOUR, UTC).strftime("%H:00 UTC")
+        if h.observed <= 0:
+            kind, says = "none", "no data"
+        else:
+            share = h.healthy / h.observed
+            kind = "up" if share >= UP_HOUR else "part" if share >= PART_HOUR else "down"
+            says = f"{_share(share)} of {_duration(h.observed)}"
+        counts[kind] += 1
+        cells.append(f'<i class="u-{kind}" title="{at}: {says}"></i>')
+    label = (
+        f"last 24 h, hour by hour: {counts['up']} up, {counts['part']} partly down, "
+        f"{counts['down']} mostly down, {counts['none']} without data"
+    )
+    return f'<span class="strip" role="img" aria-label="{label}">{"".join(cells)}</span>'
+
+
+def _uptime(w: WorkloadInfo, history: UptimeHistory | None) -> str:
+    if history is None:
+        return f"{_share(w.uptime_24h)} / {_share(w.uptime_7d)}"
+    day = _covered(history.day, history.day_observed, DAY)
+    week = _covered(history.week, history.week_observed, WEEK)
+    seen = any(h.observed > 0 for h in history.hours)
+    return f"{day} / {week}{_strip(history.hours) if seen else ''}"
+
+
+def _workloads(workloads: list[WorkloadInfo], uptime: Callable[[str], UptimeHistory | None]) -> str:
     rows = []
     for w in workloads:
         rollout = w.rollout or ""
@@ -119,7 +164,7 @@ def _workloads(workloads: list[WorkloadInfo]) -> str:
             f'<tr data-workload="{_text(w.name)}"><td>{_text(w.name)}</td>'
             f"<td>{_badge(w.status)}</td><td>{_age(w.ping_age_seconds)}</td>"
             f"<td>{versions}</td><td>{_text(rollout)}</td>"
-            f"<td>{_share(w.uptime_24h)} / {_share(w.uptime_7d)}</td>"
+            f"<td>{_uptime(w, uptime(w.name))}</td>"
             f"<td>{_text(w.message)}</td></tr>"
         )
     headers = (
@@ -184,7 +229,13 @@ def _alerts(alerts: list[AlertInfo]) -> str:
     return _table(("raised", "alert"), rows, "no alerts since start", "alerts")
 
 
-def render(status: Status, *, refresh_seconds: int, now: datetime) -> str:
+def render(
+    status: Status,
+    *,
+    refresh_seconds: int,
+    now: datetime,
+    uptime: Callable[[str], UptimeHistory | None] = lambda _name: None,
+) -> str:
     node = status.node
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
@@ -197,7 +248,7 @@ def render(status: Status, *, refresh_seconds: int, now: datetime) -> str:
 namespace {_text(node.managed_namespace)} · up {_duration(node.uptime_seconds)} ·
 page at {_when(now)}, reloads every {refresh_seconds} s ·
 <a href="/v1/status">JSON</a> · <a href="/metrics">metrics</a></p>
-<h2>Workloads ({len(status.workloads)})</h2>{_workloads(status.workloads)}
+<h2>Workloads ({len(status.workloads)})</h2>{_workloads(status.workloads, uptime)}
 <h2>Components</h2>{_components(status.components)}
 <h2>Deployment sync</h2>{_sync(status.sync)}
 <h2>Recent alerts</h2>{_alerts(status.alerts)}
@@ -208,9 +259,11 @@ page at {_when(now)}, reloads every {refresh_seconds} s ·
 @router.get("/", response_class=HTMLResponse, summary="Status page for people")
 async def status_page(request: Request) -> HTMLResponse:
     rt = runtime(request)
+    record = rt.uptime_record
     body = render(
         build_status(rt),
         refresh_seconds=rt.settings.status_page_refresh_seconds,
         now=datetime.now(UTC),
+        uptime=record.history if record is not None else lambda _name: None,
     )
     return HTMLResponse(body, headers=HEADERS)

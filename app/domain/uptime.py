@@ -101,6 +101,22 @@ _SLOT_MAX = int(HOUR)  # seconds observed in one clock hour, at most
 _MAX_HOURS = int(WEEK // HOUR) + 2  # a week, and the hours it starts and ends in
 
 
+@dataclass(frozen=True, slots=True)
+class HourShare:
+    hour: int  # the clock hour: wall seconds // 3600
+    observed: float  # seconds
+    healthy: float
+
+
+@dataclass(frozen=True, slots=True)
+class UptimeHistory:
+    day: float | None  # share healthy over the last 24 h; None without data
+    day_observed: float  # the seconds that share covers
+    week: float | None
+    week_observed: float
+    hours: tuple[HourShare, ...]  # the last 24 clock hours, oldest first
+
+
 class UptimeRecord:
     """Per workload and clock hour: seconds observed and seconds healthy, for a week.
 
@@ -137,6 +153,27 @@ class UptimeRecord:
                 observed += seen
                 healthy += up
         return None if observed <= 0 else round(healthy / observed, 6)
+
+    def observed(self, name: str, *, now: float, window: float) -> float:
+        """Seconds observed over the last `window` (to the hour, as `share` counts)."""
+        first = int((now - window) // HOUR)
+        return sum(seen for hour, (seen, _) in self.hours.get(name, {}).items() if hour >= first)
+
+    def history(self, name: str, *, now: float) -> UptimeHistory:
+        """What a person needs at a glance: both shares with the time they cover, and the
+        last 24 clock hours one by one (oldest first, the current hour last)."""
+        by = self.hours.get(name, {})
+        current = int(now // HOUR)
+        return UptimeHistory(
+            day=self.share(name, now=now, window=DAY),
+            day_observed=self.observed(name, now=now, window=DAY),
+            week=self.share(name, now=now, window=WEEK),
+            week_observed=self.observed(name, now=now, window=WEEK),
+            hours=tuple(
+                HourShare(h, by[h][0], by[h][1]) if h in by else HourShare(h, 0.0, 0.0)
+                for h in range(current - 23, current + 1)
+            ),
+        )
 
     def prune(self, *, now: float) -> None:
         """Forget what is older than a week, and workloads with nothing left."""

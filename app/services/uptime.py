@@ -26,6 +26,7 @@ from app.domain.uptime import (
     RESTARTABLE,
     WEEK,
     RestartPolicy,
+    UptimeHistory,
     UptimeRecord,
     decide_restart,
 )
@@ -265,6 +266,9 @@ class UptimeRecorder:
             self.record.share(name, now=now, window=DAY),
             self.record.share(name, now=now, window=WEEK),
         )
+
+    def history(self, name: str) -> UptimeHistory:
+        return self.record.history(name, now=self._wall())
 
     async def tick(self) -> None:
         now = self._wall()

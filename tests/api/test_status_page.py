@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -10,10 +11,11 @@ import httpx
 import pytest
 
 from app.api.page import SYNC_ROWS, render
-from app.api.schemas import NodeInfo, ReportInfo, Status, SyncInfo
+from app.api.schemas import NodeInfo, ReportInfo, Status, SyncInfo, WorkloadInfo
+from app.domain.uptime import DAY, HOUR, UptimeRecord
 from app.main import create_app
 from app.services.runtime import Runtime
-from tests.conftest import SettingsFactory
+from tests.conftest import SettingsFactory, running, runtime_of
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -179,3 +181,61 @@ def test_the_sync_section_shows_the_last_run_and_the_last_change(
         assert text in page
     for text in hidden:
         assert text not in page
+
+
+def workload(name: str, status: str = "healthy") -> WorkloadInfo:
+    return WorkloadInfo(
+        name=name, status=status, version="1", message=None, last_ping_at=None,
+        ping_age_seconds=1.0, desired_version=None, deployed_version=None, rollout=None,
+    )  # fmt: skip
+
+
+def uptime_cell(page: str, name: str) -> str:
+    row = page.split(f'data-workload="{name}"', 1)[1].split("</tr>", 1)[0]
+    return row.split("<td>")[6].split("</td>", 1)[0]
+
+
+def test_uptime_says_how_long_it_covers_and_shows_the_last_24_hours() -> None:
+    """A workload healthy since it was first seen, 39 s ago, is "100.0% of 39 s" (not
+    0.0 %, not a week's 100 %); a week with one bad hour shows that hour in red, in words
+    too; a workload without data shows no share and no strip."""
+    now = 1_000 * HOUR + 30 * 60.0  # half past a clock hour
+    record = UptimeRecord()
+    record.observe({"new": "healthy"}, start=now - 39, end=now)
+    bad = 996 * HOUR  # the clock hour 12:00 UTC of that day, bad from start to end
+    record.observe({"old": "healthy"}, start=now - 8 * DAY, end=bad)
+    record.observe({"old": "crashlooping"}, start=bad, end=bad + HOUR)
+    record.observe({"old": "healthy"}, start=bad + HOUR, end=now)
+    status = status_with(None).model_copy(
+        update={"workloads": [workload("new"), workload("old"), workload("quiet", "unknown")]}
+    )
+    page = render(
+        status, refresh_seconds=7, now=NOW,
+        uptime=lambda name: record.history(name, now=now),
+    )  # fmt: skip
+    new = uptime_cell(page, "new")
+    assert new.startswith('100.0% of 39 s / 100.0% of 39 s<span class="strip"')
+    assert new.count("<i ") == 24 and new.count('class="u-up"') == 1
+    assert "23 without data" in new
+    old = uptime_cell(page, "old")
+    # 24.5 h observed in the window's hours, one bad; the week is whole: no "of"
+    assert old.startswith('95.9% / 99.4%<span class="strip"')
+    assert old.count('class="u-down"') == 1
+    assert '<i class="u-down" title="12:00 UTC: 0.0% of 60 min">' in old
+    assert "23 up, 0 partly down, 1 mostly down, 0 without data" in old
+    assert uptime_cell(page, "quiet") == "— / —"
+
+
+async def test_the_page_shows_the_managers_own_uptime_record(
+    make_settings: SettingsFactory,
+) -> None:
+    app = create_app(make_settings(api_token="page-token-1", report_enabled=False))
+    async with running(app) as client:
+        rt = runtime_of(app)
+        assert rt.uptime_record is not None
+        auth = {"authorization": "Bearer page-token-1"}
+        await client.post("/v1/workloads/api/health", json={"status": "healthy"}, headers=auth)
+        now = time.time()
+        rt.uptime_record.record.observe({"api": "healthy"}, start=now - 39, end=now)
+        cell = uptime_cell((await client.get("/", headers=auth)).text, "api")
+    assert cell.startswith('100.0% of 39 s / 100.0% of 39 s<span class="strip"')

@@ -21,6 +21,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.support.backend import STATUS_CLIENT_CLOSED, LocalBackend, RecordedRequest, Route
+from tests.support.polling import eventually_sync
 from tests.support.servers import ThreadedServer
 
 NODE = "n1"
@@ -149,6 +150,9 @@ def call(client: httpx.Client, base_url: str, node_key: Ed25519PrivateKey) -> Ca
 
 
 def only_request(backend: LocalBackend) -> RecordedRequest:
+    # a streamed answer ("trickle", "huge") is recorded once its last byte is out: the
+    # client may have read that byte first
+    eventually_sync(lambda: bool(backend.requests), within=5.0)
     recorded = backend.requests
     assert len(recorded) == 1, recorded
     return recorded[0]

@@ -17,3 +17,13 @@ async def eventually(
             return
         await asyncio.sleep(step)
     raise AssertionError(f"condition not met within {within} s")
+
+
+def eventually_sync(check: Callable[[], bool], *, within: float = 10.0, step: float = 0.02) -> None:
+    """`eventually` for synchronous tests: a server thread records what it did."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(step)
+    raise AssertionError(f"condition not met within {within} s")
