@@ -73,10 +73,20 @@ class TaskInfo(BaseModel):
     last_error: str | None
 
 
+class LoopInfo(BaseModel):
+    """A periodic loop's last runs."""
+
+    state: str  # waiting | ok | failing | unavailable (a dependency is down)
+    since: datetime | None
+    failures_in_a_row: int
+    last_error: str | None
+
+
 class Status(BaseModel):
     node: NodeInfo
     components: dict[str, ComponentInfo]
     tasks: dict[str, TaskInfo]
+    loops: dict[str, LoopInfo] = {}
     workloads: list[WorkloadInfo]
     report: ReportInfo
     sync: SyncInfo

@@ -16,6 +16,7 @@ from app.api.auth import UNAUTHORIZED, require_api_token, runtime
 from app.api.schemas import (
     AlertInfo,
     ComponentInfo,
+    LoopInfo,
     NodeInfo,
     ReportInfo,
     Status,
@@ -56,6 +57,7 @@ def build_status(rt: Runtime) -> Status:
             for name, component in rt.components.items()
         },
         tasks={name: TaskInfo(**scrub(task)) for name, task in rt.supervisor.status().items()},
+        loops={name: LoopInfo(**scrub(loop)) for name, loop in rt.scheduler.loops().items()},
         workloads=[_workload(v) for v in rt.book.views()],
         report=ReportInfo(
             interval_seconds=rt.settings.report_interval_seconds,

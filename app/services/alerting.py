@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 QUEUE_SIZE = 100
 RECENT = 20
+# alert keys held before the expired ones are forgotten (then twice what is left)
+PRUNE_AT = 1_024
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ class Alerter:
         self._delivers = deliver
         self._clock = clock
         self._last: dict[str, float] = {}
+        self._prune_at = PRUNE_AT
         self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue(maxsize=QUEUE_SIZE)
         self._recent: deque[RaisedAlert] = deque(maxlen=RECENT)
 
@@ -66,6 +69,8 @@ class Alerter:
             self._metrics.alerts.labels("suppressed").inc()
             return False
         self._last[key] = now
+        if len(self._last) > self._prune_at:
+            self._forget_expired(now)
         # the text may quote an error that names a URL: redacted for the room and the log
         message = redact_text(f"[{self._node_id}] {text}")
         log.warning("alert: %s", message)
@@ -81,6 +86,16 @@ class Alerter:
                 self._metrics.alerts.labels("dropped").inc()
             self._queue.put_nowait((message, txn.hexdigest()[:32]))
         return True
+
+    def _forget_expired(self, now: float) -> None:
+        """Keys whose window is over suppress nothing: a workload's keys go with it."""
+        self._last = {k: at for k, at in self._last.items() if now - at < self._window}
+        self._prune_at = max(PRUNE_AT, 2 * len(self._last))
+
+    @property
+    def held(self) -> int:
+        """Alert keys held for suppression."""
+        return len(self._last)
 
     @property
     def recent(self) -> list[RaisedAlert]:

@@ -391,6 +391,7 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
             await updater.resume()
 
         rt.supervisor.start("self-update-resume", resume, restart=False)
+    rt.supervisor.start("clock-watch", rt.scheduler.watch_clock, restart=True)
     rt.scheduler.start()
     components["scheduler"].succeeded(datetime.now(UTC))
     log.info(
@@ -444,9 +445,11 @@ def _add_loops(rt: Runtime) -> None:
             "sync", rt.syncer.run_scheduled, every=settings.sync_interval_seconds,
             first_after=min(10.0, settings.sync_interval_seconds),
         )  # fmt: skip
+        from app.adapters.kube import KubeError
+
         scheduler.add_loop(
             "cluster-view", rt.syncer.refresh_view, every=settings.cluster_refresh_seconds,
-            first_after=settings.cluster_refresh_seconds,
+            first_after=settings.cluster_refresh_seconds, outage=(KubeError,),
         )  # fmt: skip
     if rt.updater is not None:
         scheduler.add_loop(

@@ -5,7 +5,8 @@ Deployments, plan with the pure `plan_sync`, fetch manifests only for creates an
 updates (cached by name and version), prepare them, apply with bounded concurrency,
 then tell the backend the versions now applied. A desired state that cannot be read or
 parsed ends the sync before anything touches the cluster. One workload's failure never
-blocks the others; a 409 re-reads that Deployment and plans it again once.
+blocks the others; a 409 re-reads that Deployment and plans it again, up to REPLANS (5)
+attempts in all with jittered waits.
 
 A sync as a whole ends within its deadline (SYNC_DEADLINE_SECONDS): past it, what is in
 flight is cancelled (each cluster write is one request, atomic on the API server: it
@@ -422,7 +423,8 @@ class Syncer:
     async def _apply(
         self, action: Action, manifest: dict[str, Any], desired: DesiredState
     ) -> tuple[str, str]:
-        """Create or update; on 409 (or a create that finds the name taken) plan it again once."""
+        """Create or update; on 409 (or a create that finds the name taken) re-read and plan
+        it again, REPLANS attempts in all (`_conflict_retries`)."""
         if action.kind is ActionKind.CREATE:
             existing = await self.kube.get(action.name)
             if existing is not None:

@@ -79,9 +79,7 @@ class UptimeKeeper:
         views = self._book.views()
         managed = self._book.managed()
         present = {view.name for view in views}
-        for name in [n for n in self._bad_since if n not in present]:
-            del self._bad_since[name]
-        self._node_restarts = [t for t in self._node_restarts if now - t < HOUR]
+        self._forget(present, now)
         for view in views:
             if view.status in RESTARTABLE:
                 self._bad_since.setdefault(view.name, now)
@@ -102,6 +100,26 @@ class UptimeKeeper:
             else:
                 self._reasons.pop(view.name, None)
         self._show(now)
+
+    def _forget(self, present: set[str], now: float) -> None:
+        """Workloads the book no longer holds, and restarts older than the hour, go."""
+        for held in (self._bad_since, self._reasons, self._last_restart_at):
+            for name in [n for n in held if n not in present]:
+                del held[name]
+        self._restarts = {
+            name: kept
+            for name, times in self._restarts.items()
+            if (kept := [t for t in times if now - t < HOUR])
+        }
+        self._budget_alerted = {n: t for n, t in self._budget_alerted.items() if now - t < HOUR}
+        self._node_restarts = [t for t in self._node_restarts if now - t < HOUR]
+
+    @property
+    def held(self) -> int:
+        """Workload entries held, over all the keeper's maps."""
+        maps = (self._bad_since, self._restarts, self._last_restart_at, self._reasons,
+                self._budget_alerted)  # fmt: skip
+        return sum(len(m) for m in maps)
 
     async def _restart(self, name: str, reason: str, now: float) -> None:
         at = datetime.now(UTC)

@@ -62,6 +62,9 @@ class Rig:
     def component(self, name: str) -> str:
         return str(self.status()["components"][name]["state"])
 
+    def loop(self, name: str) -> str:
+        return str(self.status()["loops"][name]["state"])
+
     def ping(self, name: str, status: str = "healthy") -> None:
         from app.domain.tokens import ping_token
 
@@ -105,6 +108,7 @@ ENV = {
     "REPORT_INTERVAL_SECONDS": "0.5",
     "BACKEND_TIMEOUT_SECONDS": "1",
     "KUBE_TIMEOUT_SECONDS": "1",
+    "CLUSTER_REFRESH_SECONDS": "1",
     "SHUTDOWN_GRACE_SECONDS": "10",
 }
 

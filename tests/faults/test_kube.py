@@ -51,9 +51,14 @@ def test_a_kubernetes_fault_loses_nothing_and_heals_on_its_own(rig: Rig, fault: 
         assert rig.image("api") == "registry.example/api:1.0.0"
         assert not rig.reported("api", "1.1.0")
         rig.local.wait_for(lambda: rig.component("sync") == "failing", timeout=10)
+    if fault.method == "GET":
+        # the cluster view meets the outage too: a state and one warning, not an ERROR
+        # with a traceback each second (the rig's exit checks the log for those)
+        rig.local.wait_for(lambda: rig.loop("cluster-view") == "unavailable", timeout=15)
 
     rig.cluster.clear_faults()
     rig.converged("1.1.0")
+    rig.local.wait_for(lambda: rig.loop("cluster-view") == "ok", timeout=15)
     # the sync loop kept its schedule through the fault: it is still ticking
     runs = _hits(rig, KubeFault("list", "GET", "/deployments"))
     rig.local.wait_for(

@@ -11,7 +11,7 @@ from app.adapters.matrix import MatrixError, MatrixRoom
 from app.main import create_app
 from app.metrics import Metrics
 from app.services import runtime
-from app.services.alerting import Alerter
+from app.services.alerting import PRUNE_AT, Alerter
 from app.settings import Settings
 from tests.conftest import SettingsFactory, running, runtime_of
 from tests.support.matrix_receiver import ROOM, TOKEN, MatrixReceiver
@@ -44,6 +44,18 @@ def alerting_settings(
         matrix_room_id=ROOM,
         matrix_access_token=TOKEN,
     )
+
+
+def test_the_keys_of_past_windows_are_forgotten() -> None:
+    """Workloads come and go (each with its own alert keys): what the alerter holds stays
+    bounded, and a key inside its window still suppresses its repeat."""
+    now = [1000.0]
+    alerter = Alerter(node_id="n1", metrics=Metrics(), window_seconds=60, clock=lambda: now[0])
+    for i in range(20_000):
+        alerter.alert(f"workload:w{i}:stale", "stale")
+        now[0] += 1.0
+    assert alerter.held <= 2 * PRUNE_AT
+    assert alerter.alert("workload:w19999:stale", "again") is False
 
 
 def test_one_alert_per_key_per_window() -> None:
