@@ -54,7 +54,7 @@ code{font-size:.9em}
 .strip{display:flex;gap:1px;margin-top:.25rem}
 .strip i{display:inline-block;width:6px;height:14px;background:#d0d7de}
 .strip i.u-up{background:#1a7f37}.strip i.u-part{background:#9a6700}
-.strip i.u-down{background:#cf222e}
+.strip i.u-down{background:#cf222e}.strip i.restarted{box-shadow:inset 0 4px #1f2328}
 """
 
 
@@ -125,8 +125,8 @@ def _covered(share: float | None, observed: float, window: float) -> str:
 
 def _strip(hours: tuple[HourShare, ...]) -> str:
     """The last 24 clock hours as a row of cells, each in words too (its title, and the
-    row's label for screen readers)."""
-    cells, counts = [], {"up": 0, "part": 0, "down": 0, "none": 0}
+    row's label for screen readers); an hour with a restart has a dark bar on top."""
+    cells, counts, restarts = [], {"up": 0, "part": 0, "down": 0, "none": 0}, 0
     for h in hours:
         at = datetime.fromtimestamp(h.hour * HOUR, UTC).strftime("%H:00 UTC")
         if h.observed <= 0:
@@ -136,10 +136,16 @@ def _strip(hours: tuple[HourShare, ...]) -> str:
             kind = "up" if share >= UP_HOUR else "part" if share >= PART_HOUR else "down"
             says = f"{_share(share)} of {_duration(h.observed)}"
         counts[kind] += 1
-        cells.append(f'<i class="u-{kind}" title="{at}: {says}"></i>')
+        marks = f"u-{kind}"
+        if h.restarts:
+            restarts += h.restarts
+            marks += " restarted"
+            says += f"; restarted {h.restarts} times" if h.restarts > 1 else "; restarted once"
+        cells.append(f'<i class="{marks}" title="{at}: {says}"></i>')
     label = (
         f"last 24 h, hour by hour: {counts['up']} up, {counts['part']} partly down, "
-        f"{counts['down']} mostly down, {counts['none']} without data"
+        f"{counts['down']} mostly down, {counts['none']} without data; "
+        f"{restarts} restarts"
     )
     return f'<span class="strip" role="img" aria-label="{label}">{"".join(cells)}</span>'
 

@@ -99,6 +99,7 @@ HEALTHY = frozenset({"healthy", "degraded"})  # up and answering, if not at its 
 UNOBSERVED = frozenset({"unknown"})  # never pinged and no cluster view: no data
 _SLOT_MAX = int(HOUR)  # seconds observed in one clock hour, at most
 _MAX_HOURS = int(WEEK // HOUR) + 2  # a week, and the hours it starts and ends in
+MAX_RESTARTS_KEPT = 240  # per workload: a day at 10 an hour (the node budget's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,7 @@ class HourShare:
     hour: int  # the clock hour: wall seconds // 3600
     observed: float  # seconds
     healthy: float
+    restarts: int = 0  # rollout restarts by uptime management in the hour
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +127,25 @@ class UptimeRecord:
     workload. Shares are to the hour: the window's first hour counts whole.
     """
 
-    def __init__(self, hours: dict[str, dict[int, list[float]]] | None = None) -> None:
+    def __init__(
+        self,
+        hours: dict[str, dict[int, list[float]]] | None = None,
+        restarts: dict[str, list[float]] | None = None,
+    ) -> None:
         self.hours: dict[str, dict[int, list[float]]] = hours or {}
+        # rollout restarts by uptime management, wall seconds, the last 24 h: the budgets
+        # survive a restart of the manager, and the status strip shows them
+        self.restarts: dict[str, list[float]] = restarts or {}
+
+    def restarted(self, name: str, *, at: float) -> None:
+        kept = self.restarts.setdefault(name, [])
+        kept.append(float(int(at)))
+        del kept[:-MAX_RESTARTS_KEPT]
+
+    def restarts_since(self, since: float) -> dict[str, list[float]]:
+        """Each workload's restarts at or after `since` (wall seconds), oldest first."""
+        found = {n: [t for t in ts if t >= since] for n, ts in self.restarts.items()}
+        return {n: ts for n, ts in found.items() if ts}
 
     def observe(self, statuses: dict[str, str], *, start: float, end: float) -> None:
         """Count [start, end) (wall seconds) for each workload in its status then."""
@@ -164,19 +183,29 @@ class UptimeRecord:
         last 24 clock hours one by one (oldest first, the current hour last)."""
         by = self.hours.get(name, {})
         current = int(now // HOUR)
+        restarts: dict[int, int] = {}
+        for at in self.restarts.get(name, ()):
+            restarts[int(at // HOUR)] = restarts.get(int(at // HOUR), 0) + 1
         return UptimeHistory(
             day=self.share(name, now=now, window=DAY),
             day_observed=self.observed(name, now=now, window=DAY),
             week=self.share(name, now=now, window=WEEK),
             week_observed=self.observed(name, now=now, window=WEEK),
             hours=tuple(
-                HourShare(h, by[h][0], by[h][1]) if h in by else HourShare(h, 0.0, 0.0)
+                HourShare(
+                    h,
+                    by[h][0] if h in by else 0.0,
+                    by[h][1] if h in by else 0.0,
+                    restarts=restarts.get(h, 0),
+                )
                 for h in range(current - 23, current + 1)
             ),
         )
 
     def prune(self, *, now: float) -> None:
-        """Forget what is older than a week, and workloads with nothing left."""
+        """Forget hours older than a week, restarts older than a day, and workloads with
+        nothing left."""
+        self.restarts = self.restarts_since(now - DAY)
         oldest = int((now - WEEK) // HOUR)
         for name in list(self.hours):
             kept = {h: v for h, v in self.hours[name].items() if h >= oldest}
@@ -204,7 +233,8 @@ class UptimeRecord:
                 healthy = min(observed, round(up))
                 out += bytes((observed >> 4, (observed & 0xF) << 4 | healthy >> 8, healthy & 0xFF))
             packed[name] = base64.b64encode(bytes(out)).decode("ascii")
-        return {"version": 2, "first_hour": first, "hours": packed}
+        restarts = {name: [int(t) for t in ts] for name, ts in sorted(self.restarts.items()) if ts}
+        return {"version": 2, "first_hour": first, "hours": packed, "restarts": restarts}
 
     @classmethod
     def from_json(cls, data: Any) -> UptimeRecord:
@@ -237,7 +267,7 @@ class UptimeRecord:
                     slots[first + i // 3] = [float(observed), float(healthy)]
             if slots:
                 hours[str(name)] = slots
-        return cls(hours)
+        return cls(hours, _restarts_from(data.get("restarts", {})))
 
     @classmethod
     def _from_version_1(cls, data: dict[str, Any]) -> UptimeRecord:
@@ -260,3 +290,19 @@ class UptimeRecord:
                 slots[int(hour)] = [float(pair[0]), float(pair[1])]
             hours[str(name)] = slots
         return cls(hours)
+
+
+def _restarts_from(raw: Any) -> dict[str, list[float]]:
+    if not isinstance(raw, dict):
+        raise ValueError("restarts: not a mapping")
+    restarts: dict[str, list[float]] = {}
+    for name, times in raw.items():
+        if (
+            not isinstance(times, list)
+            or len(times) > MAX_RESTARTS_KEPT
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in times)
+        ):
+            raise ValueError(f"restarts.{name}: not a list of wall seconds")
+        if times:
+            restarts[str(name)] = sorted(float(t) for t in times)
+    return restarts

@@ -358,6 +358,7 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
     rt.uptime = open_uptime_keeper(
         settings, components["uptime"], syncer=rt.syncer, book=rt.book, alerts=rt.alerts,
         metrics=rt.metrics, cluster_lock=rt.cluster_lock,
+        record=rt.uptime_record.record if rt.uptime_record is not None else None,
     )  # fmt: skip
     rt.heartbeat = await open_registry(
         settings, components["registry"], stack, database_url=rt.database_url,

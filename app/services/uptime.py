@@ -53,8 +53,13 @@ class UptimeKeeper:
         metrics: Metrics,
         policy: RestartPolicy,
         component: Component,
+        record: UptimeRecord | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
+        """`record`: where restarts are kept across restarts of the manager (the uptime
+        record, saved with it); the restarts of the last hour in it count against the
+        budgets from the start."""
         self._book = book
         self._kube = kube
         self._errors = errors
@@ -70,6 +75,18 @@ class UptimeKeeper:
         self._last_restart_at: dict[str, str] = {}
         self._reasons: dict[str, str] = {}
         self._budget_alerted: dict[str, float] = {}
+        self._record = record
+        self._wall = wall
+        if record is not None:
+            self._recall(record)
+
+    def _recall(self, record: UptimeRecord) -> None:
+        now, wall = self._clock(), self._wall()
+        for name, times in record.restarts_since(wall - HOUR).items():
+            self._restarts[name] = [now - (wall - at) for at in times]
+            self._node_restarts.extend(self._restarts[name])
+            self._last_restart_at[name] = datetime.fromtimestamp(times[-1], UTC).isoformat()
+        self._node_restarts.sort()
 
     async def check(self) -> None:
         """One look: note who turned bad, restart whom the rule says, show the reasons."""
@@ -135,6 +152,8 @@ class UptimeKeeper:
         self._restarts[name] = [t for t in self._restarts[name] if now - t < HOUR]
         self._node_restarts.append(now)
         self._bad_since[name] = now  # the next restart counts from this one
+        if self._record is not None:
+            self._record.restarted(name, at=at.timestamp())
         self._last_restart_at[name] = at.isoformat()
         self._reasons[name] = f"restarted: {reason}"
         self._metrics.workload_restarts.labels("restarted").inc()

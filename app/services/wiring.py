@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from app.adapters.kube import KubeDeployments
     from app.adapters.matrix import MatrixRoom
     from app.adapters.signing import NodeSigner
+    from app.domain.uptime import UptimeRecord
     from app.services.heartbeating import Heartbeat, LocalProfile
     from app.services.syncing import Syncer
     from app.services.updating import SelfUpdater
@@ -425,8 +426,10 @@ def open_uptime_keeper(
     alerts: Alerter,
     metrics: Metrics,
     cluster_lock: asyncio.Lock,
+    record: UptimeRecord | None,
 ) -> UptimeKeeper | None:
-    """Uptime management, on the sync's cluster client (off when there is no sync)."""
+    """Uptime management, on the sync's cluster client (off when there is no sync); its
+    restarts kept in the uptime `record`."""
     if not component.enabled:
         return None
     if syncer is None:
@@ -445,7 +448,7 @@ def open_uptime_keeper(
     )
     return UptimeKeeper(
         book=book, kube=syncer.kube, errors=(KubeError,), cluster_lock=cluster_lock,
-        alerts=alerts, metrics=metrics, policy=policy, component=component,
+        alerts=alerts, metrics=metrics, policy=policy, component=component, record=record,
     )  # fmt: skip
 
 

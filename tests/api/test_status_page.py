@@ -206,6 +206,8 @@ def test_uptime_says_how_long_it_covers_and_shows_the_last_24_hours() -> None:
     record.observe({"old": "healthy"}, start=now - 8 * DAY, end=bad)
     record.observe({"old": "crashlooping"}, start=bad, end=bad + HOUR)
     record.observe({"old": "healthy"}, start=bad + HOUR, end=now)
+    record.restarted("old", at=bad + 200)
+    record.restarted("old", at=bad + 900)
     status = status_with(None).model_copy(
         update={"workloads": [workload("new"), workload("old"), workload("quiet", "unknown")]}
     )
@@ -220,9 +222,11 @@ def test_uptime_says_how_long_it_covers_and_shows_the_last_24_hours() -> None:
     old = uptime_cell(page, "old")
     # 24.5 h observed in the window's hours, one bad; the week is whole: no "of"
     assert old.startswith('95.9% / 99.4%<span class="strip"')
-    assert old.count('class="u-down"') == 1
-    assert '<i class="u-down" title="12:00 UTC: 0.0% of 60 min">' in old
-    assert "23 up, 0 partly down, 1 mostly down, 0 without data" in old
+    assert old.count('class="u-down') == 1
+    assert (
+        '<i class="u-down restarted" title="12:00 UTC: 0.0% of 60 min; restarted 2 times">' in old
+    )
+    assert "23 up, 0 partly down, 1 mostly down, 0 without data; 2 restarts" in old
     assert uptime_cell(page, "quiet") == "— / —"
 
 

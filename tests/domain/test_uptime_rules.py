@@ -103,6 +103,18 @@ def test_a_week_is_kept_and_the_record_survives_json() -> None:
     assert again.hours == record.hours
 
 
+def test_restarts_are_kept_a_day_and_survive_json() -> None:
+    record = UptimeRecord()
+    record.restarted("api", at=T0 + 0.7)
+    record.restarted("api", at=T0 + DAY + 5)
+    record.restarted("db", at=T0 + 10)
+    record.prune(now=T0 + DAY + 60)
+    assert record.restarts == {"api": [T0 + DAY + 5]}
+    again = UptimeRecord.from_json(json.loads(json.dumps(record.to_json())))
+    assert again.restarts == record.restarts
+    assert again.history("api", now=T0 + DAY + 60).hours[-1].restarts == 1
+
+
 def test_the_compact_record_keeps_whole_seconds_and_every_hour_of_the_week() -> None:
     record = UptimeRecord()
     record.observe({"api": "healthy"}, start=T0, end=T0 + WEEK + 0.4)
@@ -139,6 +151,9 @@ def test_the_compact_record_keeps_whole_seconds_and_every_hour_of_the_week() -> 
         ({"version": 2, "first_hour": 7, "hours": {"api": "AAAA" * 171}}, "a week at most"),
         ({"version": 2, "first_hour": 7, "hours": {"api": "////"}}, "hour 7 is not"),
         ({"version": 2, "first_hour": 7, "hours": {"api": "AAAAAAEA"}}, "hour 8 is not"),
+        ({"version": 2, "first_hour": 7, "hours": {}, "restarts": []}, "restarts: not a"),
+        ({"version": 2, "first_hour": 7, "hours": {}, "restarts": {"a": [1.5]}}, "restarts.a"),
+        ({"version": 2, "first_hour": 7, "hours": {}, "restarts": {"a": [0] * 241}}, "restarts.a"),
         ({"version": 1, "hours": []}, "hours: not a mapping"),
         ({"version": 1, "hours": {"api": 5}}, "hours.api"),
         ({"version": 1, "hours": {"api": {"7": [1, 2]}}}, "hours.api.7"),

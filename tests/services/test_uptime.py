@@ -7,6 +7,7 @@ not restarted. A pod in a crash loop makes its workload `crashlooping`."""
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import datetime
 
 from prometheus_client import generate_latest
@@ -14,12 +15,14 @@ from prometheus_client import generate_latest
 from app.adapters.kube import RESTARTED_AT, KubeError
 from app.domain.components import Component
 from app.domain.health import Ping, PingStatus
-from app.domain.uptime import RestartPolicy
+from app.domain.uptime import RestartPolicy, UptimeRecord
 from app.services.healthwatch import HealthWatch
 from app.services.uptime import UPTIME_KEY, ConfigMapStore, UptimeKeeper, UptimeRecorder
 from tests.services.conftest import World
 from tests.support.polling import eventually
 from tests.support.sync_world import manifest
+
+WALL = 1_000 * 3600.0  # wall seconds at the test's time 0
 
 POLICY = RestartPolicy(
     after_seconds=180, backoff_seconds=300, backoff_max_seconds=3600,
@@ -44,17 +47,23 @@ async def test_an_unhealthy_workload_is_restarted_backs_off_and_stops_at_its_bud
     world.runtime.book.record("api", Ping(status=PingStatus.UNHEALTHY, message="db down"))
     now = [0.0]
     component = Component("uptime", True, "test")
-    keeper = UptimeKeeper(
-        book=world.runtime.book, kube=world.syncer.kube, errors=(KubeError,),
-        cluster_lock=asyncio.Lock(), alerts=world.runtime.alerts, metrics=world.runtime.metrics,
-        policy=POLICY, component=component, clock=lambda: now[0],
-    )  # fmt: skip
+    record = UptimeRecord()  # where the restarts are kept across restarts of the manager
+
+    def keeper_on(record: UptimeRecord, since_boot: float) -> UptimeKeeper:
+        return UptimeKeeper(
+            book=world.runtime.book, kube=world.syncer.kube, errors=(KubeError,),
+            cluster_lock=asyncio.Lock(), alerts=world.runtime.alerts,
+            metrics=world.runtime.metrics, policy=POLICY, component=component, record=record,
+            clock=lambda: now[0] - since_boot, wall=lambda: WALL + now[0],
+        )  # fmt: skip
+
+    keepers = [keeper_on(record, 0.0)]
     world.forget_requests()
 
     async def at(seconds: float) -> dict[str, object]:
         now[0] = seconds
         world.runtime.book.record("api", Ping(status=PingStatus.UNHEALTHY, message="db down"))
-        await keeper.check()
+        await keepers[-1].check()
         shown: dict[str, object] = component.detail["workloads"].get("api") or {}
         return shown
 
@@ -94,6 +103,18 @@ async def test_an_unhealthy_workload_is_restarted_backs_off_and_stops_at_its_bud
     # `quiet` never pinged: unknown, not stale, never restarted for silence
     assert restarted_at(world, "quiet") is None
     assert "quiet" not in component.detail["workloads"]
+
+    # the manager starts again (a new monotonic clock): the restarts of the last hour come
+    # back with the saved record and still count against the budget
+    stamp = restarted_at(world, "api")
+    saved = UptimeRecord.from_json(json.loads(json.dumps(record.to_json())))
+    assert [len(ts) for ts in saved.restarts.values()] == [2]
+    keepers.append(keeper_on(saved, 1_500.0))
+    await at(2_100.0)
+    shown = await at(2_300.0)  # bad for 200 s in this process: the budget decides
+    assert "restart budget spent" in str(shown["reason"])
+    assert shown["restarts_last_hour"] == 2
+    assert restarted_at(world, "api") == stamp
 
 
 async def test_a_pod_in_a_crash_loop_makes_its_workload_crashlooping(world: World) -> None:
