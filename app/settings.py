@@ -427,6 +427,12 @@ class Settings(BaseSettings):
         return self.app_env is AppEnv.PRODUCTION
 
     @property
+    def tier(self) -> Tier:
+        """NODE_TIER, or tier C for development (production requires NODE_TIER wherever a
+        tier is used: jobs and the registry)."""
+        return self.node_tier or Tier.C
+
+    @property
     def json_logs(self) -> bool:
         if self.log_format == "auto":
             return self.is_production

@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING
 from app import __version__
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.signing import NodeSigner, load_config_file, load_private_key, node_id_for
-from app.domain.components import Component, ComponentState
+from app.domain.components import Component
 from app.domain.redaction import redact_text, redact_url
 from app.metrics import Metrics
 from app.services.alerting import Alerter
+from app.services.components import decide_components
 from app.services.healthwatch import HealthWatch
 from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
 from app.services.supervision import Deadline, Supervisor, within
 from app.services.wiring import (
-    DEVELOPMENT_TIER,
     consumer_stats,
     open_backend,
     open_matrix_room,
@@ -100,149 +100,6 @@ class Runtime:
         return time.monotonic() - self.started_at
 
 
-def _components(settings: Settings, signer: NodeSigner | None) -> dict[str, Component]:
-    report_reason: str
-    report_enabled = settings.report_enabled
-    if not settings.report_enabled:
-        report_reason = "switched off by REPORT_ENABLED=false"
-    elif settings.node_system_endpoint is None:
-        report_reason = "no NODE_SYSTEM_ENDPOINT: reports go to the log and /v1/status"
-    elif signer is None:
-        report_enabled = False
-        report_reason = (
-            "NODE_SYSTEM_ENDPOINT is set but there is no NODE_PRIVATE_KEY, "
-            "NODE_PRIVATE_KEY_FILE or ~/.config/lfgnode/config.yaml (NODE_CONFIG_FILE) "
-            "to sign with"
-        )
-    else:
-        report_reason = f"signed reports to {redact_url(settings.node_system_endpoint)}"
-    embedded = settings.embedded_services and not settings.is_production
-
-    def data_service(name: str, configured: str | None, variable: str) -> Component:
-        if configured is not None:
-            return Component(name, True, f"{variable} is set")
-        if embedded:
-            return Component(name, True, f"embedded server (no {variable} set)")
-        return Component(name, False, f"no {variable} set and embedded servers are off")
-
-    database = settings.database_url.get_secret_value() if settings.database_url else None
-    return {
-        "api": Component("api", True, "serving", critical=True, state=ComponentState.OK),
-        "scheduler": Component("scheduler", True, "runs the periodic loops", critical=True),
-        "report": Component("report", report_enabled, report_reason),
-        "postgres": data_service("postgres", database, "DATABASE_URL"),
-        "nats": data_service("nats", settings.nats_url, "NATS_URL"),
-        "sync": _sync_component(settings, signer),
-        "registry": _registry_component(settings, database, embedded),
-        "worker": _worker_component(settings, database, embedded),
-        "uptime": _uptime_component(settings),
-        "self_update": _self_update_component(settings),
-        "alerts": _alerts_component(settings),
-    }
-
-
-def _alerts_component(settings: Settings) -> Component:
-    missing = [
-        name
-        for name, value in (
-            ("MATRIX_HOMESERVER", settings.matrix_homeserver),
-            ("MATRIX_ROOM_ID", settings.matrix_room_id),
-            ("MATRIX_ACCESS_TOKEN", settings.matrix_access_token),
-        )
-        if value is None
-    ]
-    if missing:
-        return Component("alerts", False, f"{', '.join(missing)} not set: alerts go to the log")
-    return Component(
-        "alerts",
-        True,
-        f"Matrix room {settings.matrix_room_id} on {redact_url(settings.matrix_homeserver or '')}",
-    )
-
-
-def _registry_component(settings: Settings, database: str | None, embedded: bool) -> Component:
-    if not settings.registry_enabled:
-        return Component("registry", False, "switched off by REGISTRY_ENABLED=false")
-    if database is None and not embedded:
-        return Component(
-            "registry", False,
-            "no DATABASE_URL (or CAPABILITY_REGISTRY) set: capabilities are not registered; "
-            "jobs are matched against this node's own profile",
-        )  # fmt: skip
-    tier = settings.node_tier or DEVELOPMENT_TIER
-    reason = f"tier {tier.value} in worker_capabilities, heartbeat every "
-    reason += f"{settings.heartbeat_interval_seconds:g} s"
-    if settings.node_tier is None:
-        reason += " (NODE_TIER unset: tier C for development)"
-    return Component("registry", True, reason)
-
-
-def _worker_component(settings: Settings, database: str | None, embedded: bool) -> Component:
-    if not settings.worker_enabled:
-        return Component("worker", False, "switched off by WORKER_ENABLED=false")
-    if settings.nats_url is None and not embedded:
-        return Component("worker", False, "no NATS_URL set")
-    has_database = settings.registry_enabled and (database is not None or embedded)
-    if settings.job_ledger == "postgres" and not has_database:
-        return Component("worker", False, "JOB_LEDGER=postgres but there is no registry database")
-    on_postgres = has_database and settings.job_ledger != "jetstream"
-    tier = (settings.node_tier or DEVELOPMENT_TIER).value
-    ledger = (
-        "ledger in PostgreSQL"
-        if on_postgres
-        else f"ledger in the JetStream bucket JOB_LEDGER_{tier}"
-    )
-    return Component(
-        "worker",
-        True,
-        f"consumer wm-{tier} on MM_ONLINE, MM_OFFLINE, MM_WRITE; "
-        f"{settings.worker_concurrency} job(s) at a time; {ledger}",
-    )
-
-
-def _self_update_component(settings: Settings) -> Component:
-    if not settings.self_update_enabled:
-        return Component("self_update", False, "switched off by SELF_UPDATE_ENABLED=false")
-    if settings.self_update_url is None:
-        return Component("self_update", False, "no SELF_UPDATE_URL set")
-    if settings.pod_namespace is None:
-        return Component(
-            "self_update",
-            False,
-            "not running in a cluster (no POD_NAMESPACE from the downward API)",
-        )
-    return Component(
-        "self_update",
-        True,
-        f"{redact_url(settings.self_update_url)} -> "
-        f"{settings.pod_namespace}/{settings.self_deployment_name}",
-    )
-
-
-def _sync_component(settings: Settings, signer: NodeSigner | None) -> Component:
-    if not settings.sync_enabled:
-        return Component("sync", False, "switched off by SYNC_ENABLED=false")
-    if settings.node_system_endpoint and signer:
-        source = redact_url(settings.node_system_endpoint)
-        return Component("sync", True, f"desired state from {source}")
-    if settings.desired_state_dir is not None:
-        return Component("sync", True, f"desired state from folder {settings.desired_state_dir}")
-    return Component(
-        "sync", False, "no NODE_SYSTEM_ENDPOINT (with a key) and no DESIRED_STATE_DIR to sync from"
-    )
-
-
-def _uptime_component(settings: Settings) -> Component:
-    if not settings.uptime_restart_enabled:
-        return Component("uptime", False, "switched off by UPTIME_RESTART_ENABLED=false")
-    return Component(
-        "uptime", settings.sync_enabled,
-        "rollout-restarts managed workloads unhealthy or stale for longer than "
-        f"{settings.uptime_restart_after_seconds:.0f} s" if settings.sync_enabled
-        else "needs the sync's cluster access (SYNC_ENABLED=false)",
-    )  # fmt: skip
-
-
 def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> Runtime:
     secret = settings.node_private_key
     key = load_private_key(
@@ -274,7 +131,7 @@ def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monot
         on_forget=metrics.forget_workload,
         clock=clock,
     )
-    components = _components(settings, signer)
+    components = decide_components(settings, can_sign=signer is not None)
     alerts = Alerter(
         node_id=node_id,
         metrics=metrics,
@@ -437,7 +294,7 @@ def _add_loops(rt: Runtime) -> None:
             first_after=0.1,
         )  # fmt: skip
     if rt.bus is not None:
-        tier = (settings.node_tier or DEVELOPMENT_TIER).value
+        tier = settings.tier.value
         scheduler.add_loop(
             "consumer-stats", consumer_stats(rt.bus, rt.metrics, tier), every=15.0, first_after=5.0
         )

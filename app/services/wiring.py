@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.domain.components import Component
 from app.domain.redaction import redact_text
-from app.domain.requirements import NodeProfile, Tier
+from app.domain.requirements import NodeProfile
 from app.metrics import Metrics
 from app.services.alerting import Alerter
 from app.services.workloads import WorkloadBook
@@ -41,8 +41,6 @@ if TYPE_CHECKING:
     from app.services.working import Worker
 
 log = logging.getLogger(__name__)
-
-DEVELOPMENT_TIER = Tier.C
 
 
 def open_backend(
@@ -133,9 +131,8 @@ async def open_syncer(
         source = FolderSource(
             DesiredFiles(settings.desired_state_dir), max_workloads=settings.max_desired_workloads
         )
-    else:
-        component.switch_off("no desired-state source")
-        return None
+    else:  # decided in decide_components: an enabled sync has one of the two
+        raise AssertionError("sync enabled without a desired-state source")
     opened = await open_cluster(settings, component, stack, namespace=settings.managed_namespace)
     if opened is None:
         return None
@@ -202,7 +199,7 @@ def _local_profile(
     from app.services.heartbeating import LocalProfile
 
     return LocalProfile(
-        node_id=node_id, tier=settings.node_tier or DEVELOPMENT_TIER,
+        node_id=node_id, tier=settings.tier,
         region=settings.node_region, trust_zone=settings.node_trust_zone,
         capabilities=settings.node_capabilities,
         fingerprint=_fingerprint(settings, cluster_version),
@@ -323,7 +320,7 @@ async def open_worker(
     from app.services.streams import consumer_specs, init_streams
     from app.services.working import Ledger, Worker, WorkerConfig, request_timeout
 
-    tier = (settings.node_tier or DEVELOPMENT_TIER).value
+    tier = settings.tier.value
     try:
         inbox = inbox_prefix(tier, node_id)  # the only inboxes the tier's NATS user may read
     except ValueError as exc:
@@ -513,8 +510,9 @@ async def open_self_updater(
     alerts: Alerter,
     cluster_lock: asyncio.Lock,
 ) -> SelfUpdater | None:
-    if not component.enabled or settings.self_update_url is None:
+    if not component.enabled:
         return None
+    assert settings.self_update_url is not None  # decided in decide_components
     from app.adapters.versions import VersionFile
     from app.domain.updates import UpdatePolicy
     from app.services.updating import SelfUpdater
