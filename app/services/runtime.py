@@ -35,8 +35,10 @@ from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
 from app.services.supervision import Deadline, Supervisor, within
 from app.services.wiring import (
+    Cluster,
     consumer_stats,
     open_backend,
+    open_cluster,
     open_matrix_room,
     open_registry,
     open_self_updater,
@@ -81,6 +83,7 @@ class Runtime:
     # what start_runtime opened (None: off, or not started yet)
     reporter: Reporter | None = None
     health_watch: HealthWatch | None = None
+    cluster: Cluster | None = None  # the one Kubernetes client, shared
     syncer: Syncer | None = None
     uptime: UptimeKeeper | None = None
     uptime_record: UptimeRecorder | None = None
@@ -204,35 +207,39 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
         disk_path=settings.data_dir if settings.data_dir.exists() else settings.data_dir.parent,
         started_at=rt.started_at,
     )
+    cluster = rt.cluster = await open_cluster(
+        settings, [components["sync"], components["self_update"]], stack
+    )
     rt.syncer = await open_syncer(
-        settings, components["sync"], stack, backend=backend, book=rt.book, metrics=rt.metrics,
-        alerts=rt.alerts, cluster_lock=rt.cluster_lock,
+        settings, components["sync"], stack, backend=backend, cluster=cluster, book=rt.book,
+        metrics=rt.metrics, alerts=rt.alerts, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
     rt.uptime_record = await open_uptime_recorder(
-        settings, components["uptime"], book=rt.book,
-        cluster=rt.syncer.kube if rt.syncer is not None else None, every=_watch_every(settings),
+        settings, components["uptime"], book=rt.book, cluster=cluster,
+        every=_watch_every(settings),
     )  # fmt: skip
     rt.uptime = open_uptime_keeper(
-        settings, components["uptime"], syncer=rt.syncer, book=rt.book, alerts=rt.alerts,
-        metrics=rt.metrics, cluster_lock=rt.cluster_lock,
-        record=rt.uptime_record.record if rt.uptime_record is not None else None,
+        settings, components["uptime"], cluster=cluster, sync_running=rt.syncer is not None,
+        book=rt.book, alerts=rt.alerts, metrics=rt.metrics, cluster_lock=rt.cluster_lock,
+        record=rt.uptime_record.record,
     )  # fmt: skip
+    cluster_version = cluster.client.server_version if cluster is not None else None
     rt.heartbeat = await open_registry(
         settings, components["registry"], stack, database_url=rt.database_url,
         node_id=rt.node_id, metrics=rt.metrics, alerts=rt.alerts,
-        cluster_version=rt.syncer.kube.server_version if rt.syncer is not None else None,
+        cluster_version=cluster_version,
     )  # fmt: skip
     rt.registry = rt.heartbeat.registry if rt.heartbeat is not None else None
     opened = await open_worker(
         settings, components["worker"], stack, nats_url=rt.nats_url, heartbeat=rt.heartbeat,
         node_id=rt.node_id, metrics=rt.metrics, alerts=rt.alerts,
-        cluster_version=rt.syncer.kube.server_version if rt.syncer is not None else None,
+        cluster_version=cluster_version,
     )  # fmt: skip
     if opened is not None:
         rt.worker, rt.bus = opened
     rt.updater = await open_self_updater(
-        settings, components["self_update"], stack, metrics=rt.metrics, alerts=rt.alerts,
-        cluster_lock=rt.cluster_lock,
+        settings, components["self_update"], stack, cluster=cluster, metrics=rt.metrics,
+        alerts=rt.alerts, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
 
     _add_loops(rt)
@@ -379,17 +386,19 @@ async def _drain_worker(rt: Runtime, tail: float) -> None:
 
 async def open_sync_only(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
     """The syncer alone, as the one-shot CLI and the sync tests use it."""
+    cluster = await open_cluster(rt.settings, [rt.components["sync"]], stack)
     return await open_syncer(
         rt.settings, rt.components["sync"], stack,
-        backend=open_backend(rt.settings, rt.signer, stack), book=rt.book, metrics=rt.metrics,
-        alerts=rt.alerts, cluster_lock=rt.cluster_lock,
+        backend=open_backend(rt.settings, rt.signer, stack), cluster=cluster, book=rt.book,
+        metrics=rt.metrics, alerts=rt.alerts, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
 
 
 async def open_self_update_only(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater | None:
     """The self-updater alone, as `workload-manager self-update` and its tests use it."""
+    cluster = await open_cluster(rt.settings, [rt.components["self_update"]], stack)
     return await open_self_updater(
-        rt.settings, rt.components["self_update"], stack, metrics=rt.metrics,
+        rt.settings, rt.components["self_update"], stack, cluster=cluster, metrics=rt.metrics,
         alerts=rt.alerts, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
 

@@ -15,6 +15,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,23 +83,38 @@ def open_matrix_room(
     return room
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """The one Kubernetes client of the process (in the managed namespace; `in_namespace`
+    gives it for another on the same pool), and where its configuration came from."""
+
+    client: KubeDeployments
+    source: str
+
+
 async def open_cluster(
-    settings: Settings, component: Component, stack: AsyncExitStack, *, namespace: str
-) -> tuple[KubeDeployments, str] | None:
-    """A Deployments client for one namespace, closed with the lifespan; None (and the
-    component switched off with the reason) when there is no cluster to talk to."""
+    settings: Settings, users: list[Component], stack: AsyncExitStack
+) -> Cluster | None:
+    """The Kubernetes client that every component on the cluster shares (the sync, the
+    self-update, uptime management, the fingerprint's cluster version), closed with the
+    lifespan. None when no user is on, or (each user switched off with the reason) when
+    there is no cluster to talk to."""
+    if not any(c.enabled for c in users):
+        return None
     from app.adapters.kube import ClusterUnavailable, KubeDeployments, load_configuration
 
     try:
         configuration, source = await load_configuration(settings.kubeconfig)
     except ClusterUnavailable as exc:
-        component.switch_off(str(exc))
+        for component in users:
+            if component.enabled:
+                component.switch_off(str(exc))
         return None
     kube = KubeDeployments(
-        configuration, namespace=namespace, timeout=settings.kube_timeout_seconds
+        configuration, namespace=settings.managed_namespace, timeout=settings.kube_timeout_seconds
     )
     stack.push_async_callback(kube.aclose)
-    return kube, source
+    return Cluster(kube, source)
 
 
 async def open_syncer(
@@ -107,13 +123,15 @@ async def open_syncer(
     stack: AsyncExitStack,
     *,
     backend: BackendClient | None,
+    cluster: Cluster | None,
     book: WorkloadBook,
     metrics: Metrics,
     alerts: Alerter,
     cluster_lock: asyncio.Lock,
 ) -> Syncer | None:
-    """The deployment syncer, or None with the reason recorded on the sync component."""
-    if not component.enabled:
+    """The deployment syncer on the shared `cluster`, or None with the reason recorded on
+    the sync component."""
+    if not component.enabled or cluster is None:
         return None
     from app.adapters.desired_files import DesiredFiles
     from app.domain.manifests import Injection, ManifestPolicy
@@ -133,10 +151,6 @@ async def open_syncer(
         )
     else:  # decided in decide_components: an enabled sync has one of the two
         raise AssertionError("sync enabled without a desired-state source")
-    opened = await open_cluster(settings, component, stack, namespace=settings.managed_namespace)
-    if opened is None:
-        return None
-    kube, cluster_source = opened
     protected = (
         frozenset({settings.self_deployment_name})
         if settings.pod_namespace in (None, settings.managed_namespace)
@@ -150,7 +164,7 @@ async def open_syncer(
 
     syncer = Syncer(
         source=source,
-        kube=kube,
+        kube=cluster.client,
         book=book,
         policy=SyncPolicy(
             max_deletes=settings.sync_max_deletes,
@@ -175,7 +189,7 @@ async def open_syncer(
         deadline=settings.sync_deadline_seconds,
     )
     component.reason = redact_text(
-        f"{source.description} -> namespace {settings.managed_namespace} via {cluster_source}"
+        f"{source.description} -> namespace {settings.managed_namespace} via {cluster.source}"
     )
     return syncer
 
@@ -418,18 +432,20 @@ def open_uptime_keeper(
     settings: Settings,
     component: Component,
     *,
-    syncer: Syncer | None,
+    cluster: Cluster | None,
+    sync_running: bool,
     book: WorkloadBook,
     alerts: Alerter,
     metrics: Metrics,
     cluster_lock: asyncio.Lock,
     record: UptimeRecord | None,
 ) -> UptimeKeeper | None:
-    """Uptime management, on the sync's cluster client (off when there is no sync); its
-    restarts kept in the uptime `record`."""
+    """Uptime management on the shared `cluster` client, with the sync's access (its
+    role may patch the managed Deployments): off when the sync does not run. Its restarts
+    are kept in the uptime `record`."""
     if not component.enabled:
         return None
-    if syncer is None:
+    if cluster is None or not sync_running:
         component.switch_off("needs the sync's cluster access, and the sync is off")
         return None
     from app.adapters.kube import KubeError
@@ -444,7 +460,7 @@ def open_uptime_keeper(
         per_node_per_hour=settings.uptime_restarts_per_node_per_hour,
     )
     return UptimeKeeper(
-        book=book, kube=syncer.kube, errors=(KubeError,), cluster_lock=cluster_lock,
+        book=book, kube=cluster.client, errors=(KubeError,), cluster_lock=cluster_lock,
         alerts=alerts, metrics=metrics, policy=policy, component=component, record=record,
     )  # fmt: skip
 
@@ -457,12 +473,12 @@ async def open_uptime_recorder(
     component: Component,
     *,
     book: WorkloadBook,
-    cluster: KubeDeployments | None,
+    cluster: Cluster | None,
     every: float,
 ) -> UptimeRecorder:
     """Each workload's share of time healthy, kept in the ConfigMap
     `workload-manager-uptime` of the manager's own namespace when it runs in a cluster
-    (it outlives the pod, a self-update included; the sync's client is reused), else in
+    (it outlives the pod, a self-update included; on the shared client), else in
     DATA_DIR/uptime.json."""
     from app.services.uptime import FileStore, UptimeRecorder, UptimeStore
 
@@ -472,7 +488,7 @@ async def open_uptime_recorder(
         from app.adapters.kube import KubeError
         from app.services.uptime import ConfigMapStore
 
-        own = cluster.in_namespace(settings.pod_namespace)
+        own = cluster.client.in_namespace(settings.pod_namespace)
         store, errors = ConfigMapStore(own, UPTIME_CONFIG_MAP), (KubeError,)
     recorder = UptimeRecorder(
         book=book, store=store, errors=errors, component=component, max_step=3 * every
@@ -506,22 +522,21 @@ async def open_self_updater(
     component: Component,
     stack: AsyncExitStack,
     *,
+    cluster: Cluster | None,
     metrics: Metrics,
     alerts: Alerter,
     cluster_lock: asyncio.Lock,
 ) -> SelfUpdater | None:
-    if not component.enabled:
+    """The self-updater on the shared `cluster` client, in the manager's own namespace."""
+    if not component.enabled or cluster is None:
         return None
     assert settings.self_update_url is not None  # decided in decide_components
     from app.adapters.versions import VersionFile
     from app.domain.updates import UpdatePolicy
     from app.services.updating import SelfUpdater
 
-    assert settings.pod_namespace is not None
-    opened = await open_cluster(settings, component, stack, namespace=settings.pod_namespace)
-    if opened is None:
-        return None
-    kube, _source = opened
+    assert settings.pod_namespace is not None  # decided in decide_components
+    kube = cluster.client.in_namespace(settings.pod_namespace)
     source = VersionFile(
         settings.self_update_url,
         timeout=settings.self_update_timeout_seconds,
