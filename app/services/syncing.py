@@ -538,6 +538,8 @@ class Syncer:
         names = {w.name for w in desired.workloads}
         for name in [n for n in self._reported if n not in names]:
             del self._reported[name]
+        for name in [n for n in self._unreported if n not in names]:
+            del self._unreported[name]  # the backend no longer desires it: nothing owed
 
     def _record(self, outcome: SyncOutcome) -> None:
         if outcome.dry_run:
@@ -576,6 +578,8 @@ class Syncer:
             changed = any(r.outcome != "unchanged" for r in outcome.results)
             level = logging.INFO if changed else logging.DEBUG
             log.log(level, "sync done in %.2f s: %s", outcome.duration_seconds, counts)
+        # applied, and the backend not told yet: retried by the next syncs
+        self._component.detail["versions_not_reported"] = dict(sorted(self._unreported.items()))
 
 
 def _result_of(action: Action, outcome: str) -> WorkloadResult:

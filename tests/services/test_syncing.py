@@ -365,3 +365,21 @@ async def test_a_cancelled_sync_is_recorded_as_aborted_with_every_workload(
         again = await syncer.sync()
         assert again.ok, again.as_dict()
         assert set(world.deployments()) == set(names)
+
+
+async def test_a_version_not_yet_reported_is_dropped_with_its_workload(world: World) -> None:
+    """A version the backend could not be told stays owed (and shown) while the workload
+    is desired; once the backend no longer desires the workload, nothing is owed for it."""
+    world.desire(("api", "1.0.0"), ("worker", "1.0.0"))
+    world.backend.fail("version", "500", times=None)
+    await world.syncer.sync()
+    owed = world.runtime.components["sync"].detail["versions_not_reported"]
+    assert owed == {"api": "1.0.0", "worker": "1.0.0"}
+    world.desire(("worker", "1.0.0"))  # api is no longer wanted: deleted by the next sync
+    await world.syncer.sync()
+    assert world.runtime.components["sync"].detail["versions_not_reported"] == {"worker": "1.0.0"}
+    world.backend.clear_failures()
+    world.forget_requests()
+    await world.syncer.sync()
+    assert world.runtime.components["sync"].detail["versions_not_reported"] == {}
+    assert [(n, b["version"]) for n, b in world.backend.versions] == [("worker", "1.0.0")]
