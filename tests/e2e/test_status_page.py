@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from tests.support.process import manager
 from tests.support.real_cluster import RealCluster
 from tests.support.servers import ThreadedServer
 from tests.support.sync_world import desire, sync_env
+
+SPAN = r"\d+(\.\d)? (s|min|h)"  # how long an uptime share covers, as the page says it
 
 pytestmark = [
     pytest.mark.e2e,
@@ -111,7 +114,13 @@ async def test_a_person_sees_workloads_sync_and_alerts(
                 assert rows["worker"]["cells"][1] == "unhealthy"
                 assert rows["worker"]["colour"] == RED
                 assert rows["worker"]["cells"][6] == HOSTILE  # shown as text, never run
-                assert rows["worker"]["cells"][5] in ("— / —", "0.0% / 0.0%")  # uptime
+                # uptime, over the seconds observed so far (none yet right after start)
+                assert re.fullmatch(
+                    f"— / —|0\\.0% of {SPAN} / 0\\.0% of {SPAN}", rows["worker"]["cells"][5]
+                )
+                assert re.fullmatch(
+                    f"— / —|100\\.0% of {SPAN} / 100\\.0% of {SPAN}", rows["api"]["cells"][5]
+                )
                 components = shown["components"]
                 assert components["sync"] == "ok"
                 assert components["report"] == "ok"
