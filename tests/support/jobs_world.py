@@ -162,12 +162,30 @@ async def consumer_bound(
 
 async def consumer_settled(url: str | list[str], stream: str, durable: str = "wm-A") -> bool:
     """True when every message on the durable has been answered for good."""
-    info = await _consumer_info(url, stream, durable)
+    try:
+        info = await _consumer_info(url, stream, durable)
+    except (nats.errors.Error, TimeoutError):  # a cluster electing a leader: ask again
+        return False
     return bool(info.num_pending == 0 and info.num_ack_pending == 0)
 
 
-async def stored_events(url: str | list[str]) -> list[tuple[str, dict[str, Any]]]:
-    """The events MM_EVENTS holds (what was acknowledged), as (subject, body)."""
+async def stored_events(
+    url: str | list[str], *, within: float = 30.0
+) -> list[tuple[str, dict[str, Any]]]:
+    """The events MM_EVENTS holds (what was acknowledged), as (subject, body). A cluster
+    that answers 503 (JetStream temporarily unavailable: a member just came back and the
+    meta leader is still settling) is asked again until `within` has passed."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await _read_events(url)
+        except nats.js.errors.ServiceUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def _read_events(url: str | list[str]) -> list[tuple[str, dict[str, Any]]]:
     nc = await nats.connect(url)
     try:
         js = nc.jetstream()
