@@ -45,11 +45,9 @@ CLOCK_JUMP_SECONDS = 2.0
 
 def _boot_clock() -> float:
     """Seconds since boot, suspend included (CLOCK_BOOTTIME), where there is one."""
-    return (
-        time.clock_gettime(time.CLOCK_BOOTTIME)
-        if hasattr(time, "CLOCK_BOOTTIME")
-        else (time.monotonic())
-    )
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.monotonic()
 
 
 @dataclass
