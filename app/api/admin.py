@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query
 
-from app.api.auth import UNAUTHORIZED, require_api_token, runtime
+from app.api.auth import UNAUTHORIZED, require_api_token
+from app.api.deps import SupervisorDep, SyncerDep
 from app.api.params import single_valued
 
 router = APIRouter(
@@ -24,15 +25,17 @@ router = APIRouter(
     dependencies=[Depends(single_valued("dry_run"))],
 )
 async def post_sync(
-    request: Request, dry_run: Annotated[bool, Query(description="plan only")] = False
+    syncer: SyncerDep,
+    supervisor: SupervisorDep,
+    dry_run: Annotated[bool, Query(description="plan only")] = False,
 ) -> dict[str, Any]:
-    rt = runtime(request)
-    if rt.syncer is None:
-        raise HTTPException(status_code=503, detail=f"sync is off: {rt.components['sync'].reason}")
     from app.services.syncing import SyncBusy
 
+    sync = syncer.on()
     try:
-        outcome = await rt.syncer.sync(dry_run=dry_run)
+        outcome = await sync.sync(dry_run=dry_run)
     except SyncBusy as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from None
+    if not dry_run:  # recorded as a scheduled sync is: the component, metrics, alerts
+        supervisor.record("sync", sync.outcome_of(outcome))
     return outcome.as_dict()

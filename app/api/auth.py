@@ -12,8 +12,9 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPBasic, HTTPBasicCredentials, HTTPBearer
 
+from app.api.deps import SettingsDep
 from app.domain.tokens import ping_token
-from app.services.runtime import Runtime
+from app.settings import Settings
 
 
 def bearer(request: Request) -> str | None:
@@ -32,11 +33,6 @@ def _unauthorized(detail: str, challenge: str = "Bearer") -> HTTPException:
         detail=detail,
         headers={"WWW-Authenticate": challenge},
     )
-
-
-def runtime(request: Request) -> Runtime:
-    rt: Runtime = request.app.state.runtime
-    return rt
 
 
 # declared for the OpenAPI document (its security schemes); the checks below read the
@@ -60,9 +56,12 @@ BasicCredentials = Annotated[HTTPBasicCredentials | None, Depends(_BASIC)]
 
 
 def _check_operator(
-    request: Request, basic: HTTPBasicCredentials | None, challenge: str, what: str
+    request: Request,
+    settings: Settings,
+    basic: HTTPBasicCredentials | None,
+    challenge: str,
+    what: str,
 ) -> None:
-    settings = runtime(request).settings
     expected = settings.api_token
     if expected is None:
         if settings.is_production:  # a worker-only node may run without one: closed
@@ -75,24 +74,27 @@ def _check_operator(
         raise _unauthorized(f"invalid {what}", challenge)
 
 
-def require_api_token(request: Request, _: BearerScheme, basic: BasicCredentials) -> None:
+def require_api_token(
+    request: Request, settings: SettingsDep, _: BearerScheme, basic: BasicCredentials
+) -> None:
     """Dependency for status and admin routes. Without API_TOKEN they are open in
     development and closed (401) in production. The token comes as a bearer token, or as
     the Basic password a browser cached for the page."""
-    _check_operator(request, basic, "Bearer", "bearer token")
+    _check_operator(request, settings, basic, "Bearer", "bearer token")
 
 
 PAGE_CHALLENGE = 'Basic realm="workload manager", charset="UTF-8"'
 
 
-def require_page_token(request: Request, _: BearerScheme, basic: BasicCredentials) -> None:
+def require_page_token(
+    request: Request, settings: SettingsDep, _: BearerScheme, basic: BasicCredentials
+) -> None:
     """Dependency for the HTML status page: the same token, but a 401 challenges for
     Basic credentials, so a browser prompts for it (any user name, the token as password)."""
-    _check_operator(request, basic, PAGE_CHALLENGE, "operator token")
+    _check_operator(request, settings, basic, PAGE_CHALLENGE, "operator token")
 
 
-def check_ping_token(request: Request, name: str) -> None:
-    settings = runtime(request).settings
+def check_ping_token(request: Request, settings: Settings, name: str) -> None:
     secret = settings.ping_token_secret
     if secret is None:
         if settings.is_production:  # a node that syncs nothing has no workloads to ping

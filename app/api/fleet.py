@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query
 
-from app.api.auth import UNAUTHORIZED, require_api_token, runtime
+from app.api.auth import UNAUTHORIZED, require_api_token
+from app.api.deps import RegistryDep
 from app.api.params import single_valued, single_valued_integers
 from app.domain.requirements import CAPABILITY_NAME
 
@@ -27,22 +28,17 @@ Liveness = Literal["online", "draining", "suspect", "offline"]
     ],
 )
 async def fleet_nodes(
-    request: Request,
+    registry: RegistryDep,
     tier: Annotated[Literal["A", "B", "C"] | None, Query()] = None,
     status: Annotated[Liveness | None, Query(description="liveness, not the raw status")] = None,
     capability: Annotated[str | None, Query(pattern=CAPABILITY_NAME)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> dict[str, Any]:
-    rt = runtime(request)
-    if rt.registry is None:
-        reason = rt.components["registry"].reason
-        raise HTTPException(status_code=503, detail=f"registry is off: {reason}")
     from app.adapters.registry import RegistryUnavailable
 
+    on = registry.on()
     try:
-        nodes = await rt.registry.nodes(
-            tier=tier, liveness=status, capability=capability, limit=limit
-        )
+        nodes = await on.nodes(tier=tier, liveness=status, capability=capability, limit=limit)
     except RegistryUnavailable as exc:
         raise HTTPException(status_code=503, detail=f"registry unreachable: {exc}") from None
     return {"count": len(nodes), "nodes": nodes}

@@ -11,14 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from html import escape
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse
 
-from app.api.auth import UNAUTHORIZED, require_page_token, runtime
+from app.api.auth import UNAUTHORIZED, require_page_token
+from app.api.deps import SettingsDep, runtime
 from app.api.schemas import AlertInfo, ComponentInfo, Status, SyncInfo, WorkloadInfo
-from app.api.status import build_status
+from app.api.status import StatusDep
 from app.domain.uptime import DAY, HOUR, WEEK, HourShare, UptimeHistory
 
 router = APIRouter(
@@ -262,14 +263,21 @@ page at {_when(now)}, reloads every {refresh_seconds} s ·
 """
 
 
+def _uptime_history(request: Request) -> Callable[[str], UptimeHistory | None]:
+    record = runtime(request).uptime_record
+    return record.history if record is not None else lambda _name: None
+
+
 @router.get("/", response_class=HTMLResponse, summary="Status page for people")
-async def status_page(request: Request) -> HTMLResponse:
-    rt = runtime(request)
-    record = rt.uptime_record
+async def status_page(
+    status: StatusDep,
+    settings: SettingsDep,
+    uptime: Annotated[Callable[[str], UptimeHistory | None], Depends(_uptime_history)],
+) -> HTMLResponse:
     body = render(
-        build_status(rt),
-        refresh_seconds=rt.settings.status_page_refresh_seconds,
+        status,
+        refresh_seconds=settings.status_page_refresh_seconds,
         now=datetime.now(UTC),
-        uptime=record.history if record is not None else lambda _name: None,
+        uptime=uptime,
     )
     return HTMLResponse(body, headers=HEADERS)

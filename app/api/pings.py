@@ -15,7 +15,8 @@ from fastapi import APIRouter, HTTPException, Path, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from app.api.auth import check_ping_token, runtime
+from app.api.auth import check_ping_token
+from app.api.deps import BookDep, MetricsDep, SettingsDep
 from app.domain.health import DNS1123_LABEL, Ping, is_workload_name
 from app.services.workloads import BookFull
 
@@ -95,14 +96,18 @@ def _name_error(name: str) -> RequestValidationError:
     },
     summary="Record a workload's health ping",
 )
-async def post_ping(name: WorkloadName, request: Request) -> Response:
-    rt = runtime(request)
-    metrics = rt.metrics
+async def post_ping(
+    name: WorkloadName,
+    request: Request,
+    book: BookDep,
+    metrics: MetricsDep,
+    settings: SettingsDep,
+) -> Response:
     if not is_workload_name(name):
         metrics.ping_rejections.labels("invalid").inc()
         raise _name_error(name)
     try:
-        check_ping_token(request, name)
+        check_ping_token(request, settings, name)
     except HTTPException:
         metrics.ping_rejections.labels("unauthorized").inc()
         raise
@@ -118,13 +123,13 @@ async def post_ping(name: WorkloadName, request: Request) -> Response:
             ]
         ) from None
     try:
-        rt.book.record(name, ping)
+        book.record(name, ping)
     except BookFull:
         metrics.ping_rejections.labels("capacity").inc()
         log.warning("ping from %s refused: the node already tracks the maximum", name)
         raise HTTPException(
             status_code=status.HTTP_429_TOO_MANY_REQUESTS,
-            detail=f"the node already tracks {rt.settings.max_tracked_workloads} workloads",
+            detail=f"the node already tracks {settings.max_tracked_workloads} workloads",
         ) from None
     metrics.count_ping(name, ping.status.value)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

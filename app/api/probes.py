@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.api.auth import runtime
+from app.api.deps import MetricsDep, runtime
 from app.api.schemas import Liveness, Readiness
 
 router = APIRouter(tags=["probes"])
+
+
+def _not_ready(request: Request) -> list[str]:
+    return runtime(request).not_ready_because()
 
 
 @router.get("/healthz", response_model=Liveness, summary="The process serves HTTP")
@@ -23,23 +29,11 @@ async def healthz() -> Liveness:
     responses={503: {"model": Readiness, "description": "Not ready; reasons say why"}},
     summary="Started, scheduler running, critical components healthy",
 )
-async def readyz(request: Request) -> JSONResponse:
-    rt = runtime(request)
-    reasons: list[str] = []
-    if not rt.started:
-        reasons.append("start-up has not finished")
-    if rt.stopping:
-        reasons.append("shutting down")
-    if not rt.scheduler.running:
-        reasons.append("scheduler is not running")
-    for name, component in rt.components.items():
-        if component.critical and not component.healthy:
-            reasons.append(f"{name} is failing: {component.last_error}")
+async def readyz(reasons: Annotated[list[str], Depends(_not_ready)]) -> JSONResponse:
     body = Readiness(ready=not reasons, reasons=reasons)
     return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
 
 @router.get("/metrics", response_class=Response, summary="Prometheus metrics")
-async def metrics(request: Request) -> Response:
-    registry = runtime(request).metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(metrics: MetricsDep) -> Response:
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -8,11 +8,13 @@ does, and neither a URL's password or token nor a secret query parameter is ever
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 
 from app import __version__
-from app.api.auth import UNAUTHORIZED, require_api_token, runtime
+from app.api.auth import UNAUTHORIZED, require_api_token
+from app.api.deps import BookDep, runtime
 from app.api.schemas import (
     AlertInfo,
     ComponentInfo,
@@ -57,17 +59,17 @@ def build_status(rt: Runtime) -> Status:
             for name, component in rt.components.items()
         },
         tasks={name: TaskInfo(**scrub(task)) for name, task in rt.supervisor.status().items()},
-        loops={name: LoopInfo(**scrub(loop)) for name, loop in rt.scheduler.loops().items()},
+        loops={name: LoopInfo(**scrub(loop)) for name, loop in rt.supervisor.loops().items()},
         workloads=[_workload(v) for v in rt.book.views()],
         report=ReportInfo(
             interval_seconds=rt.settings.report_interval_seconds,
-            next_at=rt.scheduler.next_run("report"),
+            next_at=rt.supervisor.next_run("report"),
             last_reported_at=last["reported_at"] if last else None,
             last_workload_count=len(last["workloads"]) if last else None,
         ),
         sync=SyncInfo(
             interval_seconds=rt.settings.sync_interval_seconds,
-            next_at=rt.scheduler.next_run("sync"),
+            next_at=rt.supervisor.next_run("sync"),
             last=scrub(rt.syncer.last.as_dict()) if rt.syncer and rt.syncer.last else None,
             last_change=(
                 scrub(rt.syncer.last_change.as_dict())
@@ -82,16 +84,23 @@ def build_status(rt: Runtime) -> Status:
     )
 
 
-@router.get(
-    "/v1/status", response_model=Status, summary="Node, components, workloads, recent alerts"
-)
-async def get_status(request: Request) -> Status:
+def _snapshot(request: Request) -> Status:
     return build_status(runtime(request))
 
 
+StatusDep = Annotated[Status, Depends(_snapshot)]
+
+
+@router.get(
+    "/v1/status", response_model=Status, summary="Node, components, workloads, recent alerts"
+)
+async def get_status(status: StatusDep) -> Status:
+    return status
+
+
 @router.get("/v1/workloads", response_model=WorkloadList, summary="Every known workload")
-async def list_workloads(request: Request) -> WorkloadList:
-    return WorkloadList(workloads=[_workload(v) for v in runtime(request).book.views()])
+async def list_workloads(book: BookDep) -> WorkloadList:
+    return WorkloadList(workloads=[_workload(v) for v in book.views()])
 
 
 @router.get(
@@ -100,8 +109,8 @@ async def list_workloads(request: Request) -> WorkloadList:
     responses={404: {"description": "No such workload"}},
     summary="One workload",
 )
-async def get_workload(name: str, request: Request) -> WorkloadInfo:
-    view = runtime(request).book.view(name) if is_workload_name(name) else None
+async def get_workload(name: str, book: BookDep) -> WorkloadInfo:
+    view = book.view(name) if is_workload_name(name) else None
     if view is None:
         raise HTTPException(status_code=404, detail=f"no workload named {name!r}")
     return _workload(view)

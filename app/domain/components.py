@@ -1,15 +1,70 @@
 """What each part of the manager is doing, for `/v1/status`, `/readyz` and alerts.
 
 A component is on or off (and why), and records the outcome of its last attempts.
-Times are passed in, so this stays a plain record.
+A run of a loop (a sync, a report, a heartbeat) ends in an `Outcome`, which the
+supervision module records on the component, in the metrics and in the alerts, as
+controller-runtime's reconcile result is handled by its controller, not by each
+reconciler. Times are passed in, so this stays a plain record.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class Result(StrEnum):
+    """How one run ended; the value is the `outcome` label of `scheduled_runs_total`
+    (where a body that raised, a bug, is `error` instead)."""
+
+    OK = "ok"
+    FAILED = "failed"  # the run did its work and it failed (the backend said 502)
+    UNAVAILABLE = "unavailable"  # a dependency is down: a state, not a crash
+    SKIPPED = "skipped"  # nothing was attempted this time (busy, deferred)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one run returns: how it ended, why, what `/v1/status` shows of it, and the
+    events to alert on (key, text) whatever the result."""
+
+    result: Result
+    error: str | None = None
+    detail: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    alerts: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def ok(cls, **detail: Any) -> Outcome:
+        return cls(Result.OK, detail=detail)
+
+    @classmethod
+    def failed(cls, error: str, **detail: Any) -> Outcome:
+        return cls(Result.FAILED, error, detail)
+
+    @classmethod
+    def unavailable(cls, error: str, **detail: Any) -> Outcome:
+        return cls(Result.UNAVAILABLE, error, detail)
+
+    @classmethod
+    def skipped(cls, why: str, **detail: Any) -> Outcome:
+        return cls(Result.SKIPPED, why, detail)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.result is Result.OK
+
+    def with_detail(self, **detail: Any) -> Outcome:
+        """This outcome with `detail` under its own (its own wins)."""
+        return Outcome(self.result, self.error, {**detail, **self.detail}, self.alerts)
+
+    def alerting(self, key: str, text: str) -> Outcome:
+        return Outcome(self.result, self.error, self.detail, (*self.alerts, (key, text)))
 
 
 class ComponentState(StrEnum):
@@ -53,6 +108,16 @@ class Component:
         self.last_error = error
         self.consecutive_failures += 1
         self.detail.update(detail)
+
+    def record(self, at: datetime, outcome: Outcome) -> None:
+        """A run's outcome: OK succeeds, FAILED and UNAVAILABLE fail, SKIPPED leaves the
+        state as it was; the detail is kept in every case."""
+        if outcome.result is Result.OK:
+            self.succeeded(at, **outcome.detail)
+        elif outcome.result is Result.SKIPPED:
+            self.detail.update(outcome.detail)
+        else:
+            self.failed(at, outcome.error or outcome.result.value, **outcome.detail)
 
     @property
     def healthy(self) -> bool:

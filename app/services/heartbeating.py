@@ -13,19 +13,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import stamina
 
 from app.adapters.registry import AsyncpgRegistry, NodeHeldElsewhere, RegistryUnavailable
-from app.domain.components import Component
+from app.domain.components import Outcome
 from app.domain.migrations import MigrationError
 from app.domain.requirements import NodeProfile, Tier
 from app.metrics import Metrics
-
-if TYPE_CHECKING:
-    from app.services.alerting import Alerter
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +75,8 @@ class Heartbeat:
         registry: AsyncpgRegistry,
         profile: LocalProfile,
         interval_seconds: float,
-        component: Component,
         metrics: Metrics,
         prepare: Callable[[], Awaitable[object]] | None = None,
-        alerts: Alerter | None = None,
         retry_attempts: int = 3,
         retry_max_wait: float = 5.0,
     ) -> None:
@@ -91,12 +85,10 @@ class Heartbeat:
         self._node_id = profile.node_id
         self._tier = profile.tier
         self._interval = max(1, round(interval_seconds))
-        self._component = component
         self._metrics = metrics
         self._attempts = retry_attempts
         self._max_wait = retry_max_wait
         self._prepare = prepare
-        self._alerts = alerts
         self._written: NodeProfile | None = None
         self.status = "online"
         self._marked: str | None = None  # the last status `mark` wrote
@@ -110,8 +102,8 @@ class Heartbeat:
         """The node's profile, with the hardware fingerprint refreshed every 10 minutes."""
         return await self._local()
 
-    async def beat(self) -> bool:
-        """One heartbeat (registering when needed); True when the registry has it."""
+    async def beat(self) -> Outcome:
+        """One heartbeat (registering when needed): OK when the registry has it."""
         started = time.monotonic()
         try:
             async for attempt in stamina.retry_context(
@@ -126,32 +118,17 @@ class Heartbeat:
         except NodeHeldElsewhere as exc:
             # a second manager for a node one already serves: it stays out of the way
             self._metrics.heartbeats.labels("failed").inc()
-            self._component.failed(datetime.now(UTC), str(exc))
             self._written = None
-            log.warning("registry: %s", exc)
-            return False
+            return Outcome.failed(str(exc))
         except (*RegistryUnavailable, MigrationError) as exc:
             self._metrics.heartbeats.labels("failed").inc()
-            self._component.failed(datetime.now(UTC), f"{type(exc).__name__}: {exc}")
             self._written = None  # re-register in full once the database is back
-            failures = self._component.consecutive_failures
-            if self._alerts is not None and failures >= 3:
-                self._alerts.alert(
-                    "registry:heartbeat",
-                    f"registry heartbeats failing ({failures} in a row): {exc}",
-                )
-            log.warning(
-                "registry heartbeat failed (%d in a row): %s",
-                self._component.consecutive_failures,
-                exc,
-            )
-            return False
+            return Outcome.failed(f"{type(exc).__name__}: {exc}")
         finally:
             self._metrics.heartbeat_duration.observe(time.monotonic() - started)
         self._metrics.heartbeats.labels("ok").inc()
-        self._component.succeeded(datetime.now(UTC), status=self.status)
         self.registered.set()
-        return True
+        return Outcome.ok(status=self.status)
 
     async def _write(self) -> None:
         if self._prepare is not None:

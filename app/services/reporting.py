@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from app import __version__
 from app.adapters import system
-from app.domain.components import Component
+from app.domain.components import Outcome
 from app.domain.reports import build_report
 from app.metrics import Metrics
 from app.services.workloads import WorkloadBook
@@ -34,7 +34,6 @@ class Reporter:
         node_id: str,
         book: WorkloadBook,
         backend: BackendClient | None,
-        component: Component,
         metrics: Metrics,
         disk_path: Path,
         started_at: float,
@@ -43,7 +42,6 @@ class Reporter:
         self._node_id = node_id
         self._book = book
         self.backend = backend
-        self._component = component
         self._metrics = metrics
         self._disk_path = disk_path
         self._started_at = started_at
@@ -60,11 +58,10 @@ class Reporter:
             workloads=self._book.views(),
         )
 
-    async def report_once(self) -> bool:
-        """Build and deliver one report; True when it was delivered (or logged locally)."""
+    async def report_once(self) -> Outcome:
+        """Build and deliver one report: OK when it was delivered (or logged locally)."""
         report = self.build()
         self.last_report = report
-        now = datetime.now(UTC)
         if self.backend is None:
             log.info(
                 "node report (no backend configured): %d workloads",
@@ -72,8 +69,7 @@ class Reporter:
                 extra={"report": report},
             )
             self._metrics.reports.labels("logged").inc()
-            self._component.succeeded(now, target="log")
-            return True
+            return Outcome.ok(target="log")
         from app.adapters.backend import BackendError
 
         started = time.monotonic()
@@ -81,16 +77,9 @@ class Reporter:
             await self.backend.post_health(report)
         except BackendError as exc:
             self._metrics.reports.labels("failed").inc()
-            self._component.failed(now, str(exc))
-            log.warning(
-                "node report not delivered (%d in a row): %s",
-                self._component.consecutive_failures,
-                exc,
-            )
-            return False
+            return Outcome.failed(f"not delivered: {exc}")
         finally:
             self._metrics.report_duration.observe(time.monotonic() - started)
         self._metrics.reports.labels("sent").inc()
-        self._component.succeeded(now, target="backend")
         log.debug("node report delivered: %d workloads", len(report["workloads"]))
-        return True
+        return Outcome.ok(target="backend")

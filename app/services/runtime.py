@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from app import __version__
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.signing import NodeSigner, load_config_file, load_private_key, node_id_for
-from app.domain.components import Component
+from app.domain.components import Component, Outcome
 from app.domain.redaction import redact_text, redact_url
 from app.metrics import Metrics
 from app.services.alerting import Alerter
@@ -73,7 +73,6 @@ class Runtime:
     signer: NodeSigner | None
     metrics: Metrics
     book: WorkloadBook
-    scheduler: Scheduler
     supervisor: Supervisor
     shutdown: Deadline
     components: dict[str, Component]
@@ -101,6 +100,21 @@ class Runtime:
     @property
     def uptime_seconds(self) -> float:
         return time.monotonic() - self.started_at
+
+    def not_ready_because(self) -> list[str]:
+        """Why `/readyz` says 503: start-up unfinished, shutting down, the loops not
+        running, a critical component failing. Empty: ready."""
+        reasons: list[str] = []
+        if not self.started:
+            reasons.append("start-up has not finished")
+        if self.stopping:
+            reasons.append("shutting down")
+        if not self.supervisor.scheduler.running:
+            reasons.append("scheduler is not running")
+        for name, component in self.components.items():
+            if component.critical and not component.healthy:
+                reasons.append(f"{name} is failing: {component.last_error}")
+        return reasons
 
 
 def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> Runtime:
@@ -147,8 +161,11 @@ def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monot
         signer=signer,
         metrics=metrics,
         book=book,
-        scheduler=Scheduler(metrics=metrics, jitter_fraction=settings.scheduler_jitter_fraction),
-        supervisor=Supervisor(),
+        supervisor=Supervisor(
+            scheduler=Scheduler(jitter_fraction=settings.scheduler_jitter_fraction),
+            metrics=metrics,
+            alerts=alerts,
+        ),
         shutdown=Deadline(settings.shutdown_grace_seconds),
         components=components,
         alerts=alerts,
@@ -181,7 +198,7 @@ async def _abandon_start(rt: Runtime) -> None:
     deadline = rt.shutdown
     deadline.begin()
     rt.stopping = True
-    await rt.scheduler.stop(within=deadline.budget(cap=2.0, reserve=0.5))
+    await rt.supervisor.stop_loops(within=deadline.budget(cap=2.0, reserve=0.5))
     await rt.supervisor.stop_all(budget=deadline.budget(reserve=0.25))
 
 
@@ -195,14 +212,13 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
             "alert-sender", functools.partial(rt.alerts.deliver_to, room), restart=True,
             component=components["alerts"],
         )  # fmt: skip
-        components["alerts"].succeeded(datetime.now(UTC))
+        components["alerts"].record(datetime.now(UTC), Outcome.ok())
 
     backend = open_backend(settings, rt.signer, stack)
     rt.reporter = Reporter(
         node_id=rt.node_id,
         book=rt.book,
         backend=backend if components["report"].enabled else None,
-        component=components["report"],
         metrics=rt.metrics,
         disk_path=settings.data_dir if settings.data_dir.exists() else settings.data_dir.parent,
         started_at=rt.started_at,
@@ -212,7 +228,7 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
     )
     rt.syncer = await open_syncer(
         settings, components["sync"], stack, backend=backend, cluster=cluster, book=rt.book,
-        metrics=rt.metrics, alerts=rt.alerts, cluster_lock=rt.cluster_lock,
+        metrics=rt.metrics, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
     rt.uptime_record = await open_uptime_recorder(
         settings, components["uptime"], book=rt.book, cluster=cluster,
@@ -226,14 +242,13 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
     cluster_version = cluster.client.server_version if cluster is not None else None
     rt.heartbeat = await open_registry(
         settings, components["registry"], stack, database_url=rt.database_url,
-        node_id=rt.node_id, metrics=rt.metrics, alerts=rt.alerts,
-        cluster_version=cluster_version,
+        node_id=rt.node_id, metrics=rt.metrics, cluster_version=cluster_version,
     )  # fmt: skip
     rt.registry = rt.heartbeat.registry if rt.heartbeat is not None else None
     opened = await open_worker(
         settings, components["worker"], stack, nats_url=rt.nats_url, heartbeat=rt.heartbeat,
         node_id=rt.node_id, metrics=rt.metrics, alerts=rt.alerts,
-        cluster_version=cluster_version,
+        report=rt.supervisor.reporter(components["worker"]), cluster_version=cluster_version,
     )  # fmt: skip
     if opened is not None:
         rt.worker, rt.bus = opened
@@ -252,13 +267,15 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
         # first scheduled check
         updater = rt.updater
 
-        async def resume(_stopping: asyncio.Event) -> None:
-            await updater.resume()
+        async def resume(_stopping: asyncio.Event) -> Outcome:
+            return await updater.resume()
 
-        rt.supervisor.start("self-update-resume", resume, restart=False)
-    rt.supervisor.start("clock-watch", rt.scheduler.watch_clock, restart=True)
-    rt.scheduler.start()
-    components["scheduler"].succeeded(datetime.now(UTC))
+        rt.supervisor.start(
+            "self-update-resume", resume, restart=False, component=components["self_update"]
+        )
+    rt.supervisor.start("clock-watch", rt.supervisor.scheduler.watch_clock, restart=True)
+    rt.supervisor.start_loops()
+    components["scheduler"].record(datetime.now(UTC), Outcome.ok())
     log.info(
         "workload manager %s started as node %s (%s); components on: %s",
         __version__,
@@ -281,45 +298,56 @@ def _watch_every(settings: Settings) -> float:
     return max(1.0, min(15.0, settings.ping_stale_seconds / 2))
 
 
+# a sync or heartbeats failing this many times in a row alert
+ALERT_AFTER_FAILURES = 3
+
+
 def _add_loops(rt: Runtime) -> None:
-    settings, scheduler = rt.settings, rt.scheduler
+    """Every periodic loop, with the component its outcomes are recorded on."""
+    settings, add, components = rt.settings, rt.supervisor.add_loop, rt.components
     watch = rt.health_watch = HealthWatch(book=rt.book, alerts=rt.alerts)
     every = _watch_every(settings)
-    scheduler.add_loop("health-watch", watch.check, every=every, first_after=every)
+    add("health-watch", watch.check, every=every, first_after=every)
     if rt.uptime_record is not None:
-        scheduler.add_loop("uptime-record", rt.uptime_record.tick, every=every, first_after=0.1)
+        add("uptime-record", rt.uptime_record.tick, every=every, first_after=0.1)
     if rt.uptime is not None:
-        scheduler.add_loop("uptime", rt.uptime.check, every=every, first_after=every)
-    if rt.reporter is not None and rt.components["report"].enabled:
-        scheduler.add_loop(
+        add(
+            "uptime", rt.uptime.check, every=every, first_after=every,
+            what="uptime management", component=components["uptime"],
+        )  # fmt: skip
+    if rt.reporter is not None and components["report"].enabled:
+        add(
             "report", rt.reporter.report_once, every=settings.report_interval_seconds,
-            first_after=min(5.0, settings.report_interval_seconds),
+            first_after=min(5.0, settings.report_interval_seconds), what="node report",
+            component=components["report"],
         )  # fmt: skip
     if rt.heartbeat is not None:
-        scheduler.add_loop(
+        add(
             "heartbeat", rt.heartbeat.beat, every=settings.heartbeat_interval_seconds,
-            first_after=0.1,
+            first_after=0.1, what="registry heartbeat", component=components["registry"],
+            alert_after=ALERT_AFTER_FAILURES,
         )  # fmt: skip
     if rt.bus is not None:
         tier = settings.tier.value
-        scheduler.add_loop(
-            "consumer-stats", consumer_stats(rt.bus, rt.metrics, tier), every=15.0, first_after=5.0
-        )
+        add("consumer-stats", consumer_stats(rt.bus, rt.metrics, tier), every=15.0, first_after=5.0)
     if rt.syncer is not None:
-        scheduler.add_loop(
+        add(
             "sync", rt.syncer.run_scheduled, every=settings.sync_interval_seconds,
-            first_after=min(10.0, settings.sync_interval_seconds),
+            first_after=min(10.0, settings.sync_interval_seconds), what="deployment sync",
+            component=components["sync"], alert_after=ALERT_AFTER_FAILURES,
         )  # fmt: skip
         from app.adapters.kube import KubeError
 
-        scheduler.add_loop(
+        add(
             "cluster-view", rt.syncer.refresh_view, every=settings.cluster_refresh_seconds,
-            first_after=settings.cluster_refresh_seconds, outage=(KubeError,),
+            first_after=settings.cluster_refresh_seconds, what="cluster view",
+            outage=(KubeError,),
         )  # fmt: skip
     if rt.updater is not None:
-        scheduler.add_loop(
+        add(
             "self-update", rt.updater.run_scheduled, every=settings.self_update_interval_seconds,
             first_after=min(60.0, settings.self_update_interval_seconds),
+            what="self-update check", component=components["self_update"],
         )  # fmt: skip
 
 
@@ -351,14 +379,15 @@ async def stop_runtime(rt: Runtime) -> None:
         budget = deadline.budget(cap=2.0, reserve=tail)
         await heartbeat.mark("draining", within=budget)
     await asyncio.gather(
-        rt.scheduler.stop(within=deadline.budget(reserve=tail)), _drain_worker(rt, tail)
+        rt.supervisor.stop_loops(within=deadline.budget(reserve=tail)), _drain_worker(rt, tail)
     )
     if rt.uptime_record is not None:  # what was counted since the last save
         await within("uptime record", deadline.budget(cap=2.0, reserve=tail), rt.uptime_record.save)
     if rt.reporter is not None and rt.components["report"].enabled:
         await within(
-            "final report", deadline.budget(cap=5.0, reserve=tail / 2), rt.reporter.report_once
-        )
+            "final report", deadline.budget(cap=5.0, reserve=tail / 2),
+            functools.partial(rt.supervisor.run_now, "report"),
+        )  # fmt: skip
     if heartbeat is not None:
         await heartbeat.mark("offline", within=deadline.budget(cap=2.0, reserve=0.5))
     await rt.alerts.flush(within=deadline.budget(cap=2.0, reserve=0.5))
@@ -390,7 +419,7 @@ async def open_sync_only(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
     return await open_syncer(
         rt.settings, rt.components["sync"], stack,
         backend=open_backend(rt.settings, rt.signer, stack), cluster=cluster, book=rt.book,
-        metrics=rt.metrics, alerts=rt.alerts, cluster_lock=rt.cluster_lock,
+        metrics=rt.metrics, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
 
 

@@ -1,13 +1,8 @@
-"""Periodic loops on APScheduler: one instance at a time, coalesced, with jitter.
+"""When the periodic loops run: APScheduler, one instance at a time, coalesced, jittered.
 
-Each loop body is wrapped so that an exception is logged (and so reaches Sentry
-through its logging integration) and counted, and the loop simply runs again at
-its next tick: a failing loop never takes the process or the API down.
-
-A loop may name the errors that mean a dependency is down (`outage`): those are an
-outage, not a crash — one WARNING when it begins, one INFO when it ends, its state in
-`/v1/status` (`loops`) and the `unavailable` outcome — instead of an ERROR with a
-traceback (a Sentry event) at every tick.
+This is the timing of the loops only. What a run means (its outcome recorded on its
+component, in the metrics and the alerts; an outage told apart from a crash) is the
+supervision module's: it hands each loop here as a run that never raises.
 
 APScheduler 3 keeps its next run times on the wall clock: set back ten minutes, every
 loop would wait ten minutes. `watch_clock` (a supervised task) compares the wall clock
@@ -25,18 +20,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from app.metrics import Metrics
-
 log = logging.getLogger(__name__)
 
-LoopBody = Callable[[], Awaitable[object]]
+Run = Callable[[], Awaitable[object]]
 Clock = Callable[[], float]
 
 # a wall clock that moved this much more (or less) than the boot-time clock jumped
@@ -50,39 +41,18 @@ def _boot_clock() -> float:
     return time.monotonic()
 
 
-@dataclass
-class LoopState:
-    """A loop's last runs, as `/v1/status` shows it."""
-
-    state: str = "waiting"  # waiting | ok | failing | unavailable
-    since: datetime | None = None  # when the state began
-    failures_in_a_row: int = 0
-    last_error: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "since": self.since,
-            "failures_in_a_row": self.failures_in_a_row,
-            "last_error": self.last_error,
-        }
-
-
 class Scheduler:
     def __init__(
         self,
         *,
-        metrics: Metrics,
-        jitter_fraction: float,
+        jitter_fraction: float = 0.0,
         wall: Clock = time.time,
         steady: Clock = _boot_clock,
     ) -> None:
-        self._metrics = metrics
         self._jitter_fraction = jitter_fraction
         self._wall = wall
         self._steady = steady
         self._running: dict[str, asyncio.Task[object]] = {}
-        self._loops: dict[str, LoopState] = {}
         self._stopping = False
         self._scheduler = AsyncIOScheduler(
             timezone=UTC,
@@ -97,21 +67,12 @@ class Scheduler:
         # a call, not the attribute: the flag changes while a run awaits its body
         return self._stopping
 
-    def add_loop(
-        self,
-        name: str,
-        body: LoopBody,
-        *,
-        every: float,
-        first_after: float = 1.0,
-        outage: tuple[type[Exception], ...] = (),
-    ) -> None:
-        """Run `body` every `every` seconds (plus up to `jitter_fraction` of it), first soon.
-        An exception of an `outage` type is a dependency down, not a crash (see above)."""
+    def add(self, name: str, run: Run, *, every: float, first_after: float = 1.0) -> None:
+        """Call `run` every `every` seconds (plus up to `jitter_fraction` of it), first
+        after `first_after`; `run` must not raise (the supervisor's guard does not)."""
         jitter = every * self._jitter_fraction
-        self._loops[name] = LoopState()
         self._scheduler.add_job(
-            self._guarded(name, body, outage),
+            self._tracked(name, run),
             trigger=IntervalTrigger(seconds=every, jitter=jitter or None, timezone=UTC),
             id=name,
             name=name,
@@ -121,9 +82,6 @@ class Scheduler:
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self._wall(), UTC)
-
-    def loops(self) -> dict[str, dict[str, Any]]:
-        return {name: state.as_dict() for name, state in sorted(self._loops.items())}
 
     async def watch_clock(self, stopping: asyncio.Event, *, every: float = 1.0) -> None:
         """Until `stopping`: move every loop's next run by a jump of the wall clock."""
@@ -149,17 +107,11 @@ class Scheduler:
         job = self._scheduler.get_job(name)
         return None if job is None else job.next_run_time
 
-    def _guarded(
-        self, name: str, body: LoopBody, outage: tuple[type[Exception], ...]
-    ) -> Callable[[], Awaitable[None]]:
-        state = self._loops[name]
+    def _tracked(self, name: str, run: Run) -> Run:
+        """`run`, known while it runs (so `stop` can wait for it), and never started
+        once stopping; a cancel by `stop` ends it here, not as an executor error."""
 
-        def became(now_state: str, error: str | None) -> None:
-            if state.state != now_state:
-                state.state, state.since = now_state, datetime.now(UTC)
-            state.last_error = error
-
-        async def run() -> None:
+        async def tracked() -> None:
             if self._is_stopping():
                 return
             started = time.monotonic()
@@ -167,39 +119,17 @@ class Scheduler:
             if task is not None:
                 self._running[name] = task
             try:
-                await body()
+                await run()
             except asyncio.CancelledError:
                 if not self._is_stopping():
                     raise
-                # cancelled by `stop`, which awaits it and has logged why: the run ends
-                # here instead of surfacing as an executor error with a traceback
-                self._metrics.job_runs.labels(name, "cancelled").inc()
-            except outage as exc:
-                self._metrics.job_runs.labels(name, "unavailable").inc()
-                state.failures_in_a_row += 1
-                text = str(exc) or type(exc).__name__
-                if state.state != "unavailable":
-                    log.warning("loop %s: a dependency is unavailable: %s; it runs again at "
-                                "each tick, and says when it is back", name, text)  # fmt: skip
-                became("unavailable", text)
-            except Exception as exc:
-                self._metrics.job_runs.labels(name, "error").inc()
-                state.failures_in_a_row += 1
-                became("failing", str(exc) or type(exc).__name__)
-                log.exception("loop %s failed; it runs again at its next tick", name)
-            else:
-                self._metrics.job_runs.labels(name, "ok").inc()
-                if state.state in ("unavailable", "failing"):
-                    log.info("loop %s ran again after %d failed runs", name,
-                             state.failures_in_a_row)  # fmt: skip
-                state.failures_in_a_row = 0
-                became("ok", None)
+                # cancelled by `stop`, which awaits it and has logged why
             finally:
                 self._running.pop(name, None)
                 log.debug("loop %s took %.3f s", name, time.monotonic() - started)
 
-        run.__name__ = f"loop_{name}"
-        return run
+        tracked.__name__ = f"loop_{name}"
+        return tracked
 
     def start(self) -> None:
         self._scheduler.start()

@@ -1,6 +1,7 @@
-"""How every long-lived task of the manager starts and stops.
+"""How every long-lived task and every periodic loop of the manager starts, ends and
+stops, and where the outcome of each run is recorded.
 
-Two things live here, and nothing else starts a background task or decides how long a
+Nothing else starts a background task, records a run's outcome, or decides how long a
 shutdown step may take:
 
 - `Deadline`: the one shutdown deadline. It is set once, when shutdown begins (SIGTERM,
@@ -10,23 +11,38 @@ shutdown step may take:
   jittered exponential backoff, counts its failures (reset once it has run for a while
   without failing), shows them in `/v1/status`, and stops every task within a budget:
   first asking it to finish (its `stopping` event), then cancelling and awaiting it.
+  Its periodic loops are timed by APScheduler (`scheduling`), and each run goes through
+  one guard: the body returns an `Outcome` (OK, FAILED, UNAVAILABLE, SKIPPED), or raises,
+  and the guard records it — the loop's state under `/v1/status` `loops`, its component,
+  `scheduled_runs_total{loop,outcome}`, the alert once failures repeat, and one log line
+  in a shape shared by every loop. A loop may name the errors that mean a dependency is
+  down (`outage`): an outage is one WARNING when it begins and one INFO when it ends,
+  not an ERROR with a traceback (a Sentry event) at every tick. Any other exception is a
+  crash: logged with its traceback, and the loop runs again at its next tick.
 
-The shape follows kopf's `aiotasks` (guarded tasks, stop with a timeout, then cancel),
-kept to what this process needs.
+The shape follows kopf's `aiotasks` (guarded tasks, stop with a timeout, then cancel)
+and controller-runtime's reconcile result (the reconciler says how it went; the
+controller counts, logs and requeues), kept to what this process needs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.domain.components import Component
+from app.domain.components import Component, Outcome, Result
+from app.services.scheduling import Scheduler
+
+if TYPE_CHECKING:
+    from app.metrics import Metrics
+    from app.services.alerting import Alerter
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +118,38 @@ class Supervised:
         }
 
 
-Body = Callable[[asyncio.Event], Awaitable[None]]
+Body = Callable[[asyncio.Event], Awaitable[object]]
+LoopBody = Callable[[], Awaitable[object]]
+
+_LOOP_STATE = {
+    Result.OK: "ok",
+    Result.FAILED: "failing",
+    Result.UNAVAILABLE: "unavailable",
+}
+
+
+@dataclass
+class Loop:
+    """One periodic loop and its last runs, as `/v1/status` shows it."""
+
+    name: str
+    body: LoopBody
+    what: str  # how logs and alerts name it ("deployment sync")
+    outage: tuple[type[Exception], ...]
+    component: Component | None
+    alert_after: int | None  # failures in a row before the alert (None: never)
+    state: str = "waiting"  # waiting | ok | failing | unavailable (a skip keeps it)
+    since: datetime | None = None  # when the state began
+    failures_in_a_row: int = 0
+    last_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "since": self.since,
+            "failures_in_a_row": self.failures_in_a_row,
+            "last_error": self.last_error,
+        }
 
 
 class Supervisor:
@@ -111,16 +158,140 @@ class Supervisor:
     def __init__(
         self,
         *,
+        scheduler: Scheduler | None = None,
+        metrics: Metrics | None = None,
+        alerts: Alerter | None = None,
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
         healthy_after: float = 60.0,
         clock: Clock = time.monotonic,
     ) -> None:
+        self.scheduler = scheduler if scheduler is not None else Scheduler()
+        self._metrics = metrics
+        self._alerts = alerts
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
         self._healthy_after = healthy_after
         self._clock = clock
         self._tasks: dict[str, Supervised] = {}
+        self._loops: dict[str, Loop] = {}
+
+    # --- periodic loops --------------------------------------------------------------
+
+    def add_loop(
+        self,
+        name: str,
+        body: LoopBody,
+        *,
+        every: float,
+        first_after: float = 1.0,
+        what: str | None = None,
+        outage: tuple[type[Exception], ...] = (),
+        component: Component | None = None,
+        alert_after: int | None = None,
+    ) -> None:
+        """Run `body` every `every` seconds (first after `first_after`) through the guard.
+
+        `body` returns an `Outcome` (anything else counts as OK). The guard records it on
+        `component`, and alerts once `alert_after` runs in a row have failed."""
+        loop = Loop(name, body, what or f"loop {name}", outage, component, alert_after)
+        self._loops[name] = loop
+        self.scheduler.add(
+            name, functools.partial(self._run, loop), every=every, first_after=first_after
+        )
+
+    async def run_now(self, name: str) -> Outcome:
+        """One run of the loop `name` now, outside its schedule, recorded like any other
+        (the final report at shutdown)."""
+        return await self._run(self._loops[name])
+
+    async def _run(self, loop: Loop) -> Outcome:
+        try:
+            returned = await loop.body()
+        except asyncio.CancelledError:
+            self._count(loop.name, "cancelled")
+            raise
+        except loop.outage as exc:
+            outcome = Outcome.unavailable(str(exc) or type(exc).__name__)
+        except Exception as exc:
+            outcome = Outcome.failed(str(exc) or type(exc).__name__)
+            log.exception("%s crashed; it runs again at its next tick", loop.what)
+            self._record(loop, outcome, crashed=True)
+            return outcome
+        else:
+            outcome = returned if isinstance(returned, Outcome) else Outcome.ok()
+        self._record(loop, outcome)
+        return outcome
+
+    def record(self, name: str, outcome: Outcome) -> None:
+        """The outcome of a run made outside the schedule (an operator's sync)."""
+        self._record(self._loops[name], outcome)
+
+    def _record(self, loop: Loop, outcome: Outcome, *, crashed: bool = False) -> None:
+        now = datetime.now(UTC)
+        self._count(loop.name, "error" if crashed else outcome.result.value)
+        if loop.component is not None:
+            loop.component.record(now, outcome)
+        was, failing = loop.state, outcome.result in (Result.FAILED, Result.UNAVAILABLE)
+        if outcome.result is Result.SKIPPED:  # a normal turn (a sync held the lock)
+            log.debug("%s skipped: %s", loop.what, outcome.error)
+        elif failing:
+            loop.failures_in_a_row += 1
+            loop.last_error = outcome.error
+            if outcome.result is Result.UNAVAILABLE and was != "unavailable":
+                log.warning(
+                    "%s: a dependency is unavailable: %s; it runs again at each tick, and "
+                    "says when it is back", loop.what, outcome.error,
+                )  # fmt: skip
+            elif outcome.result is Result.FAILED and not crashed:
+                n = loop.failures_in_a_row
+                log.warning("%s failed (%d in a row): %s", loop.what, n, outcome.error)
+            self._alert_repeated(loop, outcome)
+        else:
+            if was in ("unavailable", "failing"):
+                log.info("%s ran again after %d failed runs", loop.what, loop.failures_in_a_row)
+            loop.failures_in_a_row, loop.last_error = 0, None
+        if outcome.result is not Result.SKIPPED:
+            state = _LOOP_STATE[outcome.result]
+            if state != loop.state:
+                loop.state, loop.since = state, now
+        if self._alerts is not None:
+            for key, text in outcome.alerts:
+                self._alerts.alert(key, text)
+
+    def _alert_repeated(self, loop: Loop, outcome: Outcome) -> None:
+        n, after = loop.failures_in_a_row, loop.alert_after
+        if self._alerts is not None and after is not None and n >= after:
+            text = f"{loop.what} failed {n} times in a row: {outcome.error}"
+            self._alerts.alert(f"{loop.name}:failing", text)
+
+    def _count(self, loop: str, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.job_runs.labels(loop, outcome).inc()
+
+    def reporter(self, component: Component) -> Callable[[Outcome], None]:
+        """For a long-lived task with states of its own while it runs (the job worker,
+        connected or not): where it reports them, recorded like a loop's outcome."""
+
+        def report(outcome: Outcome) -> None:
+            component.record(datetime.now(UTC), outcome)
+
+        return report
+
+    def loops(self) -> dict[str, dict[str, Any]]:
+        return {name: loop.as_dict() for name, loop in sorted(self._loops.items())}
+
+    def next_run(self, name: str) -> datetime | None:
+        return self.scheduler.next_run(name)
+
+    def start_loops(self) -> None:
+        self.scheduler.start()
+
+    async def stop_loops(self, *, within: float) -> None:
+        """No new run starts; runs in progress get `within` seconds, then are cancelled."""
+        await self.scheduler.stop(within=within)
+
+    # --- long-lived tasks ------------------------------------------------------------
 
     def start(
         self, name: str, body: Body, *, restart: bool, component: Component | None = None
@@ -145,7 +316,7 @@ class Supervisor:
             entry.started_at = datetime.now(UTC)
             began = self._clock()
             try:
-                await body(entry.stopping)
+                returned = await body(entry.stopping)
             except asyncio.CancelledError:
                 entry.state = "stopped"
                 raise
@@ -155,7 +326,7 @@ class Supervisor:
                 entry.failures += 1
                 entry.last_error = f"{type(exc).__name__}: {exc}"
                 if entry.component is not None:
-                    entry.component.failed(datetime.now(UTC), entry.last_error)
+                    entry.component.record(datetime.now(UTC), Outcome.failed(entry.last_error))
                 if not entry.restart or entry.stopping.is_set():
                     entry.state = "failed"
                     log.error("task %s failed and stays down", entry.name, exc_info=exc)
@@ -175,6 +346,8 @@ class Supervisor:
                 return
             else:
                 entry.state = "stopped" if entry.stopping.is_set() else "finished"
+                if isinstance(returned, Outcome) and entry.component is not None:
+                    entry.component.record(datetime.now(UTC), returned)
                 return
 
     def backoff(self, failures: int) -> float:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import stamina
 
@@ -36,7 +36,7 @@ from app.adapters.backend import (
 )
 from app.adapters.desired_files import DesiredFiles, DesiredFilesError
 from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, KubeNotFound
-from app.domain.components import Component
+from app.domain.components import Outcome
 from app.domain.desired import (
     DEFAULT_MAX_WORKLOADS,
     DesiredState,
@@ -56,12 +56,8 @@ from app.domain.planning import Action, ActionKind, LiveDeployment, SyncPolicy, 
 from app.metrics import Metrics
 from app.services.workloads import Deployed, WorkloadBook
 
-if TYPE_CHECKING:
-    from app.services.alerting import Alerter
-
 log = logging.getLogger(__name__)
 
-REPEATED_FAILURES = 3
 DEFAULT_DEADLINE_SECONDS = 300.0
 # re-reads after a resourceVersion conflict before the workload's update counts as failed
 REPLANS = 5
@@ -191,12 +187,9 @@ class Syncer:
         injection_for: Callable[[str], Injection],
         concurrency: int,
         metrics: Metrics,
-        component: Component,
         cluster_lock: asyncio.Lock,
-        alerts: Alerter | None = None,
         deadline: float = DEFAULT_DEADLINE_SECONDS,
     ) -> None:
-        self._alerts = alerts
         self._deadline = deadline
         self.source = source
         self.kube = kube
@@ -206,7 +199,6 @@ class Syncer:
         self._injection_for = injection_for
         self._concurrency = concurrency
         self._metrics = metrics
-        self._component = component
         self._lock = cluster_lock
         # raw manifests by (name, version); one over MANIFEST_MAX_BYTES is kept as its hold
         self._manifests: dict[tuple[str, str], Any] = {}
@@ -239,11 +231,27 @@ class Syncer:
             return
         self._book.set_crashlooping(crashlooping_workloads(objects, pods))
 
-    async def run_scheduled(self) -> None:
+    async def run_scheduled(self) -> Outcome:
         if self._lock.locked():
-            log.info("sync skipped: another sync or a self-update is running")
-            return
-        await self.sync()
+            return Outcome.skipped("another sync or a self-update is running")
+        return self.outcome_of(await self.sync())
+
+    def outcome_of(self, sync: SyncOutcome) -> Outcome:
+        """A sync as the supervisor records it on the `sync` component; the versions
+        applied and not told to the backend yet (retried by the next syncs) with it."""
+        owed = {"versions_not_reported": dict(sorted(self._unreported.items()))}
+        if sync.dry_run:
+            return Outcome.skipped("a dry run changes nothing", **owed)
+        if sync.aborted is not None:
+            return Outcome.failed(sync.aborted, **owed)
+        failed = [r for r in sync.results if r.outcome == "failed"]
+        if failed:
+            return Outcome.failed(
+                f"{len(failed)} workload(s) failed: "
+                + "; ".join(f"{r.name}: {r.error}" for r in failed[:3]),
+                **owed,
+            )
+        return Outcome.ok(revision=sync.revision, counts=sync.counts(), **owed)
 
     async def sync(self, *, dry_run: bool = False) -> SyncOutcome:
         if self._lock.locked():
@@ -544,42 +552,21 @@ class Syncer:
     def _record(self, outcome: SyncOutcome) -> None:
         if outcome.dry_run:
             return
-        self._record_outcome(outcome)
-        failures = self._component.consecutive_failures
-        if self._alerts is not None and failures >= REPEATED_FAILURES:
-            self._alerts.alert(
-                "sync:failing", f"deployment sync failed {failures} times in a row: "
-                f"{self._component.last_error}"
-            )  # fmt: skip
-
-    def _record_outcome(self, outcome: SyncOutcome) -> None:
         self.last = outcome
         if not outcome.ok or any(r.outcome == "applied" for r in outcome.results):
             self.last_change = outcome
-        now = datetime.now(UTC)
         self._metrics.sync_duration.observe(outcome.duration_seconds)
         counts = outcome.counts()
         if outcome.aborted is not None:
             self._metrics.syncs.labels("aborted").inc()
-            self._component.failed(now, outcome.aborted)
-            log.warning("sync aborted: %s", outcome.aborted)
         elif not outcome.ok:
             self._metrics.syncs.labels("partial").inc()
-            failed = [r for r in outcome.results if r.outcome == "failed"]
-            self._component.failed(
-                now, f"{len(failed)} workload(s) failed: " + "; ".join(
-                    f"{r.name}: {r.error}" for r in failed[:3]
-                ),
-            )  # fmt: skip
             log.warning("sync finished with failures: %s", counts)
         else:
             self._metrics.syncs.labels("ok").inc()
-            self._component.succeeded(now, revision=outcome.revision, counts=counts)
             changed = any(r.outcome != "unchanged" for r in outcome.results)
             level = logging.INFO if changed else logging.DEBUG
             log.log(level, "sync done in %.2f s: %s", outcome.duration_seconds, counts)
-        # applied, and the backend not told yet: retried by the next syncs
-        self._component.detail["versions_not_reported"] = dict(sorted(self._unreported.items()))
 
 
 def _result_of(action: Action, outcome: str) -> WorkloadResult:

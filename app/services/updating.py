@@ -40,7 +40,7 @@ import stamina
 from app import __version__
 from app.adapters.kube import KubeDeployments, KubeError
 from app.adapters.versions import VersionFile, VersionSourceError
-from app.domain.components import Component
+from app.domain.components import Outcome
 from app.domain.health import RolloutPhase, rollout_of
 from app.domain.updates import (
     FAILED_VERSIONS,
@@ -93,7 +93,6 @@ class SelfUpdater:
         policy: UpdatePolicy,
         deadline: float,
         poll_interval: float,
-        component: Component,
         metrics: Metrics,
         cluster_lock: asyncio.Lock,
         alerts: Alerter | None = None,
@@ -106,7 +105,6 @@ class SelfUpdater:
         self._policy = policy
         self._deadline = deadline
         self._poll = poll_interval
-        self._component = component
         self._metrics = metrics
         self._lock = cluster_lock
         # Rollback retries: jittered exponential backoff from the poll interval (at most
@@ -162,40 +160,35 @@ class SelfUpdater:
         }
         return decision, pending, own
 
-    async def run_scheduled(self) -> None:
+    async def run_scheduled(self) -> Outcome:
+        """One scheduled check, and the update or the owed step it leads to."""
         # A sync holds the shared lock for a moment at each of its intervals: a check that
         # skipped whenever it met one could skip every time (the same interval and no
         # jitter put both on the same ticks). It waits for the lock, up to its deadline.
         if not await self._lock_frees(self._deadline):
-            log.info(
-                "self-update check skipped: a sync or an update ran for %.0f s", self._deadline
-            )
-            return
-        now = datetime.now(UTC)
+            return Outcome.skipped(f"a sync or an update ran for {self._deadline:.0f} s")
         try:
             decision, pending, own = await self._check()
         except (VersionSourceError, VersionFileError, KubeError) as exc:
-            self._component.failed(now, str(exc))
             self._metrics.self_updates.labels("check-failed").inc()
-            log.warning("self-update check failed, nothing changed: %s", exc)
-            return
+            return Outcome.failed(str(exc))  # nothing changed
         if pending.owed is not Owed.NOTHING:
             log.warning(
                 "self-update to %s: %s owed: %s",
                 pending.version, pending.owed.value, pending.reason,
             )  # fmt: skip
             if self._lock.locked():
-                log.info("self-update: %s deferred: a sync is running", pending.owed.value)
-                return
-            await self._settle(pending, own)
-            return
-        self._component.succeeded(now, owed=None, **(self.last or {}))
-        if decision.choice is Choice.UPDATE:
-            try:
-                # a sync that began while the version file was read is waited for
-                await self.update(decision, wait=self._deadline)
-            except SelfUpdateBusy as exc:
-                log.info("self-update to %s deferred: %s", decision.version, exc)
+                return Outcome.skipped(f"{pending.owed.value} deferred: a sync is running")
+            return await self._settle(pending, own)
+        checked = {"owed": None, **(self.last or {})}
+        if decision.choice is not Choice.UPDATE:
+            return Outcome.ok(**checked)
+        try:
+            # a sync that began while the version file was read is waited for
+            settled = await self.update(decision, wait=self._deadline)
+        except SelfUpdateBusy as exc:
+            return Outcome.skipped(f"the update to {decision.version} deferred: {exc}", **checked)
+        return settled.with_detail(**checked)
 
     async def _lock_frees(self, within: float) -> bool:
         """Wait until no sync or update holds the lock (without keeping it)."""
@@ -207,23 +200,22 @@ class SelfUpdater:
         except TimeoutError:
             return False
 
-    async def resume(self) -> str:
+    async def resume(self) -> Outcome:
         """At start-up: finish what the own Deployment says the last update still owes.
 
-        Returns "nothing" when nothing is owed, else the outcome ("available",
-        "rolled-back", "rollback-failed"). Waits for a sync that holds the cluster lock.
-        Never raises for cluster errors: they are shown on the component, and the
-        scheduled checks try again. It may watch a rollout for up to the deadline, so run
-        it as a background task, not in the start-up path.
+        A skip when nothing is owed, else the outcome, its `update` detail "available",
+        "rolled-back" or "rollback-failed". Waits for a sync that holds the cluster lock.
+        Never raises for cluster errors: they are its outcome, and the scheduled checks
+        try again. It may watch a rollout for up to the deadline, so run it as a
+        background task, not in the start-up path.
         """
         try:
             own = await self._own()
             marks = read_marks(_annotations(own))
             pending = self._pending(own, marks)
         except KubeError as exc:
-            self._component.failed(datetime.now(UTC), str(exc))
             log.warning("self-update: cannot read the own Deployment at start: %s", exc)
-            return "nothing"
+            return Outcome.failed(f"the own Deployment not read at start: {exc}")
         if pending.owed is Owed.NOTHING:
             return await self._reassert(own, marks)
         log.warning(
@@ -232,30 +224,29 @@ class SelfUpdater:
         )  # fmt: skip
         return await self._settle(pending, own)
 
-    async def _reassert(self, own: dict[str, Any], marks: UpdateMarks) -> str:
+    async def _reassert(self, own: dict[str, Any], marks: UpdateMarks) -> Outcome:
         """The confirmed image again when the own one is below it (`reassertion`)."""
         decision = reassertion(
             current=self._current_version(own, marks), highest=marks.highest,
             failed=marks.failed, repository=self._policy.repository,
         )  # fmt: skip
         if decision.choice is Choice.NOOP:
-            return "nothing"
+            return Outcome.skipped("nothing owed at start")
         if decision.choice is Choice.SKIP:
             log.warning("self-update: not re-asserting the confirmed version: %s", decision.reason)
-            return "nothing"
+            return Outcome.skipped(f"not re-asserting the confirmed version: {decision.reason}")
         log.warning("self-update: re-asserting at start: %s", decision.reason)
         try:
             return await self.update(decision)
         except SelfUpdateBusy:
-            log.info("self-update: re-assertion deferred: a sync or an update is running")
-            return "nothing"
+            return Outcome.skipped("re-assertion deferred: a sync or an update is running")
         except KubeError as exc:
-            self._component.failed(datetime.now(UTC), f"re-asserting {decision.version}: {exc}")
             log.warning("self-update: re-asserting %s failed: %s", decision.version, exc)
-            return "nothing"
+            return Outcome.failed(f"re-asserting {decision.version}: {exc}")
 
-    async def update(self, decision: UpdateDecision, *, wait: float = 0.0) -> str:
-        """Apply and watch; returns "available", "rolled-back" or "rollback-failed".
+    async def update(self, decision: UpdateDecision, *, wait: float = 0.0) -> Outcome:
+        """Apply and watch; the outcome's `update` detail is "available", "rolled-back"
+        or "rollback-failed".
 
         A sync or an update holding the cluster lock is waited for up to `wait` seconds
         (none by default); SelfUpdateBusy when it still holds it then."""
@@ -273,7 +264,7 @@ class SelfUpdater:
         finally:
             self._lock.release()
 
-    async def _apply(self, decision: UpdateDecision) -> str:
+    async def _apply(self, decision: UpdateDecision) -> Outcome:
         """Under the cluster lock: patch the own Deployment, then see the rollout through."""
         assert decision.image is not None and decision.version is not None
         own = await self._own()
@@ -302,7 +293,7 @@ class SelfUpdater:
         )  # fmt: skip
         return await self._see_through(pending, generation, read_marks(_annotations(own)))
 
-    async def _settle(self, pending: Pending, own: dict[str, Any]) -> str:
+    async def _settle(self, pending: Pending, own: dict[str, Any]) -> Outcome:
         """Do what the last update owes (WATCH, ROLLBACK or FINISH_ROLLBACK), under the lock."""
         async with self._lock:
             generation = int((own.get("metadata") or {}).get("generation") or 0)
@@ -315,13 +306,12 @@ class SelfUpdater:
                 put_image_back=pending.owed is Owed.ROLLBACK,
             )  # fmt: skip
 
-    async def _see_through(self, pending: Pending, generation: int, marks: UpdateMarks) -> str:
+    async def _see_through(self, pending: Pending, generation: int, marks: UpdateMarks) -> Outcome:
         """Watch an applied update to its end: confirm it, or roll it back."""
         assert pending.version is not None and pending.previous_image is not None
         outcome, why = await self._watch(generation, pending.remaining)
         if outcome == "available":
-            await self._confirm(pending.version, pending.image, marks)
-            return outcome
+            return await self._confirm(pending.version, pending.image, marks)
         return await self._roll_back(
             pending.version, pending.previous_image, why, marks, put_image_back=True
         )
@@ -346,12 +336,12 @@ class SelfUpdater:
                 return "failed", f"the new pod was not available within {self._deadline:.0f} s"
             await asyncio.sleep(self._poll)
 
-    async def _confirm(self, version: str, image: str | None, marks: UpdateMarks) -> None:
+    async def _confirm(self, version: str, image: str | None, marks: UpdateMarks) -> Outcome:
         """Record the confirmation, and the highest confirmed version (the floor below
         which nothing is taken) when this one is higher, in one patch."""
         log.info("self-update to %s is available; confirmed", version)
         self._metrics.self_updates.labels("available").inc()
-        self._component.succeeded(datetime.now(UTC), owed=None, confirmed=version)
+        confirmed = Outcome.ok(owed=None, confirmed=version, update="available")
         try:
             await self._kube.patch(
                 self._deployment,
@@ -360,10 +350,11 @@ class SelfUpdater:
         except KubeError as exc:
             # harmless: whichever manager runs next sees the finished rollout and confirms
             log.warning("self-update to %s: confirmation not recorded: %s", version, exc)
+        return confirmed
 
     async def _roll_back(
         self, version: str, previous: str, why: str, marks: UpdateMarks, *, put_image_back: bool
-    ) -> str:
+    ) -> Outcome:
         """Put the previous image back (unless it is back already) and record the version
         as failed, in one patch, retried with backoff; "rolled-back" or "rollback-failed"."""
         failed = sorted(marks.failed | {version})
@@ -388,23 +379,18 @@ class SelfUpdater:
                 f"rollback of the update to {version} (back to {previous}) failed: {exc}; "
                 f"the update had failed: {why}; the next check retries the rollback"
             )
-            self._component.failed(datetime.now(UTC), message, owed="rollback")
             log.error("self-update: %s", message)
-            if self._alerts is not None:
-                self._alerts.alert(f"self-update:rollback-failed:{version}",
-                                   f"self-update: {message}")  # fmt: skip
-            return "rollback-failed"
-        self._metrics.self_updates.labels("rolled-back").inc()
-        self._component.failed(
-            datetime.now(UTC), f"update to {version} rolled back: {why}", owed=None
-        )
-        log.error("self-update to %s rolled back to %s: %s", version, previous, why)
-        if self._alerts is not None:
-            self._alerts.alert(
-                f"self-update:rolled-back:{version}",
-                f"self-update to {version} rolled back to {previous}: {why}",
+            return Outcome.failed(message, owed="rollback", update="rollback-failed").alerting(
+                f"self-update:rollback-failed:{version}", f"self-update: {message}"
             )
-        return "rolled-back"
+        self._metrics.self_updates.labels("rolled-back").inc()
+        log.error("self-update to %s rolled back to %s: %s", version, previous, why)
+        return Outcome.failed(
+            f"update to {version} rolled back: {why}", owed=None, update="rolled-back"
+        ).alerting(
+            f"self-update:rolled-back:{version}",
+            f"self-update to {version} rolled back to {previous}: {why}",
+        )
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """`call` (a Kubernetes request, which has its own timeout), retried on transient

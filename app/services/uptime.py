@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from app.domain.components import Component
+from app.domain.components import Component, Outcome
 from app.domain.uptime import (
     DAY,
     HOUR,
@@ -52,7 +52,6 @@ class UptimeKeeper:
         alerts: Alerter,
         metrics: Metrics,
         policy: RestartPolicy,
-        component: Component,
         record: UptimeRecord | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
@@ -67,7 +66,6 @@ class UptimeKeeper:
         self._alerts = alerts
         self._metrics = metrics
         self._policy = policy
-        self._component = component
         self._clock = clock
         self._bad_since: dict[str, float] = {}
         self._restarts: dict[str, list[float]] = {}
@@ -88,10 +86,10 @@ class UptimeKeeper:
             self._last_restart_at[name] = datetime.fromtimestamp(times[-1], UTC).isoformat()
         self._node_restarts.sort()
 
-    async def check(self) -> None:
+    async def check(self) -> Outcome:
         """One look: note who turned bad, restart whom the rule says, show the reasons."""
-        if self._lock.locked():
-            return  # a sync or a self-update has the cluster; the next tick looks again
+        if self._lock.locked():  # the next tick looks again
+            return Outcome.skipped("a sync or a self-update has the cluster")
         now = self._clock()
         views = self._book.views()
         managed = self._book.managed()
@@ -116,7 +114,7 @@ class UptimeKeeper:
                 self._reasons[view.name] = decision.reason
             else:
                 self._reasons.pop(view.name, None)
-        self._show(now)
+        return self._shown(now)
 
     def _forget(self, present: set[str], now: float) -> None:
         """Workloads the book no longer holds, and restarts older than the hour, go."""
@@ -173,7 +171,7 @@ class UptimeKeeper:
             f"workload:{name}:restart-budget", f"workload {name} is not restarted again: {reason}"
         )
 
-    def _show(self, now: float) -> None:
+    def _shown(self, now: float) -> Outcome:
         workloads = {
             name: {
                 "reason": self._reasons.get(name),
@@ -184,11 +182,7 @@ class UptimeKeeper:
             }
             for name in sorted(set(self._reasons) | set(self._last_restart_at))
         }
-        self._component.succeeded(
-            datetime.now(UTC),
-            workloads=workloads,
-            node_restarts_last_hour=len(self._node_restarts),
-        )
+        return Outcome.ok(workloads=workloads, node_restarts_last_hour=len(self._node_restarts))
 
 
 # --- uptime: the share of time healthy, kept across restarts ----------------------------

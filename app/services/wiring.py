@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.domain.components import Component
+from app.domain.components import Component, Outcome
 from app.domain.redaction import redact_text
 from app.domain.requirements import NodeProfile
 from app.metrics import Metrics
@@ -126,7 +126,6 @@ async def open_syncer(
     cluster: Cluster | None,
     book: WorkloadBook,
     metrics: Metrics,
-    alerts: Alerter,
     cluster_lock: asyncio.Lock,
 ) -> Syncer | None:
     """The deployment syncer on the shared `cluster`, or None with the reason recorded on
@@ -183,9 +182,7 @@ async def open_syncer(
         injection_for=injection_for,
         concurrency=settings.sync_concurrency,
         metrics=metrics,
-        component=component,
         cluster_lock=cluster_lock,
-        alerts=alerts,
         deadline=settings.sync_deadline_seconds,
     )
     component.reason = redact_text(
@@ -254,7 +251,6 @@ async def open_registry(
     database_url: str | None,
     node_id: str,
     metrics: Metrics,
-    alerts: Alerter,
     cluster_version: Callable[[], Awaitable[str]] | None,
 ) -> Heartbeat | None:
     """The registry pool, pending migrations (development), and the heartbeat.
@@ -292,11 +288,9 @@ async def open_registry(
         registry=registry,
         profile=_local_profile(settings, node_id, cluster_version),
         interval_seconds=settings.heartbeat_interval_seconds,
-        component=component,
         metrics=metrics,
         retry_max_wait=min(5.0, settings.heartbeat_interval_seconds / 4),
         prepare=prepare,
-        alerts=alerts,
     )
 
 
@@ -310,6 +304,7 @@ async def open_worker(
     node_id: str,
     metrics: Metrics,
     alerts: Alerter,
+    report: Callable[[Outcome], None],
     cluster_version: Callable[[], Awaitable[str]] | None = None,
 ) -> tuple[Worker, JetStreamBus] | None:
     """The job worker and its bus, not yet running: the runtime starts `worker.run` as a
@@ -375,7 +370,7 @@ async def open_worker(
             # a JetStream ledger needs no PostgreSQL, and waits for none
             assert heartbeat is not None
             await heartbeat.registered.wait()
-        component.succeeded(datetime.now(UTC), connected=True)
+        report(Outcome.ok(connected=True))
 
     claimant = uuid.uuid4().hex
     ledger: Ledger
@@ -420,7 +415,7 @@ async def open_worker(
             job_timeout=settings.job_timeout_seconds,
         ),
         metrics=metrics,
-        component=component,
+        report=report,
         alerts=alerts,
         prepare=prepare,
     )
@@ -461,7 +456,7 @@ def open_uptime_keeper(
     )
     return UptimeKeeper(
         book=book, kube=cluster.client, errors=(KubeError,), cluster_lock=cluster_lock,
-        alerts=alerts, metrics=metrics, policy=policy, component=component, record=record,
+        alerts=alerts, metrics=metrics, policy=policy, record=record,
     )  # fmt: skip
 
 
@@ -557,7 +552,6 @@ async def open_self_updater(
         ),
         deadline=settings.self_update_deadline_seconds,
         poll_interval=settings.self_update_poll_seconds,
-        component=component,
         metrics=metrics,
         cluster_lock=cluster_lock,
         alerts=alerts,

@@ -40,7 +40,7 @@ from app.adapters.bus import BusError, Delivery, JetStreamBus, PullSubscription
 from app.adapters.kv_ledger import LedgerUnavailable
 from app.adapters.registry import RegistryUnavailable
 from app.adapters.workload_http import WorkloadHttp
-from app.domain.components import Component
+from app.domain import components
 from app.domain.job_flow import DEAD_LETTERS, Delays, Outcome, Plan, Verb, plan, unsent
 from app.domain.jobs import (
     STREAMS,
@@ -181,7 +181,7 @@ class Worker:
         http: WorkloadHttp,
         config: WorkerConfig,
         metrics: Metrics,
-        component: Component,
+        report: Callable[[components.Outcome], None],
         alerts: Alerter | None = None,
         prepare: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
@@ -195,7 +195,7 @@ class Worker:
         self._http = http
         self._config = config
         self._metrics = metrics
-        self._component = component
+        self._report = report  # connected or not, recorded by the supervisor
         self._delays = Delays(not_here=config.not_here_delay, held=config.held_delay)
         self._lease = lease_seconds(config.ack_wait)
         self._queue: asyncio.Queue[_Held] = asyncio.Queue()
@@ -392,7 +392,7 @@ class Worker:
     async def _pause(self, what: str, exc: BaseException, failures: int) -> None:
         delay = min(30.0, 0.5 * 2 ** min(failures, 6)) * random.uniform(0.5, 1.0)
         log.warning("%s failed (%d in a row): %s; retrying in %.1f s", what, failures, exc, delay)
-        self._component.failed(datetime.now(UTC), f"{what}: {exc}")
+        self._report(components.Outcome.failed(f"{what}: {exc}"))
         await asyncio.sleep(delay)
 
     # -- running -------------------------------------------------------------------
@@ -437,7 +437,7 @@ class Worker:
         self._count(kind, label)
         self._metrics.job_duration.labels(kind).observe(time.monotonic() - started)
         if label not in ("bus-error", Outcome.LEDGER_UNAVAILABLE.value, "event-unsent"):
-            self._component.succeeded(datetime.now(UTC))
+            self._report(components.Outcome.ok())
 
     def _count(self, kind: str, label: str) -> None:
         counter = self._counters.get((kind, label))

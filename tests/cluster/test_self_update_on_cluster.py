@@ -148,11 +148,11 @@ async def test_a_reapplied_install_is_undone_at_start_without_the_version_file(
     version_file[0].set(status=503, body=b"unavailable")
     control_plane.kubectl("-n", OWN_NS, "set", "image", "deployment/workload-manager",
                           f"manager={REPO}:0.1.0")  # fmt: skip
-    assert await updater.resume() == "available"
+    assert (await updater.resume()).detail["update"] == "available"
     deployed = own(control_plane)
     assert image(deployed) == f"{REPO}:0.2.0"
     assert deployed["metadata"]["annotations"][CONFIRMED] == "0.2.0"
-    assert await updater.resume() == "nothing", "once there, nothing more is done"
+    assert not (await updater.resume()).detail, "once there, nothing more is done"
 
 
 async def test_a_check_that_meets_a_running_sync_waits_for_it_instead_of_skipping(

@@ -101,7 +101,7 @@ def test_backend_outage_changes_nothing_and_reports_resume(tmp_path: Path) -> No
         assert report["state"] == "ok"
         assert report["consecutive_failures"] == 0
         assert any(w["name"] == "api" for w in backend.reports[-1]["workloads"])
-        assert "node report not delivered" in m.log()
+        assert "node report failed (1 in a row): not delivered" in m.log()
 
 
 def test_sigterm_flushes_a_last_report_and_exits_cleanly(tmp_path: Path) -> None:

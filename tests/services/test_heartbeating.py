@@ -11,7 +11,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.adapters.embedded import EmbeddedPostgres, free_port
 from app.adapters.registry import AsyncpgRegistry
-from app.domain.components import Component
 from app.domain.requirements import Tier
 from app.main import create_app
 from app.metrics import Metrics
@@ -204,8 +203,7 @@ async def test_a_beat_in_flight_when_draining_is_marked_does_not_write_online_ov
             fingerprint=fingerprint,
         )  # fmt: skip
         heartbeat = Heartbeat(
-            registry=registry, profile=profile, interval_seconds=30,
-            component=Component("registry", True, "test"), metrics=Metrics(),
+            registry=registry, profile=profile, interval_seconds=30, metrics=Metrics(),
         )  # fmt: skip
 
         async def beat_waits() -> bool:
@@ -224,7 +222,7 @@ async def test_a_beat_in_flight_when_draining_is_marked_does_not_write_online_ov
         row = await fetch_row(database)
         assert row is not None and row["status"] == "draining"
         # and later beats keep saying draining
-        assert await heartbeat.beat()
+        assert (await heartbeat.beat()).succeeded
         row = await fetch_row(database)
         assert row is not None and row["status"] == "draining"
     finally:

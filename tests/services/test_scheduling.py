@@ -18,6 +18,7 @@ import pytest
 
 from app.metrics import Metrics
 from app.services.scheduling import Scheduler
+from app.services.supervision import Supervisor
 from tests.support.polling import eventually
 
 
@@ -47,10 +48,10 @@ def wall(monkeypatch: pytest.MonkeyPatch) -> Iterator[WallClock]:
 
 
 @pytest.fixture
-async def scheduler(wall: WallClock) -> AsyncIterator[Scheduler]:
-    made = Scheduler(metrics=Metrics(), jitter_fraction=0.0, wall=wall)
+async def scheduler(wall: WallClock) -> AsyncIterator[Supervisor]:
+    made = Supervisor(scheduler=Scheduler(jitter_fraction=0.0, wall=wall), metrics=Metrics())
     yield made
-    await made.stop(within=1.0)
+    await made.stop_loops(within=1.0)
 
 
 class Counting:
@@ -66,13 +67,13 @@ class Counting:
 
 @pytest.mark.parametrize("jump", [-600.0, 3_600.0])
 async def test_a_wall_clock_jump_keeps_every_loop_on_its_cadence(
-    scheduler: Scheduler, wall: WallClock, jump: float
+    scheduler: Supervisor, wall: WallClock, jump: float
 ) -> None:
     body = Counting()
     scheduler.add_loop("beat", body, every=0.3, first_after=0.05)
     stopping = asyncio.Event()
-    watch = asyncio.create_task(scheduler.watch_clock(stopping, every=0.1))
-    scheduler.start()
+    watch = asyncio.create_task(scheduler.scheduler.watch_clock(stopping, every=0.1))
+    scheduler.start_loops()
     try:
         await eventually(lambda: _at_least(body, 2), within=10)
         wall.offset += jump  # set back ten minutes, or an hour ahead
@@ -90,13 +91,13 @@ async def _at_least(body: Counting, runs: int) -> bool:
 
 
 async def test_an_outage_warns_once_and_says_when_it_is_over(
-    scheduler: Scheduler, caplog: pytest.LogCaptureFixture
+    scheduler: Supervisor, caplog: pytest.LogCaptureFixture
 ) -> None:
     body = Counting()
     body.fail = ConnectionError("kube-apiserver: connection refused")
     scheduler.add_loop("view", body, every=0.05, first_after=0.01, outage=(ConnectionError,))
-    with caplog.at_level(logging.INFO, logger="app.services.scheduling"):
-        scheduler.start()
+    with caplog.at_level(logging.INFO, logger="app.services.supervision"):
+        scheduler.start_loops()
         await eventually(lambda: _at_least(body, 5), within=10)
         loop = scheduler.loops()["view"]
         assert (loop["state"], loop["last_error"]) == (
@@ -110,7 +111,7 @@ async def test_an_outage_warns_once_and_says_when_it_is_over(
             return body.runs > seen and scheduler.loops()["view"]["state"] == "ok"
 
         await eventually(recovered, within=10)
-    records = [r for r in caplog.records if r.name == "app.services.scheduling"]
+    records = [r for r in caplog.records if r.name == "app.services.supervision"]
     assert [r.levelno for r in records if "unavailable" in r.getMessage()] == [logging.WARNING]
     assert not any(r.levelno >= logging.ERROR or r.exc_info for r in records)
     assert any("ran again after" in r.getMessage() for r in records)
@@ -118,13 +119,13 @@ async def test_an_outage_warns_once_and_says_when_it_is_over(
 
 
 async def test_any_other_error_is_a_failure_with_its_traceback(
-    scheduler: Scheduler, caplog: pytest.LogCaptureFixture
+    scheduler: Supervisor, caplog: pytest.LogCaptureFixture
 ) -> None:
     body = Counting()
     body.fail = KeyError("a bug")
     scheduler.add_loop("view", body, every=0.05, first_after=0.01, outage=(ConnectionError,))
-    with caplog.at_level(logging.INFO, logger="app.services.scheduling"):
-        scheduler.start()
+    with caplog.at_level(logging.INFO, logger="app.services.supervision"):
+        scheduler.start_loops()
         await eventually(lambda: _at_least(body, 2), within=10)
     assert scheduler.loops()["view"]["state"] == "failing"
     assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records)

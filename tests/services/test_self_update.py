@@ -27,6 +27,7 @@ from starlette.routing import Route
 from app.adapters.kube import KubeDeployments, load_configuration
 from app.adapters.versions import VersionFile, VersionSourceError
 from app.api.schemas import ComponentInfo
+from app.domain.components import Outcome
 from app.domain.health import RolloutPhase, rollout_of
 from app.domain.updates import MAX_VERSION_FILE_BYTES, UpdatePolicy
 from app.services.runtime import Runtime, build_runtime, open_self_update_only, open_sync_only
@@ -114,6 +115,11 @@ async def runtime(
     async with AsyncExitStack() as stack:
         rt.updater = await open_self_update_only(rt, stack)
         assert rt.updater is not None, rt.components["self_update"].reason
+        # not started: `scheduled` runs it, recorded as the runtime's loop is
+        rt.supervisor.add_loop(
+            "self-update", rt.updater.run_scheduled, every=3600,
+            component=rt.components["self_update"],
+        )  # fmt: skip
         rt.syncer = await open_sync_only(rt, stack)
         yield rt
     # the own Deployment is this module's; other tests create theirs from scratch
@@ -123,7 +129,7 @@ async def runtime(
 
 @pytest.fixture
 async def fresh_updater(runtime: Runtime) -> AsyncIterator[SelfUpdater]:
-    """A second SelfUpdater on the same runtime (component, metrics, alerts, lock), as a
+    """A second SelfUpdater on the same runtime (metrics, alerts, lock), as a
     restarted manager would build it, whose Kubernetes client makes one request per call:
     each injected fault is then exactly one attempt of the updater's own retries."""
     settings = runtime.settings
@@ -140,7 +146,6 @@ async def fresh_updater(runtime: Runtime) -> AsyncIterator[SelfUpdater]:
             policy=UpdatePolicy(repository=REPO, allow_prerelease=True),
             deadline=DEADLINE,
             poll_interval=POLL,
-            component=runtime.components["self_update"],
             metrics=runtime.metrics,
             cluster_lock=runtime.cluster_lock,
             alerts=runtime.alerts,
@@ -148,6 +153,20 @@ async def fresh_updater(runtime: Runtime) -> AsyncIterator[SelfUpdater]:
     finally:
         await source.aclose()
         await kube.aclose()
+
+
+async def scheduled(runtime: Runtime, which: SelfUpdater | None = None) -> Outcome:
+    """One scheduled check, recorded as the runtime's `self-update` loop records it."""
+    outcome = await (which or updater(runtime)).run_scheduled()
+    runtime.supervisor.record("self-update", outcome)
+    return outcome
+
+
+async def resumed(runtime: Runtime) -> object:
+    """The start-up resume, recorded as the runtime records it; what it did to the update."""
+    outcome = await updater(runtime).resume()
+    runtime.supervisor.record("self-update", outcome)
+    return outcome.detail.get("update", "nothing")
 
 
 def annotations_of(cluster: RealCluster) -> dict[str, str]:
@@ -192,7 +211,7 @@ async def test_a_newer_version_is_applied_and_becomes_available(
     runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:
     version_file[0].set(body=b'{"version": "0.2.0"}')
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.2.0"
     own = cluster.get_deployment(OWN_NS, "workload-manager")
     assert own is not None
@@ -212,7 +231,7 @@ async def test_the_same_or_an_older_version_changes_nothing(
 ) -> None:  # fmt: skip
     version_file[0].set(body=published)
     cluster.clear_requests()
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.1.0"
     assert [r for r in cluster.requests if r.method != "GET"] == []
     last = updater(runtime).last
@@ -234,7 +253,7 @@ async def test_unreadable_version_files_change_nothing_and_say_why(
 ) -> None:  # fmt: skip
     version_file[0].set(status=status, body=body, delay=delay)
     cluster.clear_requests()
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.1.0"
     assert [r for r in cluster.requests if r.method != "GET"] == []
     component = runtime.components["self_update"]
@@ -245,7 +264,7 @@ async def test_an_image_that_never_gets_ready_is_rolled_back_and_skipped_after(
     runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:
     version_file[0].set(body=BAD.encode())
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.1.0"
     own = cluster.get_deployment(OWN_NS, "workload-manager")
     assert own is not None
@@ -253,7 +272,7 @@ async def test_an_image_that_never_gets_ready_is_rolled_back_and_skipped_after(
     assert "rolled back" in (runtime.components["self_update"].last_error or "")
     assert any("rolled back" in a.text for a in runtime.alerts.recent)
     cluster.clear_requests()
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert [r for r in cluster.requests if r.method != "GET"] == []
     last = updater(runtime).last
     assert last is not None and last["decision"] == "skip" and "failed before" in last["reason"]
@@ -264,7 +283,7 @@ async def test_only_the_configured_repository_is_taken(
 ) -> None:
     version_file[0].set(body=b'{"version": "9.9.9", "image": "evil.example/wm:9.9.9"}')
     cluster.clear_requests()
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.1.0"
     assert [r for r in cluster.requests if r.method != "GET"] == []
 
@@ -293,7 +312,7 @@ async def test_an_image_that_is_not_the_published_version_is_refused(
 ) -> None:  # fmt: skip
     version_file[0].set(body=json.dumps(published).encode())
     cluster.clear_requests()
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.1.0"
     assert non_get_requests(cluster) == []
     last = updater(runtime).last
@@ -306,13 +325,13 @@ async def test_a_pinned_digest_is_patched_as_published_and_then_is_the_running_v
     image: str,
 ) -> None:  # fmt: skip
     version_file[0].set(body=json.dumps({"version": "0.2.0", "image": image}).encode())
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert image_of(cluster) == image
     annotations = annotations_of(cluster)
     assert annotations[CONFIRMED] == "0.2.0"
     assert (annotations[HIGHEST], annotations[HIGHEST_IMAGE]) == ("0.2.0", image)
     cluster.clear_requests()
-    await updater(runtime).run_scheduled()  # the digest runs 0.2.0: nothing more to do
+    await scheduled(runtime)  # the digest runs 0.2.0: nothing more to do
     assert non_get_requests(cluster) == []
     last = updater(runtime).last
     assert last is not None and last["decision"] == "noop" and last["running"] == "0.2.0", last
@@ -323,7 +342,7 @@ async def test_a_confirmation_records_the_highest_version_on_the_deployment(
     fresh_updater: SelfUpdater,
 ) -> None:  # fmt: skip
     version_file[0].set(body=b"0.2.0")
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     annotations = annotations_of(cluster)
     assert (annotations[HIGHEST], annotations[HIGHEST_IMAGE]) == ("0.2.0", f"{REPO}:0.2.0")
     # the pod moved back to 0.1.0 outside the self-update, and a manager that starts
@@ -334,7 +353,7 @@ async def test_a_confirmation_records_the_highest_version_on_the_deployment(
     )  # fmt: skip
     version_file[0].set(body=b"0.1.5")
     cluster.clear_requests()
-    await fresh_updater.run_scheduled()
+    await scheduled(runtime, fresh_updater)
     assert non_get_requests(cluster) == []
     last = fresh_updater.last
     assert last is not None and last["decision"] == "skip", last
@@ -363,14 +382,14 @@ async def test_a_version_below_the_highest_confirmed_one_is_refused_and_nothing_
     ]:  # fmt: skip
         version_file[0].set(body=published)
         cluster.clear_requests()
-        await updater(runtime).run_scheduled()
+        await scheduled(runtime)
         assert non_get_requests(cluster) == []
         assert image_of(cluster) == f"{REPO}:0.1.0"
         last = updater(runtime).last
         assert last is not None and last["decision"] == "skip" and says in last["reason"], last
     # the confirmed version itself, as it was confirmed, is taken
     version_file[0].set(body=b"0.3.0")
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.3.0"
     assert annotations_of(cluster)[HIGHEST] == "0.3.0"
 
@@ -403,7 +422,7 @@ async def test_with_a_public_key_a_file_without_its_valid_signature_changes_noth
     body = json.dumps({"version": "0.2.0", "image": f"{REPO}:0.2.0"}).encode()
     version_file[0].set(body=body, sig=make_sig(body))
     cluster.clear_requests()
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.1.0"
     assert non_get_requests(cluster) == []
     assert updater(runtime).last is None  # nothing was decided
@@ -418,7 +437,7 @@ async def test_with_a_public_key_a_validly_signed_file_is_applied(
 ) -> None:
     body = b'{"version": "0.2.0"}\n'
     version_file[0].set(body=body, sig=sig(RELEASE_KEY, body))
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.2.0"
     assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
 
@@ -428,7 +447,7 @@ async def test_sync_and_self_update_never_overlap(
 ) -> None:
     # an image that never gets ready keeps the update watching until its deadline
     version_file[0].set(body=WORSE.encode())
-    update = asyncio.create_task(updater(runtime).run_scheduled())
+    update = asyncio.create_task(scheduled(runtime))
     await update_applied(cluster, f"{REPO}:{WORSE}")
     assert runtime.syncer is not None
     with pytest.raises(SyncBusy):
@@ -446,7 +465,7 @@ async def test_a_rollback_that_fails_transiently_is_retried_with_backoff_until_i
 ) -> None:  # fmt: skip
     caplog.set_level(logging.WARNING, logger="app.services.updating")
     version_file[0].set(body=BAD.encode())
-    run = asyncio.create_task(fresh_updater.run_scheduled())
+    run = asyncio.create_task(scheduled(runtime, fresh_updater))
     await update_applied(cluster, f"{REPO}:{BAD}")
     cluster.clear_requests()
     cluster.fail_next("PATCH", OWN, status=503, times=3, message="etcdserver: leader changed")
@@ -462,12 +481,12 @@ async def test_a_rollback_that_fails_transiently_is_retried_with_backoff_until_i
 
 
 async def fail_every_rollback(
-    cluster: RealCluster, versions: VersionFileServer, updater: SelfUpdater
+    runtime: Runtime, cluster: RealCluster, versions: VersionFileServer, updater: SelfUpdater
 ) -> None:
     """Publish BAD (an image that never becomes ready), and let every rollback patch
     fail; returns when the scheduled run gave up (it does not raise)."""
     versions.set(body=BAD.encode())
-    run = asyncio.create_task(updater.run_scheduled())
+    run = asyncio.create_task(scheduled(runtime, updater))
     await update_applied(cluster, f"{REPO}:{BAD}")
     cluster.clear_requests()
     cluster.fail_next("PATCH", OWN, status=503, times=10_000)
@@ -479,7 +498,7 @@ async def test_a_rollback_that_keeps_failing_is_bounded_shown_and_alerted(
     fresh_updater: SelfUpdater,
 ) -> None:  # fmt: skip
     started = time.monotonic()
-    await fail_every_rollback(cluster, version_file[0], fresh_updater)  # nor forever
+    await fail_every_rollback(runtime, cluster, version_file[0], fresh_updater)  # nor forever
     # the controller's verdict (progressDeadlineSeconds), then retries for up to DEADLINE
     assert time.monotonic() - started < PROGRESS_DEADLINE + 2 * DEADLINE
     assert len(patch_statuses(cluster)) > 2 and set(patch_statuses(cluster)) == {503}
@@ -501,11 +520,11 @@ async def test_the_check_after_a_failed_rollback_performs_it(
     runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
     fresh_updater: SelfUpdater,
 ) -> None:  # fmt: skip
-    await fail_every_rollback(cluster, version_file[0], fresh_updater)
+    await fail_every_rollback(runtime, cluster, version_file[0], fresh_updater)
     assert image_of(cluster) == f"{REPO}:{BAD}"  # the rollback did not land
     cluster.clear_faults()
     cluster.clear_requests()
-    await fresh_updater.run_scheduled()
+    await scheduled(runtime, fresh_updater)
     last = fresh_updater.last
     assert last is not None and last["decision"] == "rollback", last
     assert image_of(cluster) == f"{REPO}:0.1.0"
@@ -513,7 +532,7 @@ async def test_the_check_after_a_failed_rollback_performs_it(
     assert annotations[FAILED_VERSIONS] == BAD and TARGET not in annotations
     assert "rolled back" in (runtime.components["self_update"].last_error or "")
     # and from then on the failed version is skipped
-    await fresh_updater.run_scheduled()
+    await scheduled(runtime, fresh_updater)
     last = fresh_updater.last
     assert last is not None and last["decision"] == "skip" and "failed before" in last["reason"]
 
@@ -524,7 +543,7 @@ async def test_a_starting_manager_resumes_watching_an_update_and_confirms_it(
     version_file[0].set(body=b"0.2.0")
     as_left_by_an_update(cluster, image=f"{REPO}:0.2.0", target="0.2.0", started=datetime.now(UTC))
     cluster.clear_requests()
-    await updater(runtime).run_scheduled()  # the first run of a freshly started manager
+    await scheduled(runtime)  # the first run of a freshly started manager
     last = updater(runtime).last
     assert last is not None and last["decision"] == "watch", last
     # it returned only once the rollout had finished, and confirmed it
@@ -534,7 +553,7 @@ async def test_a_starting_manager_resumes_watching_an_update_and_confirms_it(
     assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
     assert image_of(cluster) == f"{REPO}:0.2.0"
     assert runtime.components["self_update"].state == "ok"
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     last = updater(runtime).last
     assert last is not None and last["decision"] == "noop"
 
@@ -549,7 +568,7 @@ async def test_a_starting_manager_resumes_watching_an_update_and_rolls_it_back(
         cluster, image=f"{REPO}:{BAD}", target=BAD,
         started=datetime.now(UTC) + timedelta(seconds=1),
     )  # fmt: skip
-    assert await updater(runtime).resume() == "rolled-back"
+    assert await resumed(runtime) == "rolled-back"
     assert image_of(cluster) == f"{REPO}:0.1.0"
     annotations = annotations_of(cluster)
     assert annotations[FAILED_VERSIONS] == BAD and TARGET not in annotations
@@ -568,7 +587,7 @@ async def test_a_starting_manager_finishes_an_interrupted_rollback(
         started=datetime.now(UTC) - timedelta(hours=1),
     )  # fmt: skip
     cluster.clear_requests()
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     last = updater(runtime).last
     assert last is not None and last["decision"] == "rollback", last
     assert image_of(cluster) == f"{REPO}:0.1.0"
@@ -590,12 +609,12 @@ async def test_a_starting_manager_records_a_rollback_done_outside_it(
         lambda obj: obj["spec"]["template"]["spec"]["containers"][0].update(image=f"{REPO}:0.1.0"),
     )
     cluster.clear_requests()
-    assert await updater(runtime).resume() == "rolled-back"
+    assert await resumed(runtime) == "rolled-back"
     patches = [r for r in cluster.requests if r.method == "PATCH"]
     assert len(patches) == 1 and "spec" not in patches[0].body  # bookkeeping only
     annotations = annotations_of(cluster)
     assert annotations[FAILED_VERSIONS] == BAD and TARGET not in annotations
-    await updater(runtime).run_scheduled()
+    await scheduled(runtime)
     last = updater(runtime).last
     assert last is not None and last["decision"] == "skip" and "failed before" in last["reason"]
 

@@ -59,6 +59,10 @@ async def runtime(
     async with AsyncExitStack() as stack:
         rt.updater = await open_self_update_only(rt, stack)
         assert rt.updater is not None, rt.components["self_update"].reason
+        rt.supervisor.add_loop(
+            "self-update", rt.updater.run_scheduled, every=3600,
+            component=rt.components["self_update"],
+        )  # fmt: skip
         yield rt
     plane.kubectl("-n", OWN_NS, "delete", "deployment", "workload-manager",
                   "--ignore-not-found", "--wait=true")  # fmt: skip
@@ -71,7 +75,7 @@ async def test_with_the_right_credentials_a_newer_version_is_decided_and_applied
     s3.put(b'{"version": "0.2.0"}')
     decision = await updater(runtime).check()
     assert decision.choice is Choice.UPDATE and decision.image == f"{REPO}:0.2.0"
-    await updater(runtime).run_scheduled()
+    await runtime.supervisor.run_now("self-update")
     assert image_of(cluster) == f"{REPO}:0.2.0"
     assert runtime.metrics.self_updates.labels("available")._value.get() == 1
     assert runtime.components["self_update"].state == "ok"
@@ -103,7 +107,7 @@ async def test_refusals_a_missing_object_and_garbage_change_nothing_and_say_why(
     if case != "no object":
         s3.put(b"<html>oops</html>" if case == "garbage" else b'{"version": "0.2.0"}')
     cluster.clear_requests()
-    await updater(runtime).run_scheduled()
+    await runtime.supervisor.run_now("self-update")
     assert image_of(cluster) == f"{REPO}:0.1.0"
     assert [r for r in cluster.requests if r.method != "GET"] == []
     assert updater(runtime).last is None  # nothing was decided

@@ -173,13 +173,13 @@ async def test_a_desired_state_over_the_workload_bound_is_refused_whole(world: W
     world.desire(*((f"w{i}", "1.0.0") for i in range(4)))
     world.forget_requests()
     async with AsyncExitStack() as stack:
-        bounded = await open_sync_only(runtime := build_runtime(settings), stack)
+        bounded = await open_sync_only(build_runtime(settings), stack)
         assert bounded is not None
         outcome = await bounded.sync()
     assert outcome.aborted is not None and not outcome.ok
     assert "4 workloads, more than MAX_DESIRED_WORKLOADS (3)" in outcome.aborted
     assert "nothing changed" in outcome.aborted
-    assert "MAX_DESIRED_WORKLOADS" in (runtime.components["sync"].last_error or "")
+    assert "MAX_DESIRED_WORKLOADS" in (bounded.outcome_of(outcome).error or "")
     assert world.kube_writes() == []
     assert set(world.deployments()) == {"api"}
     assert not [r for r in world.backend.requests if "manifest" in r.path]
@@ -291,7 +291,7 @@ async def test_a_sync_past_its_deadline_is_aborted_with_what_it_did_recorded(
     world.backend.fail("manifest", "timeout", times=None, delay=0.5)
     world.forget_requests()
     async with AsyncExitStack() as stack:
-        syncer, runtime = await _bounded_syncer(
+        syncer, _runtime = await _bounded_syncer(
             world,
             stack,
             backend_timeout_seconds=5.0,
@@ -312,7 +312,7 @@ async def test_a_sync_past_its_deadline_is_aborted_with_what_it_did_recorded(
             assert "SYNC_DEADLINE_SECONDS" in (result.error or ""), result
         _written_as_recorded(world, applied)
         assert len(_manifest_requests(world)) < len(names)
-        assert "SYNC_DEADLINE_SECONDS" in (runtime.components["sync"].last_error or "")
+        assert "SYNC_DEADLINE_SECONDS" in (syncer.outcome_of(outcome).error or "")
         # the lock is free (a sync under it raises SyncBusy): the next syncs, with a quick
         # backend now, finish the rest, each within the same short deadline
         world.backend.clear_failures()
@@ -372,14 +372,14 @@ async def test_a_version_not_yet_reported_is_dropped_with_its_workload(world: Wo
     is desired; once the backend no longer desires the workload, nothing is owed for it."""
     world.desire(("api", "1.0.0"), ("worker", "1.0.0"))
     world.backend.fail("version", "500", times=None)
-    await world.syncer.sync()
-    owed = world.runtime.components["sync"].detail["versions_not_reported"]
-    assert owed == {"api": "1.0.0", "worker": "1.0.0"}
+
+    async def owed() -> object:
+        return (await world.syncer.run_scheduled()).detail["versions_not_reported"]
+
+    assert await owed() == {"api": "1.0.0", "worker": "1.0.0"}
     world.desire(("worker", "1.0.0"))  # api is no longer wanted: deleted by the next sync
-    await world.syncer.sync()
-    assert world.runtime.components["sync"].detail["versions_not_reported"] == {"worker": "1.0.0"}
+    assert await owed() == {"worker": "1.0.0"}
     world.backend.clear_failures()
     world.forget_requests()
-    await world.syncer.sync()
-    assert world.runtime.components["sync"].detail["versions_not_reported"] == {}
+    assert await owed() == {}
     assert [(n, b["version"]) for n, b in world.backend.versions] == [("worker", "1.0.0")]

@@ -8,7 +8,6 @@ import asyncio
 from datetime import datetime
 from typing import Any
 
-from app.domain.components import Component
 from app.domain.health import Ping, PingStatus
 from app.domain.uptime import RestartPolicy
 from app.metrics import Metrics
@@ -30,18 +29,17 @@ class NoCluster:
 async def test_workloads_that_are_gone_are_forgotten() -> None:
     mono = [0.0]
     book = WorkloadBook(stale_after=5, forget_after=10, capacity=50, clock=lambda: mono[0])
-    component = Component("uptime", True, "test")
     keeper = UptimeKeeper(
         book=book, kube=NoCluster(), errors=(), cluster_lock=asyncio.Lock(),
         alerts=Alerter(node_id="n1", metrics=Metrics(), window_seconds=60), metrics=Metrics(),
-        policy=POLICY, component=component, clock=lambda: mono[0],
+        policy=POLICY, clock=lambda: mono[0],
     )  # fmt: skip
     for i in range(300):
         book.record(f"w{i}", Ping(status=PingStatus.UNHEALTHY))
-        await keeper.check()
-        assert f"w{i}" in component.detail["workloads"]  # its reason: not managed
+        outcome = await keeper.check()
+        assert f"w{i}" in outcome.detail["workloads"]  # its reason: not managed
         mono[0] += 11.0
         book.forget_silent()
-    await keeper.check()
-    assert component.detail["workloads"] == {}
+    outcome = await keeper.check()
+    assert outcome.detail["workloads"] == {}
     assert keeper.held == 0

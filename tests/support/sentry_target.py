@@ -31,7 +31,7 @@ def main() -> None:
     async def failing_loop() -> None:
         raise LoopBoom("loop failed on purpose")
 
-    app.state.runtime.scheduler.add_loop("boom", failing_loop, every=3600, first_after=0.5)
+    app.state.runtime.supervisor.add_loop("boom", failing_loop, every=3600, first_after=0.5)
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_config=None)
 
 
