@@ -93,6 +93,8 @@ def decide_restart(
 
 # --- uptime: the share of time healthy ---------------------------------------------------
 
+SAVE_EVERY_SECONDS = 300.0  # how often the record is saved: a crash loses at most this
+
 DAY = 24 * HOUR
 WEEK = 7 * DAY
 HEALTHY = frozenset({"healthy", "degraded"})  # up and answering, if not at its best

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from app.domain.components import Component, ComponentState
 from app.domain.redaction import redact_url
+from app.domain.uptime import SAVE_EVERY_SECONDS
 from app.settings import Settings
 
 
@@ -49,6 +50,7 @@ def decide_components(settings: Settings, *, can_sign: bool) -> dict[str, Compon
         "registry": _registry_component(settings, database, embedded),
         "worker": _worker_component(settings, database, embedded),
         "uptime": _uptime_component(settings),
+        "uptime_record": _uptime_record_component(),
         "self_update": _self_update_component(settings),
         "alerts": _alerts_component(settings),
     }
@@ -142,6 +144,15 @@ def _sync_component(settings: Settings, *, can_sign: bool) -> Component:
         return Component("sync", True, f"desired state from folder {settings.desired_state_dir}")
     return Component(
         "sync", False, "no NODE_SYSTEM_ENDPOINT (with a key) and no DESIRED_STATE_DIR to sync from"
+    )
+
+
+def _uptime_record_component() -> Component:
+    return Component(
+        "uptime_record",
+        True,
+        "counts each workload's share of time healthy (24 h, 7 d), saved every "
+        f"{SAVE_EVERY_SECONDS:.0f} s and at shutdown",
     )
 
 

@@ -27,6 +27,7 @@ from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.signing import NodeSigner, load_config_file, load_private_key, node_id_for
 from app.domain.components import Component, Outcome
 from app.domain.redaction import redact_text, redact_url
+from app.domain.uptime import SAVE_EVERY_SECONDS
 from app.metrics import Metrics
 from app.services.alerting import Alerter
 from app.services.components import decide_components
@@ -231,9 +232,9 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
         metrics=rt.metrics, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
     rt.uptime_record = await open_uptime_recorder(
-        settings, components["uptime"], book=rt.book, cluster=cluster,
-        every=_watch_every(settings),
-    )  # fmt: skip
+        settings, components["uptime_record"], cluster=cluster, every=_watch_every(settings)
+    )
+    rt.book.set_uptime(rt.uptime_record.shares)
     rt.uptime = open_uptime_keeper(
         settings, components["uptime"], cluster=cluster, sync_running=rt.syncer is not None,
         book=rt.book, alerts=rt.alerts, metrics=rt.metrics, cluster_lock=rt.cluster_lock,
@@ -308,8 +309,17 @@ def _add_loops(rt: Runtime) -> None:
     watch = rt.health_watch = HealthWatch(book=rt.book, alerts=rt.alerts)
     every = _watch_every(settings)
     add("health-watch", watch.check, every=every, first_after=every)
-    if rt.uptime_record is not None:
-        add("uptime-record", rt.uptime_record.tick, every=every, first_after=0.1)
+    record, book = rt.uptime_record, rt.book
+    if record is not None:
+
+        async def observe() -> None:
+            record.observe(book.statuses())
+
+        add("uptime-record", observe, every=every, first_after=0.1)
+        add(
+            "uptime-save", record.save, every=SAVE_EVERY_SECONDS, first_after=SAVE_EVERY_SECONDS,
+            what="uptime record save", component=components["uptime_record"],
+        )  # fmt: skip
     if rt.uptime is not None:
         add(
             "uptime", rt.uptime.check, every=every, first_after=every,
@@ -382,7 +392,10 @@ async def stop_runtime(rt: Runtime) -> None:
         rt.supervisor.stop_loops(within=deadline.budget(reserve=tail)), _drain_worker(rt, tail)
     )
     if rt.uptime_record is not None:  # what was counted since the last save
-        await within("uptime record", deadline.budget(cap=2.0, reserve=tail), rt.uptime_record.save)
+        await within(
+            "uptime record", deadline.budget(cap=2.0, reserve=tail),
+            functools.partial(rt.supervisor.run_now, "uptime-save"),
+        )  # fmt: skip
     if rt.reporter is not None and rt.components["report"].enabled:
         await within(
             "final report", deadline.budget(cap=5.0, reserve=tail / 2),

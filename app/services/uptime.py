@@ -14,12 +14,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from app.domain.components import Component, Outcome
+from app.domain.components import Outcome
 from app.domain.uptime import (
     DAY,
     HOUR,
@@ -189,7 +189,6 @@ class UptimeKeeper:
 
 UPTIME_KEY = "uptime.json"
 CONFIG_MAP_DATA_LIMIT = 1_000_000  # bytes: 1 MiB less room for metadata
-SAVE_EVERY_SECONDS = 300.0  # a crash loses at most this much; a stop saves first
 
 
 class UptimeStore(Protocol):
@@ -249,38 +248,37 @@ class FileStore:
 
 
 class UptimeRecorder:
-    """Counts each workload's healthy time from the book, saves it at most every
-    `save_every` seconds and only when it changed (and once more at shutdown), and answers
-    its share over the last 24 h and 7 d."""
+    """Counts each workload's healthy time from the statuses it is shown, saves the record
+    when asked and only when it changed, and answers its share over the last 24 h and 7 d.
+
+    It does not read the workload book, and has no component of its own: the composition
+    root shows it the book's statuses (the `uptime-record` loop) and calls `save` (the
+    `uptime-save` loop, every SAVE_EVERY_SECONDS, and once more at shutdown), whose
+    returned outcome the supervisor records on the `uptime_record` component."""
 
     def __init__(
         self,
         *,
-        book: WorkloadBook,
         store: UptimeStore,
+        where: str,
         errors: tuple[type[Exception], ...],
-        component: Component,
         max_step: float,
-        save_every: float = SAVE_EVERY_SECONDS,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        self._book = book
         self._store = store
+        self._where = where  # where the record is kept, said in /v1/status
+        self._outage: tuple[type[Exception], ...] = errors  # the store's server is down
         self._errors: tuple[type[Exception], ...] = (*errors, OSError, ValueError)
-        self._component = component
         self._max_step = max_step
-        self._save_every = save_every
         self._wall = wall
         self.record = UptimeRecord()
         self._last: float | None = None
-        self._saved_at: float | None = None
         self._saved: dict[str, Any] | None = None  # what the store holds, as far as known
-        self._failing = False
 
-    async def open(self) -> None:
+    async def open(self) -> Outcome:
         """Read the saved record; a missing one starts empty, a garbled or unreadable one
-        too (said in the log and `/v1/status`: the next save replaces it). A version 1
-        record is read and written back in the compact form at the next save."""
+        too (a failure, said in the log and `/v1/status`, until the next save replaces it).
+        A version 1 record is read and written back in the compact form at the next save."""
         try:
             data = await self._store.load()
             if data is not None:
@@ -288,8 +286,8 @@ class UptimeRecorder:
             self._saved = data if data is not None else self.record.to_json()
         except self._errors as exc:
             log.warning("uptime record not read, starting empty: %s", exc)
-            self._component.detail["uptime_record"] = f"not read, started empty: {exc}"
-        self._saved_at = self._wall()
+            return self._failure(exc, f"not read, started empty: {exc}")
+        return Outcome.ok(uptime_record="read", kept_in=self._where)
 
     def shares(self, name: str) -> tuple[float | None, float | None]:
         now = self._wall()
@@ -301,34 +299,30 @@ class UptimeRecorder:
     def history(self, name: str) -> UptimeHistory:
         return self.record.history(name, now=self._wall())
 
-    async def tick(self) -> None:
+    def observe(self, statuses: Mapping[str, str]) -> None:
+        """Count the time since the last look in the statuses seen now. A look after a gap
+        longer than `max_step` (a stopped process, a wall clock that jumped) counts
+        nothing: it starts counting again."""
         now = self._wall()
         last, self._last = self._last, now
         if last is not None and 0 < now - last <= self._max_step:
-            statuses = {view.name: view.status for view in self._book.views()}
-            self.record.observe(statuses, start=last, end=now)
-        if self._saved_at is None or abs(now - self._saved_at) >= self._save_every:
-            await self.save(now)
+            self.record.observe(dict(statuses), start=last, end=now)
 
-    async def save(self, now: float | None = None) -> None:
+    async def save(self) -> Outcome:
         """Write the record if it differs from what the store holds; a failed write keeps
-        it in memory and is tried again at the next save time."""
-        now = self._wall() if now is None else now
-        self._saved_at = now
+        it in memory, to be written at the next save."""
+        now = self._wall()
         self.record.prune(now=now)
         data = self.record.to_json()
         if data == self._saved:
-            return
+            return Outcome.ok(uptime_record="saved", kept_in=self._where)
         try:
             await self._store.save(data)
         except self._errors as exc:
-            if not self._failing:
-                log.warning("uptime record not saved (kept in memory, tried again): %s", exc)
-            self._failing = True
-            self._component.detail["uptime_record"] = f"not saved: {exc}"
-            return
-        if self._failing:
-            log.info("uptime record saved again")
-        self._failing = False
+            return self._failure(exc, f"not saved (kept in memory): {exc}")
         self._saved = data
-        self._component.detail["uptime_record"] = "saved"
+        return Outcome.ok(uptime_record="saved", kept_in=self._where)
+
+    def _failure(self, exc: Exception, note: str) -> Outcome:
+        made = Outcome.unavailable if isinstance(exc, self._outage) else Outcome.failed
+        return made(str(exc) or type(exc).__name__, uptime_record=note, kept_in=self._where)

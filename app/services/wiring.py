@@ -18,7 +18,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from app.domain.components import Component, Outcome
 from app.domain.redaction import redact_text
@@ -464,32 +464,26 @@ UPTIME_CONFIG_MAP = "workload-manager-uptime"
 
 
 async def open_uptime_recorder(
-    settings: Settings,
-    component: Component,
-    *,
-    book: WorkloadBook,
-    cluster: Cluster | None,
-    every: float,
+    settings: Settings, component: Component, *, cluster: Cluster | None, every: float
 ) -> UptimeRecorder:
     """Each workload's share of time healthy, kept in the ConfigMap
     `workload-manager-uptime` of the manager's own namespace when it runs in a cluster
     (it outlives the pod, a self-update included; on the shared client), else in
-    DATA_DIR/uptime.json."""
+    DATA_DIR/uptime.json. What reading it found is recorded on `component`."""
     from app.services.uptime import FileStore, UptimeRecorder, UptimeStore
 
-    store: UptimeStore = FileStore(settings.data_dir / "uptime.json")
-    errors: tuple[type[Exception], ...] = ()
+    path = settings.data_dir / "uptime.json"
+    store: UptimeStore = FileStore(path)
+    where, errors = f"file {path}", cast(tuple[type[Exception], ...], ())
     if cluster is not None and settings.pod_namespace is not None:
         from app.adapters.kube import KubeError
         from app.services.uptime import ConfigMapStore
 
         own = cluster.client.in_namespace(settings.pod_namespace)
         store, errors = ConfigMapStore(own, UPTIME_CONFIG_MAP), (KubeError,)
-    recorder = UptimeRecorder(
-        book=book, store=store, errors=errors, component=component, max_step=3 * every
-    )
-    await recorder.open()
-    book.set_uptime(recorder.shares)
+        where = f"ConfigMap {settings.pod_namespace}/{UPTIME_CONFIG_MAP}"
+    recorder = UptimeRecorder(store=store, where=where, errors=errors, max_step=3 * every)
+    component.record(datetime.now(UTC), await recorder.open())
     return recorder
 
 

@@ -25,7 +25,6 @@ of it; JOB_MAX_DELIVERIES bounds deliveries spent on anything, so every path end
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import random
 import time
@@ -92,10 +91,6 @@ def lease_seconds(ack_wait: float) -> float:
 def request_timeout(ack_wait: float) -> float:
     """The most one ledger request or event publish may take: a quarter of the lease."""
     return lease_seconds(ack_wait) / LEASE_TRIES
-
-
-def _forget(tasks: dict[str, asyncio.Task[None]], key: str, _: asyncio.Task[None]) -> None:
-    tasks.pop(key, None)
 
 
 class EventUnsent(Exception):
@@ -704,8 +699,10 @@ class Worker:
         running job out again)."""
         interval = max(self._config.ack_wait / 3, 0.1)
         clock = asyncio.get_running_loop().time
-        renewing: dict[str, asyncio.Task[None]] = {}
-        try:
+        renewing: set[str] = set()  # keys with a renewal on its way
+        # the renewals are this loop's children: stopping the loop stops them, and one
+        # that fails unexpectedly fails the worker's task group, as any of its tasks would
+        async with asyncio.TaskGroup() as renewals:
             while True:
                 await asyncio.sleep(interval)
                 now = clock()
@@ -718,12 +715,8 @@ class Worker:
                     key = held.key
                     if key is None or held.lost or held.answered or key in renewing:
                         continue
-                    task = asyncio.create_task(self._renew(held, key), name="job-lease-renewal")
-                    renewing[key] = task
-                    task.add_done_callback(functools.partial(_forget, renewing, key))
-        finally:
-            for task in list(renewing.values()):
-                task.cancel()
+                    renewing.add(key)
+                    renewals.create_task(self._renew(held, key, renewing), name="job-lease-renewal")
 
     @staticmethod
     async def _touch(held: _Held) -> None:
@@ -735,13 +728,15 @@ class Worker:
         except BusError as exc:
             log.warning("in_progress for a job failed: %s", exc)
 
-    async def _renew(self, held: _Held, key: str) -> None:
+    async def _renew(self, held: _Held, key: str, renewing: set[str]) -> None:
         try:
             async with asyncio.timeout(request_timeout(self._config.ack_wait)):
                 renewed = await self._ledger.renew(key=key, lease_seconds=self._lease)
         except LEDGER_ERRORS as exc:
             log.warning("lease renewal for job %s failed: %s", key, exc)
             return
+        finally:
+            renewing.discard(key)
         # refused while the handler runs: another process took the key. Once it has run,
         # a refusal is this process's own completion or failure having landed
         if not renewed and held.scope is not None:

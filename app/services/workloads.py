@@ -120,6 +120,11 @@ class WorkloadBook:
         now = self._clock()
         return [self._view(name, now) for name in self.names()]
 
+    def statuses(self) -> dict[str, str]:
+        """Each workload's status now, without the rest of its view."""
+        now = self._clock()
+        return {name: self._status(name, now).value for name in self.names()}
+
     def counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for view in self.views():
@@ -135,18 +140,22 @@ class WorkloadBook:
             self._on_forget(name)
         return gone
 
+    def _status(self, name: str, now: float) -> WorkloadStatus:
+        deployed = (self._deployed or {}).get(name)
+        return derive_status(
+            self._pings.get(name),
+            now=now,
+            stale_after=self._stale_after,
+            expected=name in (self._desired or {}) and self._deployed is not None,
+            rollout=deployed.rollout if deployed else None,
+            crashlooping=name in self._crashlooping,
+        )
+
     def _view(self, name: str, now: float) -> WorkloadView:
         record = self._pings.get(name)
         deployed = (self._deployed or {}).get(name)
         desired_version = (self._desired or {}).get(name)
-        status = derive_status(
-            record,
-            now=now,
-            stale_after=self._stale_after,
-            expected=desired_version is not None and self._deployed is not None,
-            rollout=deployed.rollout if deployed else None,
-            crashlooping=name in self._crashlooping,
-        )
+        status = self._status(name, now)
         crash = self._crashlooping.get(name) if status is WorkloadStatus.CRASHLOOPING else None
         day, week = self._uptime(name) if self._uptime is not None else (None, None)
         return WorkloadView(

@@ -39,6 +39,8 @@ ROWS: list[tuple[str, dict[str, Any], bool, str, str, bool]] = [
      "needs the sync's cluster access", False),
     ("uptime switched off", {"uptime_restart_enabled": False}, False, "uptime",
      "UPTIME_RESTART_ENABLED=false", False),
+    ("the uptime record is kept without restarts", {"uptime_restart_enabled": False}, False,
+     "uptime_record", "saved every 300 s", True),
     ("postgres from the url", {"database_url": DB}, False, "postgres", "DATABASE_URL is set",
      True),
     ("postgres embedded", {"embedded_services": True}, False, "postgres", "embedded server",
@@ -93,7 +95,7 @@ def test_every_component_is_decided_and_the_api_and_scheduler_are_critical(
     components = decide_components(make_settings(), can_sign=False)
     assert sorted(components) == sorted(
         ["api", "scheduler", "report", "postgres", "nats", "sync", "registry", "worker",
-         "uptime", "self_update", "alerts"]
+         "uptime", "uptime_record", "self_update", "alerts"]
     )  # fmt: skip
     assert {n for n, c in components.items() if c.critical} == {"api", "scheduler"}
     assert all(c.name == n for n, c in components.items())

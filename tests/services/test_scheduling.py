@@ -1,16 +1,17 @@
 """The periodic loops: robust to a wall clock that jumps, and a dependency that is down is
 an outage (a warning and a state), not an error with a traceback at every tick.
 
-APScheduler reads the wall clock through `datetime.now`; the tests move that clock (and
-the scheduler's own) by an offset, never the machine's."""
+APScheduler reads the wall clock through `datetime.now`. In these tests that clock (and the
+scheduler's own) advances with looptime's fake loop time and jumps by an offset, never the
+machine's: the loops run at their real cadence (every minute) in a fraction of a second."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
-from datetime import datetime, timedelta, tzinfo
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime, tzinfo
 
 import apscheduler.executors.base
 import apscheduler.schedulers.base
@@ -21,27 +22,39 @@ from app.services.scheduling import Scheduler
 from app.services.supervision import Supervisor
 from tests.support.polling import eventually
 
+pytestmark = pytest.mark.looptime
+
+MINUTE = 60.0
+
+
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
 
 class WallClock:
-    offset = 0.0
+    """Starts at the real time, advances with the loop's time, jumps by `offset`."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+        self._real_start = time.time()
+        self._loop_start = _loop_time()
 
     def __call__(self) -> float:
-        return time.time() + self.offset
+        return self._real_start + (_loop_time() - self._loop_start) + self.offset
 
 
 class _Shifted(datetime):
-    clock = WallClock()
+    clock: WallClock
 
     @classmethod
     def now(cls, tz: tzinfo | None = None) -> _Shifted:
-        real = datetime.now(tz) + timedelta(seconds=cls.clock.offset)
-        return cls.fromtimestamp(real.timestamp(), tz)
+        return cls.fromtimestamp(cls.clock(), tz)
 
 
 @pytest.fixture
-def wall(monkeypatch: pytest.MonkeyPatch) -> Iterator[WallClock]:
+async def wall(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[WallClock]:
     clock = WallClock()
-    monkeypatch.setattr(_Shifted, "clock", clock)
+    monkeypatch.setattr(_Shifted, "clock", clock, raising=False)
     monkeypatch.setattr(apscheduler.schedulers.base, "datetime", _Shifted)
     monkeypatch.setattr(apscheduler.executors.base, "datetime", _Shifted)
     yield clock
@@ -49,9 +62,14 @@ def wall(monkeypatch: pytest.MonkeyPatch) -> Iterator[WallClock]:
 
 @pytest.fixture
 async def scheduler(wall: WallClock) -> AsyncIterator[Supervisor]:
-    made = Supervisor(scheduler=Scheduler(jitter_fraction=0.0, wall=wall), metrics=Metrics())
+    timing = Scheduler(jitter_fraction=0.0, wall=wall, steady=_loop_time)
+    made = Supervisor(scheduler=timing, metrics=Metrics(), clock=_loop_time)
     yield made
-    await made.stop_loops(within=1.0)
+    await made.stop_loops(within=10.0)
+
+
+async def _until(check: Callable[[], Awaitable[bool]]) -> None:
+    await eventually(check, step=1.0)  # one loop-time second a poll
 
 
 class Counting:
@@ -70,17 +88,19 @@ async def test_a_wall_clock_jump_keeps_every_loop_on_its_cadence(
     scheduler: Supervisor, wall: WallClock, jump: float
 ) -> None:
     body = Counting()
-    scheduler.add_loop("beat", body, every=0.3, first_after=0.05)
+    scheduler.add_loop("beat", body, every=MINUTE, first_after=5.0)
     stopping = asyncio.Event()
-    watch = asyncio.create_task(scheduler.scheduler.watch_clock(stopping, every=0.1))
+    watch = asyncio.create_task(scheduler.scheduler.watch_clock(stopping, every=1.0))
     scheduler.start_loops()
     try:
-        await eventually(lambda: _at_least(body, 2), within=10)
+        await _until(lambda: _at_least(body, 2))
         wall.offset += jump  # set back ten minutes, or an hour ahead
-        seen = body.runs
-        await eventually(lambda: _at_least(body, seen + 3), within=10)
-        if jump > 0:  # ahead: the loop did not run all the hour's ticks at once either
-            assert body.runs < seen + 10
+        seen, jumped_at = body.runs, _loop_time()
+        await _until(lambda: _at_least(body, seen + 3))
+        # three more runs in about three minutes: not ten minutes late, and (ahead) not
+        # all the hour's sixty ticks at once
+        assert 2 * MINUTE <= _loop_time() - jumped_at <= 3 * MINUTE + 5
+        assert body.runs == seen + 3
     finally:
         stopping.set()
         await watch
@@ -95,10 +115,10 @@ async def test_an_outage_warns_once_and_says_when_it_is_over(
 ) -> None:
     body = Counting()
     body.fail = ConnectionError("kube-apiserver: connection refused")
-    scheduler.add_loop("view", body, every=0.05, first_after=0.01, outage=(ConnectionError,))
+    scheduler.add_loop("view", body, every=MINUTE, first_after=1.0, outage=(ConnectionError,))
     with caplog.at_level(logging.INFO, logger="app.services.supervision"):
         scheduler.start_loops()
-        await eventually(lambda: _at_least(body, 5), within=10)
+        await _until(lambda: _at_least(body, 5))
         loop = scheduler.loops()["view"]
         assert (loop["state"], loop["last_error"]) == (
             "unavailable", "kube-apiserver: connection refused"
@@ -110,7 +130,7 @@ async def test_an_outage_warns_once_and_says_when_it_is_over(
         async def recovered() -> bool:
             return body.runs > seen and scheduler.loops()["view"]["state"] == "ok"
 
-        await eventually(recovered, within=10)
+        await _until(recovered)
     records = [r for r in caplog.records if r.name == "app.services.supervision"]
     assert [r.levelno for r in records if "unavailable" in r.getMessage()] == [logging.WARNING]
     assert not any(r.levelno >= logging.ERROR or r.exc_info for r in records)
@@ -123,9 +143,9 @@ async def test_any_other_error_is_a_failure_with_its_traceback(
 ) -> None:
     body = Counting()
     body.fail = KeyError("a bug")
-    scheduler.add_loop("view", body, every=0.05, first_after=0.01, outage=(ConnectionError,))
+    scheduler.add_loop("view", body, every=MINUTE, first_after=1.0, outage=(ConnectionError,))
     with caplog.at_level(logging.INFO, logger="app.services.supervision"):
         scheduler.start_loops()
-        await eventually(lambda: _at_least(body, 2), within=10)
+        await _until(lambda: _at_least(body, 2))
     assert scheduler.loops()["view"]["state"] == "failing"
     assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records)

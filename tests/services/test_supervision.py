@@ -1,8 +1,13 @@
-"""The supervisor and the shutdown deadline: start, restart with backoff, stop in budget."""
+"""The supervisor and the shutdown deadline: start, restart with backoff, stop in budget.
+
+The async tests run on looptime's fake loop time: they use the real backoff (1 s growing
+to 60 s) and real budgets, and assert when things happened in loop time, not how long the
+machine took."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -33,6 +38,11 @@ def test_the_deadline_starts_once_and_shares_what_is_left() -> None:
     assert deadline.remaining() == 0.0 and deadline.budget(reserve=1.0) == 0.0
 
 
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+@pytest.mark.looptime
 async def test_a_step_is_cut_off_at_its_budget() -> None:
     finished = asyncio.Event()
 
@@ -42,63 +52,66 @@ async def test_a_step_is_cut_off_at_its_budget() -> None:
     async def quick() -> None:
         finished.set()
 
-    assert not await within("slow", 0.05, slow)
+    began = _now()
+    assert not await within("slow", 5.0, slow)
+    assert _now() - began == pytest.approx(5.0)
     assert await within("quick", 1.0, quick) and finished.is_set()
     assert not await within("nothing left", 0.0, quick)
+    assert _now() - began == pytest.approx(5.0)
 
 
-async def test_a_failing_task_is_restarted_and_shown() -> None:
-    supervisor = Supervisor(backoff_initial=0.01, backoff_max=0.02)
+@pytest.mark.looptime
+async def test_a_failing_task_is_restarted_after_a_growing_jittered_delay() -> None:
+    supervisor = Supervisor(clock=_now)  # the real backoff: 1 s, doubling, at most 60 s
     component = Component("worker", True, "test")
-    runs = 0
+    started: list[float] = []
 
     async def body(stopping: asyncio.Event) -> None:
-        nonlocal runs
-        runs += 1
-        if runs < 3:
-            raise RuntimeError(f"crash {runs}")
+        started.append(_now())
+        if len(started) < 4:
+            raise RuntimeError(f"crash {len(started)}")
         await stopping.wait()
 
     supervisor.start("worker", body, restart=True, component=component)
 
-    async def third_run() -> bool:
-        return runs == 3
+    async def fourth_run() -> bool:
+        return len(started) == 4
 
-    await eventually(third_run)
+    await eventually(fourth_run)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(started)]
+    for failures, gap in enumerate(gaps, start=1):
+        step = 2.0 ** (failures - 1)
+        assert step / 2 <= gap <= step, (failures, gaps)
     status = supervisor.status()["worker"]
-    assert (status["state"], status["restarts"], status["failures_in_a_row"]) == ("running", 2, 2)
-    assert status["last_error"] == "RuntimeError: crash 2"
+    assert (status["state"], status["restarts"], status["failures_in_a_row"]) == ("running", 3, 3)
+    assert status["last_error"] == "RuntimeError: crash 3"
     assert component.state == "failing"
     await supervisor.stop_all(budget=1.0)
     assert supervisor.status()["worker"]["state"] == "stopped"
 
 
+@pytest.mark.looptime
 async def test_failures_in_a_row_reset_after_a_healthy_run() -> None:
-    clock = FakeClock()
-    supervisor = Supervisor(backoff_initial=0.01, backoff_max=0.02, healthy_after=60, clock=clock)
-    runs = 0
-    release = asyncio.Event()
+    supervisor = Supervisor(healthy_after=60, clock=_now)
+    in_a_row: list[int] = []  # as each run starts
 
     async def body(stopping: asyncio.Event) -> None:
-        nonlocal runs
-        runs += 1
-        if runs == 2:
-            clock.now += 120  # this run was healthy for two minutes before it failed
-            await release.wait()
-        if runs <= 2:
-            raise RuntimeError(f"crash {runs}")
+        in_a_row.append(supervisor.status()["loop"]["failures_in_a_row"])
+        if len(in_a_row) == 2:
+            await asyncio.sleep(120)  # this run is healthy for two minutes, then fails
+        if len(in_a_row) <= 3:
+            raise RuntimeError(f"crash {len(in_a_row)}")
         await stopping.wait()
 
     supervisor.start("loop", body, restart=True)
 
-    async def at(count: int) -> bool:
-        return runs == count
+    async def fourth_run() -> bool:
+        return len(in_a_row) == 4
 
-    await eventually(lambda: at(2))
-    assert supervisor.status()["loop"]["failures_in_a_row"] == 1
-    release.set()
-    await eventually(lambda: at(3))
-    assert supervisor.status()["loop"]["failures_in_a_row"] == 1, "a new episode, not two"
+    await eventually(fourth_run)
+    # crash 1: one in a row; crash 2 ended a healthy run: a new episode, one again;
+    # crash 3 came at once: two in a row
+    assert in_a_row == [0, 1, 1, 2]
     await supervisor.stop_all(budget=1.0)
 
 
@@ -114,11 +127,13 @@ async def test_a_task_without_restart_stays_down() -> None:
     assert supervisor.status()["once"]["state"] == "failed"
 
 
+@pytest.mark.looptime
 async def test_stop_asks_first_then_cancels_what_does_not_listen() -> None:
     supervisor = Supervisor()
     polite_done = asyncio.Event()
 
     async def polite(stopping: asyncio.Event) -> None:
+        await asyncio.sleep(2)  # finishing takes a while, within the budget
         await stopping.wait()
         polite_done.set()
 
@@ -127,7 +142,9 @@ async def test_stop_asks_first_then_cancels_what_does_not_listen() -> None:
 
     supervisor.start("polite", polite, restart=True)
     supervisor.start("deaf", deaf, restart=True)
-    await supervisor.stop_all(budget=0.1)
+    began = _now()
+    await supervisor.stop_all(budget=10.0)
+    assert _now() - began == pytest.approx(10.0), "the deaf one had the whole budget"
     assert polite_done.is_set()
     assert {n: s["state"] for n, s in supervisor.status().items()} == {
         "deaf": "stopped",

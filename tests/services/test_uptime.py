@@ -13,7 +13,7 @@ from datetime import datetime
 from prometheus_client import generate_latest
 
 from app.adapters.kube import RESTARTED_AT, KubeError
-from app.domain.components import Component
+from app.domain.components import Result
 from app.domain.health import Ping, PingStatus
 from app.domain.uptime import RestartPolicy, UptimeRecord
 from app.services.healthwatch import HealthWatch
@@ -162,32 +162,30 @@ async def test_uptime_is_counted_from_the_book_and_kept_across_a_restart(world: 
     wall = [1_000 * 3600.0]
     book = world.runtime.book
 
-    def recorder(component: Component) -> UptimeRecorder:
+    def recorder() -> UptimeRecorder:
         made = UptimeRecorder(
-            book=book, store=store, errors=(KubeError,), max_step=30.0,
-            component=component, wall=lambda: wall[0],
+            store=store, where="ConfigMap", errors=(KubeError,), max_step=30.0,
+            wall=lambda: wall[0],
         )  # fmt: skip
         book.set_uptime(made.shares)
         return made
 
-    shown = Component("uptime", True, "test")
-    first = recorder(shown)
-    await first.open()
-    assert shown.detail["uptime_record"].startswith("not read, started empty")
-    await first.tick()  # the first look: counting starts here
+    first = recorder()
+    opened = await first.open()
+    assert opened.result is Result.FAILED
+    assert opened.detail["uptime_record"].startswith("not read, started empty")
+    first.observe(book.statuses())  # the first look: counting starts here
     for status, seconds in ((PingStatus.HEALTHY, 300), (PingStatus.UNHEALTHY, 100)):
         for _ in range(seconds // 10):  # each look counts the 10 s before it
             wall[0] += 10.0
             book.record("api", Ping(status=status))
-            await first.tick()
-    await first.save()
+            first.observe(book.statuses())
+    assert (await first.save()).detail["uptime_record"] == "saved"
     view = book.view("api")
     assert view is not None and view.uptime_24h == view.uptime_7d == 0.75
     exported = generate_latest(world.runtime.metrics.registry).decode()
     assert 'workload_manager_workload_uptime_ratio{window="7d",workload="api"} 0.75' in (exported)
 
-    shown_again = Component("uptime", True, "test")
-    again = recorder(shown_again)  # the manager started again
-    await again.open()
+    again = recorder()  # the manager started again
+    assert (await again.open()).result is Result.OK
     assert again.shares("api") == (0.75, 0.75)
-    assert "uptime_record" not in shown_again.detail

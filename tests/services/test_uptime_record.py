@@ -1,19 +1,19 @@
 """The uptime record, without a cluster: its size is bounded (it must fit one ConfigMap,
-1 MiB in all, with every workload the settings allow), it is written at most every few
-minutes and only when it changed, an old record is read (migrated), and something else
-is refused with a warning. The clocks are injected: nothing sleeps."""
+1 MiB in all, with every workload the settings allow), a save writes only when it changed,
+an old record is read (migrated), and something else is refused with a warning. Every
+call returns the outcome the supervisor records. The clocks are injected: nothing sleeps;
+`World.advance` looks and saves as the `uptime-record` and `uptime-save` loops do."""
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any
 
 import pytest
 
-from app.domain.components import Component
+from app.domain.components import Outcome, Result
 from app.domain.health import Ping, PingStatus
-from app.domain.uptime import HOUR, WEEK, UptimeRecord
+from app.domain.uptime import HOUR, SAVE_EVERY_SECONDS, WEEK, UptimeRecord
 from app.services.uptime import UPTIME_KEY, ConfigMapStore, UptimeRecorder
 from app.services.workloads import WorkloadBook
 from app.settings import Settings
@@ -50,7 +50,13 @@ class FakeKube:
 
 
 class World:
-    def __init__(self, kube: FakeKube | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        kube: FakeKube | None = None,
+        *,
+        max_step: float = 30.0,
+        save_every: float = SAVE_EVERY_SECONDS,
+    ) -> None:
         self.wall = START
         self.mono = 0.0
         self.kube = kube or FakeKube()
@@ -58,12 +64,16 @@ class World:
             stale_after=10 * WEEK, forget_after=10 * WEEK, capacity=MAX_TRACKED + MAX_DESIRED,
             clock=lambda: self.mono, wall_clock=lambda: self.wall,
         )  # fmt: skip
-        self.component = Component("uptime", True, "test")
         self.recorder = UptimeRecorder(
-            book=self.book, store=ConfigMapStore(self.kube, "workload-manager-uptime"),
-            errors=(RuntimeError,), component=self.component, wall=lambda: self.wall,
-            **{"max_step": 30.0, **options},
+            store=ConfigMapStore(self.kube, "workload-manager-uptime"), where="ConfigMap test",
+            errors=(RuntimeError,), max_step=max_step, wall=lambda: self.wall,
         )  # fmt: skip
+        self.save_every = save_every
+        self.saves: list[Outcome] = []  # what each scheduled save returned
+        self._since_save = 0.0
+
+    def look(self) -> None:
+        self.recorder.observe(self.book.statuses())
 
     def ping(self, names: list[str], status: PingStatus) -> None:
         for name in names:
@@ -77,7 +87,11 @@ class World:
             self.wall += moved
             self.mono += moved
             left -= moved
-            await self.recorder.tick()
+            self.look()
+            self._since_save += moved
+            if self._since_save >= self.save_every:
+                self._since_save = 0.0
+                self.saves.append(await self.recorder.save())
 
 
 def name_of(i: int, prefix: str = "w") -> str:
@@ -97,7 +111,7 @@ async def test_the_worst_case_record_fits_one_config_map_with_room_to_spare() ->
     world.book.set_desired(dict.fromkeys(desired, "1.0.0"))
     world.book.set_deployed({})
     await world.recorder.open()
-    await world.recorder.tick()
+    world.look()
     for _ in range(int(WEEK // HOUR) + 2):  # a week and then some: every hour has data
         world.ping(pinged, PingStatus.HEALTHY)
         await world.advance(1_234.567, step=1_234.567)
@@ -113,25 +127,27 @@ async def test_the_worst_case_record_fits_one_config_map_with_room_to_spare() ->
     assert world.recorder.shares(desired[0]) == (0.0, 0.0)
 
 
-async def test_writes_come_at_most_every_five_minutes_and_only_with_news() -> None:
+async def test_a_save_writes_only_with_news() -> None:
     world = World()
-    await world.recorder.open()
+    assert (await world.recorder.open()).detail == {
+        "uptime_record": "read", "kept_in": "ConfigMap test"
+    }  # fmt: skip
     await world.advance(HOUR)  # nobody pinged: nothing to say, nothing written
     assert world.kube.writes == []
+    assert len(world.saves) == 12 and all(o.result is Result.OK for o in world.saves)
     world.ping(["api"], PingStatus.HEALTHY)
     for _ in range(int(HOUR // 10)):
         world.ping(["api"], PingStatus.HEALTHY)
         await world.advance(10.0)
-    assert 11 <= len(world.kube.writes) <= 13  # one an hour in every five minutes
-    written = len(world.kube.writes)
-    await world.recorder.save()  # nothing new since the last write
-    assert len(world.kube.writes) == written
+    assert len(world.kube.writes) == 12  # each save of the hour had news
+    assert (await world.recorder.save()).result is Result.OK  # nothing new since then
+    assert len(world.kube.writes) == 12
 
 
 async def test_a_stop_saves_what_was_counted_since_the_last_write() -> None:
     world = World()
     await world.recorder.open()
-    await world.recorder.tick()  # the first look: counting starts here
+    world.look()  # the first look: counting starts here
     world.ping(["api"], PingStatus.HEALTHY)
     await world.advance(290.0)
     assert world.kube.writes == []  # the five minutes are not over
@@ -142,24 +158,25 @@ async def test_a_stop_saves_what_was_counted_since_the_last_write() -> None:
     assert again.recorder.record.hours == {"api": {int(START // HOUR): [290.0, 290.0]}}
 
 
-async def test_a_failing_write_warns_once_and_is_tried_again(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    world = World(save_every=60.0)
+async def test_a_failing_write_is_an_outage_kept_in_memory_and_tried_again() -> None:
+    world = World()
     await world.recorder.open()
-    world.kube.fail = RuntimeError("etcdserver: request is too large")
-    with caplog.at_level(logging.WARNING, logger="app.services.uptime"):
-        for _ in range(10):
-            world.ping(["api"], PingStatus.HEALTHY)
-            await world.advance(60.0)
-    warned = [r for r in caplog.records if "not saved" in r.getMessage()]
-    assert len(warned) == 1
-    assert world.component.detail["uptime_record"].startswith("not saved: etcdserver")
+    world.kube.fail = RuntimeError("etcdserver: leader changed")  # the store's outage
+    for _ in range(3):
+        world.ping(["api"], PingStatus.HEALTHY)
+        await world.advance(SAVE_EVERY_SECONDS)
+    assert [o.result for o in world.saves] == [Result.UNAVAILABLE] * 3
+    assert world.saves[-1].error == "etcdserver: leader changed"
+    assert world.saves[-1].detail["uptime_record"].startswith("not saved (kept in memory)")
     world.kube.fail = None
     world.ping(["api"], PingStatus.HEALTHY)
-    await world.advance(60.0)
-    assert world.component.detail["uptime_record"] == "saved"
-    assert world.kube.writes
+    await world.advance(SAVE_EVERY_SECONDS)
+    assert world.saves[-1].detail["uptime_record"] == "saved"
+    assert world.saves[-1].result is Result.OK
+    again = World(kube=world.kube)  # nothing counted during the outage was lost
+    again.wall = world.wall
+    await again.recorder.open()
+    assert again.recorder.record.hours == world.recorder.record.hours != {}
 
 
 async def test_a_version_1_record_is_read_and_written_back_compact() -> None:
@@ -179,25 +196,26 @@ async def test_something_else_in_the_config_map_is_refused_with_a_warning(
 ) -> None:
     world = World(kube=FakeKube({UPTIME_KEY: json.dumps({"version": 3})}))
     with caplog.at_level(logging.WARNING, logger="app.services.uptime"):
-        await world.recorder.open()
-    assert "not an uptime record" in world.component.detail["uptime_record"]
+        opened = await world.recorder.open()
+    assert opened.result is Result.FAILED
+    assert "not an uptime record" in opened.detail["uptime_record"]
     assert any("starting empty" in r.getMessage() for r in caplog.records)
     assert world.recorder.record.hours == {}
 
 
-async def test_the_clock_set_back_does_not_stop_the_saves() -> None:
+async def test_a_gap_or_a_clock_set_back_counts_nothing_and_counting_goes_on() -> None:
     world = World()
     await world.recorder.open()
-    await world.recorder.tick()
-    for _ in range(31):
-        world.ping(["api"], PingStatus.HEALTHY)
-        await world.advance(10.0)
-    assert len(world.kube.writes) == 1
-    world.wall -= 600.0  # someone set the clock back ten minutes
-    for _ in range(61):
-        world.ping(["api"], PingStatus.HEALTHY)
-        await world.advance(10.0)
-    assert len(world.kube.writes) >= 3  # at once, and every five minutes after
+    world.look()
+    world.ping(["api"], PingStatus.HEALTHY)
+    await world.advance(60.0)
+    world.wall -= 600.0  # someone set the clock back ten minutes: this step counts nothing
+    world.look()
+    world.wall += 3 * 30.0  # a look missed for longer than max_step: nor does this one
+    world.look()
+    world.ping(["api"], PingStatus.HEALTHY)
+    await world.advance(20.0)  # and then counting goes on
+    assert sum(sum(h) for h in world.recorder.record.hours["api"].values()) == 2 * 80.0
 
 
 async def test_a_record_the_api_server_would_refuse_is_not_sent() -> None:
@@ -207,6 +225,7 @@ async def test_a_record_the_api_server_would_refuse_is_not_sent() -> None:
     await world.recorder.open()
     many = dict.fromkeys((name_of(i) for i in range(2_000)), "healthy")
     world.recorder.record.observe(many, start=world.wall - WEEK, end=world.wall)
-    await world.recorder.save()
+    refused = await world.recorder.save()
     assert world.kube.writes == []
-    assert "more than a ConfigMap holds" in world.component.detail["uptime_record"]
+    assert refused.result is Result.FAILED
+    assert "more than a ConfigMap holds" in refused.detail["uptime_record"]

@@ -7,7 +7,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -608,12 +608,15 @@ def _stopped(pg: EmbeddedPostgres) -> Iterator[None]:
     main = psutil.Process(pg.pid)
     processes = [main, *main.children(recursive=True)]
     for process in processes:
-        process.suspend()
+        with suppress(psutil.NoSuchProcess):  # a child that had just ended
+            process.suspend()
     try:
         yield
     finally:
-        for process in processes:
-            process.resume()
+        # children first; a child that had ended (a zombie) is reaped once the server runs
+        for process in reversed(processes):
+            with suppress(psutil.NoSuchProcess):
+                process.resume()
 
 
 async def _consumer(url: str) -> Any:
