@@ -2,30 +2,31 @@
 
 Both servers run as child processes under uvicorn with the same options, one after the
 other, each pinned to one core with the load generator on the other. Each gets a warm-up,
-a saturation phase (keep-alive connections, closed loop), a fixed-rate phase (open loop)
-and RSS readings when idle after start and after the load. Also: what importing costs.
+a saturation phase (wrk: keep-alive connections, closed loop, the 50 workloads in turn
+with their own ping tokens, bench/load/pings.lua), a fixed-rate phase (oha -q with
+--latency-correction: latency from each request's scheduled send time) and RSS readings
+when idle after start and after the load. Also: what importing costs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from bench import Options, sampling
+from bench import Options, sampling, tools
 from bench.checks import say
 from bench.imports import ImportEntry, importtime, package_costs, rss_after, top_modules
-from bench.loadgen import LoadGenerator, PhaseResult, encode_request, loop_name, run_async
 from bench.servers import HOST, ServerProcess, ServerSpec, free_port, running
 
 NAME = "pings"
@@ -37,6 +38,7 @@ def _say(message: str) -> None:
 
 
 REPO = Path(__file__).resolve().parent.parent
+WRK_SCRIPT = Path(__file__).resolve().parent / "load" / "pings.lua"
 WORKLOADS = tuple(f"bench-workload-{i:02d}" for i in range(50))
 BODY = b'{"status":"healthy","version":"1.2.0"}'
 PING_TOKEN_SECRET = "bench-ping-token-secret"  # only ever sent to 127.0.0.1
@@ -45,6 +47,7 @@ TARGET_THROUGHPUT_RATIO = 0.8
 TARGET_P99_MS = 20.0
 MIB = 1024 * 1024
 NOISY_OUTSIDE_CPU_PERCENT = 15.0  # above this, say the phase ran on a busy machine
+TOOL_TIMEOUT = 60.0  # seconds a load tool may run past its phase
 
 # RSS of a fresh interpreter after each statement: what each layer of the stack costs.
 RSS_STEPS: tuple[tuple[str, str], ...] = (
@@ -97,7 +100,9 @@ def run(options: Options) -> dict[str, Any]:
         "fixed_rate": options.rate,
         "server_cpus": sorted(server_cpus) if server_cpus else None,
         "client_cpus": sorted(client_cpus) if client_cpus else None,
-        "client": f"bench.loadgen on {loop_name()} (asyncio protocols, pre-encoded requests)",
+        "client": f"{_short(tools.version('wrk', '-v'))} (saturation, one thread), "
+        f"{tools.version('oha', '--version')} (fixed rate, one workload: oha sends one set of "
+        "headers and the ping token is per workload)",
         "server_options": "uvicorn.run(app, log_config=None, access_log=False, "
         "server_header=False, timeout_graceful_shutdown=20), loop/http 'auto', one process",
     }
@@ -159,21 +164,81 @@ def _ping_token(name: str) -> str:
     return hmac.new(PING_TOKEN_SECRET.encode(), name.encode(), hashlib.sha256).hexdigest()
 
 
-def _requests(port: int) -> list[bytes]:
-    return [
-        encode_request(
-            method="POST",
-            path=f"/v1/workloads/{name}/health",
-            host=f"{HOST}:{port}",
-            body=BODY,
-            headers=[
-                ("Authorization", f"Bearer {_ping_token(name)}"),
-                ("Content-Type", "application/json"),
-                ("User-Agent", "bench-loadgen"),
-            ],
-        )
-        for name in WORKLOADS
-    ]
+def _token_args() -> list[str]:
+    """NAME=TOKEN for every workload: what bench/load/pings.lua sends."""
+    return [f"{name}={_ping_token(name)}" for name in WORKLOADS]
+
+
+def _seconds(value: float) -> str:
+    return f"{max(1, round(value))}s"  # wrk takes whole seconds
+
+
+def _short(version: str) -> str:
+    return " ".join(version.split()[:2])
+
+
+def _closed_loop(port: int, connections: int, seconds: float) -> dict[str, Any]:
+    """wrk, one thread: every connection sends again as soon as its response arrives."""
+    ran = tools.run(
+        [tools.find("wrk"), "-t1", f"-c{connections}", f"-d{_seconds(seconds)}",
+         "-s", str(WRK_SCRIPT), f"http://{HOST}:{port}", "--", BODY.decode(), *_token_args()],
+        timeout=seconds + TOOL_TIMEOUT,
+    )  # fmt: skip
+    out = json.loads(ran.stdout.strip().splitlines()[-1])
+    wall = out["duration_us"] / 1e6
+    transport = sum(out[k] for k in ("connect", "read", "write", "timeout"))
+    return {
+        "mode": "closed-loop (wrk)",
+        "connections": connections,
+        "wall_seconds": round(wall, 3),
+        "completed": out["completed"],
+        "requests_per_second": round(out["completed"] / wall, 1),
+        "errors": out["status_errors"] + transport,
+        "status_errors": out["status_errors"],
+        "transport_errors": transport,
+        "client_cpu_percent": round(100.0 * ran.cpu_seconds / wall, 1),
+        "latency_ms": {k: round(v / 1000, 3) for k, v in out["latency_us"].items()},
+    }
+
+
+def _fixed_rate(port: int, connections: int, rate: float, seconds: float) -> dict[str, Any]:
+    """oha at `rate` req/s, latency from each request's scheduled send time."""
+    name = WORKLOADS[0]
+    ran = tools.run(
+        [tools.find("oha"), "--no-tui", "--output-format", "json", "-z", f"{seconds:g}s",
+         "-w", "-q", f"{rate:g}", "--latency-correction", "-c", str(connections),
+         "-m", "POST", "-H", f"Authorization: Bearer {_ping_token(name)}",
+         "-H", "Content-Type: application/json", "-d", BODY.decode(),
+         f"http://{HOST}:{port}/v1/workloads/{name}/health"],
+        timeout=seconds + TOOL_TIMEOUT,
+    )  # fmt: skip
+    out = json.loads(ran.stdout)
+    wall = out["summary"]["total"]
+    statuses = {str(k): int(v) for k, v in sorted(out["statusCodeDistribution"].items())}
+    failures = {str(k): int(v) for k, v in out["errorDistribution"].items()}
+    aborted = failures.pop("aborted due to deadline", 0)
+    completed = sum(statuses.values())
+    status_errors = completed - statuses.get("204", 0)
+    pct = out["latencyPercentiles"]
+    return {
+        "mode": "fixed rate (oha --latency-correction)",
+        "connections": connections,
+        "wall_seconds": round(wall, 3),
+        "completed": completed,
+        "requests_per_second": round(completed / wall, 1),
+        "errors": status_errors + sum(failures.values()),
+        "status_errors": status_errors,
+        "transport_errors": sum(failures.values()),
+        "statuses": statuses,
+        "client_cpu_percent": round(100.0 * ran.cpu_seconds / wall, 1),
+        "latency_ms": {
+            k: None if pct.get(k) is None else round(1000 * pct[k], 3)
+            for k in ("p50", "p90", "p99", "p99.9")
+        }
+        | {"max": round(1000 * out["summary"]["slowest"], 3)},
+        "target_rate": rate,
+        "aborted": aborted,
+    }
 
 
 def _measure(
@@ -196,19 +261,17 @@ def _measure(
             "affinity": server.affinity(),
             "loaded": server.loaded_extensions("uvloop", "httptools"),
         }
-        phases = run_async(_drive(server, _requests(port), options))
+        phases = _drive(server, options)
         time.sleep(SETTLE_SECONDS)
         after = {"rss_bytes": server.rss_bytes(), "uss_bytes": server.uss_bytes()}
         if with_profile:
             _say(f"{spec.label}: profiling under load with py-spy")
-            phases["profile"] = _profile(server, _requests(port), options, workdir)
+            phases["profile"] = _profile(server, options, workdir)
         log_tail = server.log()
     return {"process": info, "idle": idle, "after_load": after, **phases, "log_tail": log_tail}
 
 
-def _profile(
-    server: ServerProcess, requests: Sequence[bytes], options: Options, workdir: Path
-) -> dict[str, Any]:
+def _profile(server: ServerProcess, options: Options, workdir: Path) -> dict[str, Any]:
     """An extra, unmeasured saturation phase with py-spy sampling the server."""
     seconds = max(2.0, min(options.duration, 10.0))
     output = workdir / f"{server.spec.label}.pyspy.txt"
@@ -216,9 +279,8 @@ def _profile(
         sampler = sampling.start(server.pid, seconds, output)
     except FileNotFoundError as exc:
         return {"error": str(exc)}
-    gen = LoadGenerator(HOST, server.port, requests)
     try:
-        run_async(gen.closed_loop(connections=options.connections, duration=seconds + 1.0))
+        _closed_loop(server.port, options.connections, seconds + 1.0)
     finally:
         try:
             _, stderr = sampler.communicate(timeout=seconds + 30.0)
@@ -230,40 +292,28 @@ def _profile(
     return sampling.summarize(output.read_text())
 
 
-async def _drive(
-    server: ServerProcess, requests: Sequence[bytes], options: Options
-) -> dict[str, Any]:
-    label = server.spec.label
-    gen = LoadGenerator(HOST, server.port, requests)
+def _drive(server: ServerProcess, options: Options) -> dict[str, Any]:
+    label, port, conns = server.spec.label, server.port, options.connections
     _say(f"{label}: warm-up {options.warmup:g} s, saturation {options.duration:g} s, "
          f"{options.rate:g} req/s for {options.duration:g} s")  # fmt: skip
-    warm = await gen.closed_loop(connections=options.connections, duration=options.warmup)
-    saturation = await _with_server_cpu(
-        server, gen.closed_loop(connections=options.connections, duration=options.duration)
+    warm = _closed_loop(port, conns, options.warmup)
+    saturation = _with_server_cpu(server, lambda: _closed_loop(port, conns, options.duration))
+    time.sleep(SETTLE_SECONDS)
+    fixed = _with_server_cpu(
+        server, lambda: _fixed_rate(port, conns, options.rate, options.duration)
     )
-    await asyncio.sleep(SETTLE_SECONDS)
-    fixed = await _with_server_cpu(
-        server,
-        gen.open_loop(
-            connections=options.connections, rate=options.rate, duration=options.duration
-        ),
-    )
-    return {
-        "warmup": warm.summary(),
-        "saturation": saturation,
-        "fixed_rate": fixed,
-    }
+    return {"warmup": warm, "saturation": saturation, "fixed_rate": fixed}
 
 
-async def _with_server_cpu(server: ServerProcess, phase: Awaitable[PhaseResult]) -> dict[str, Any]:
+def _with_server_cpu(server: ServerProcess, phase: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """The phase's summary, with the server's CPU and the CPU spent outside server and client."""
     cpu0, busy0 = server.cpu_seconds(), _busy_cpu_seconds()
-    result = await phase
+    summary = phase()
     cpu1, busy1 = server.cpu_seconds(), _busy_cpu_seconds()
-    summary = result.summary()
-    wall = result.wall_seconds
+    wall = summary["wall_seconds"]
     summary["server_cpu_percent"] = round(100.0 * (cpu1 - cpu0) / wall, 1)
-    outside = (busy1 - busy0) - (cpu1 - cpu0) - result.client_cpu_seconds
+    client = summary["client_cpu_percent"] * wall / 100.0
+    outside = (busy1 - busy0) - (cpu1 - cpu0) - client
     summary["outside_cpu_percent"] = round(100.0 * max(0.0, outside) / wall, 1)
     return summary
 
@@ -344,7 +394,7 @@ def _targets(servers: Mapping[str, Any]) -> dict[str, Any]:
             "met": p99 is not None
             and p99 < TARGET_P99_MS
             and fixed["errors"] == 0
-            and fixed["unsent"] == 0,
+            and fixed["aborted"] == 0,
         },
         "idle_rss_mib": {
             "measured": round(manager["idle"]["rss_bytes"] / MIB, 1),
@@ -381,10 +431,10 @@ def _pct(value: float) -> str:
 
 
 def _errors(phase: Mapping[str, Any]) -> str:
-    text = f"{phase['errors'] - phase['transport_errors']} / {phase['transport_errors']}"
-    if "unsent" in phase:
-        text += f" / {phase['unsent']}"
-    if set(phase["statuses"]) - {"204"}:
+    text = f"{phase['status_errors']} / {phase['transport_errors']}"
+    if "aborted" in phase:
+        text += f" / {phase['aborted']}"
+    if set(phase.get("statuses", {})) - {"204"}:
         text += " (" + ", ".join(f"{k}: {v}" for k, v in phase["statuses"].items()) + ")"
     return text
 
@@ -396,7 +446,7 @@ _MAIN_ROWS: tuple[tuple[str, str, Callable[[Any], str], bool, str | None], ...] 
     ("saturation: latency p50 (ms)", "saturation.latency_ms.p50", _ms, True, None),
     ("saturation: latency p99 (ms)", "saturation.latency_ms.p99", _ms, True, None),
     ("saturation: latency max (ms)", "saturation.latency_ms.max", _ms, False, None),
-    ("saturation: errors (non-204 / transport)", "saturation", _errors, False, None),
+    ("saturation: errors (HTTP >= 400 / transport)", "saturation", _errors, False, None),
     ("saturation: server CPU (% of its core)", "saturation.server_cpu_percent", _pct, False, None),
     ("saturation: load generator CPU (% of its core)", "saturation.client_cpu_percent", _pct,
      False, None),
@@ -406,7 +456,7 @@ _MAIN_ROWS: tuple[tuple[str, str, Callable[[Any], str], bool, str | None], ...] 
     ("{rate}: latency p50 (ms)", "fixed_rate.latency_ms.p50", _ms, True, None),
     ("{rate}: latency p99 (ms)", "fixed_rate.latency_ms.p99", _ms, True, "p99_at_fixed_rate_ms"),
     ("{rate}: latency max (ms)", "fixed_rate.latency_ms.max", _ms, False, None),
-    ("{rate}: errors (non-204 / transport / unsent)", "fixed_rate", _errors, False, None),
+    ("{rate}: errors (non-204 / transport / aborted)", "fixed_rate", _errors, False, None),
     ("{rate}: server CPU (% of its core)", "fixed_rate.server_cpu_percent", _pct, False, None),
     ("{rate}: CPU outside both (% of a core)", "fixed_rate.outside_cpu_percent", _pct, False,
      None),
@@ -538,8 +588,9 @@ def _notes(
         f"{fs['server_cpu_percent']:.0f}% of its own: {verdict}."
     )
     notes.append(
-        "fixed rate: open loop, latency counted from each request's scheduled send time; the "
-        f"dispatcher's own lag p99/max: floor {_lag(floor)} ms, manager {_lag(manager)} ms."
+        "fixed rate: oha -q with --latency-correction, so latency counts from each request's "
+        "scheduled send time and a stalled server is charged for the queue it causes; "
+        "requests still in flight at the end are waited for (-w)."
     )
     uvicorn_rss = next(
         s["rss_bytes"] for s in imports["rss_steps"] if s["label"] == "import uvicorn"
@@ -570,11 +621,6 @@ def _notes(
             "py-spy sees only the running coroutine's frames, so shares are by innermost frame."
         )
     return notes
-
-
-def _lag(server: Mapping[str, Any]) -> str:
-    lag = server["fixed_rate"]["send_lag_ms"]
-    return f"{_ms(lag['p99'])}/{_ms(lag['max'])}"
 
 
 def _stack(server: Mapping[str, Any]) -> str:

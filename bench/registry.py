@@ -1,9 +1,16 @@
 """The registry benchmark: 10,000 simulated nodes heartbeating every 30 s against one PostgreSQL.
 
 Registers the nodes through AsyncpgRegistry.upsert, then measures the sustained heartbeat
-rate (closed loop), the real load paced at nodes / 30 s (open loop) and the latency of
-eligible() ("live nodes that can run X"), idle and under that load. All of it runs twice:
-on EmbeddedPostgres as it starts (fsync=off) and on a second server with fsync=on.
+rate (closed loop) and the real load paced at nodes / 30 s (open loop) with pgbench,
+running the adapter's own heartbeat statement (registry._HEARTBEAT, prepared), and the
+latency of eligible() ("live nodes that can run X"), idle and under that paced load. All
+of it runs twice: on EmbeddedPostgres as it starts (fsync=off) and on a second server with
+fsync=on.
+
+Two parts still go through the manager's own code, because that path is what they
+measure: registration (AsyncpgRegistry.upsert, which also writes the fleet the rest reads)
+and the queries (AsyncpgRegistry.eligible() and nodes() end to end: the wire, asyncpg's
+decoding and the NodeProfile built per row, next to PostgreSQL's own execution time).
 """
 
 from __future__ import annotations
@@ -12,20 +19,19 @@ import asyncio
 import contextlib
 import gc
 import math
-import multiprocessing
 import os
 import random
 import re
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.queues import Queue as MpQueue
-from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 
@@ -43,8 +49,6 @@ from app.services import migrating
 from bench import Options
 from bench.checks import say
 
-T = TypeVar("T")
-
 NAME = "registry"
 DESCRIPTION = "capability registry on PostgreSQL: heartbeat rate and eligible-node query latency"
 
@@ -60,6 +64,8 @@ QUICK_NODES = 1_000
 INTERVAL_SECONDS = 30  # every node heartbeats this often: the load to carry is NODES / 30 per s
 SEED = 20_250_611
 CONNECTIONS = (8, 32)  # closed-loop heartbeat phases
+PGBENCH_THREADS = 2
+PACED_SIGMAS = 4  # pgbench -R draws Poisson arrivals: the count may fall this many sigma short
 REGISTER_CONNECTIONS = 8
 REGISTER = "register (upsert)"
 QUERY_REPEATS = 200
@@ -68,7 +74,6 @@ QUICK_DURATION = 2.0
 TIMEOUT = 5.0  # the manager's default DATABASE_TIMEOUT_SECONDS
 SETUP_TIMEOUT = 60.0
 EXPLAIN_RUNS = 5
-MAX_ERRORS = 1000  # a closed-loop worker gives up after this many failures (server gone)
 EXPLAIN_LINES = 16
 NOISY_OTHER_CPU_PERCENT = 15.0  # above this, say the phase ran on a busy machine
 
@@ -129,7 +134,8 @@ def run(options: Options) -> dict[str, Any]:
         "query_repeats": repeats,
         "seed": SEED,
         "statement_timeout_seconds": TIMEOUT,
-        "client": f"asyncpg on the asyncio event loop, Python {sys.version.split()[0]}",
+        "client": f"{_pgbench_version()} (heartbeats, -M prepared, {PGBENCH_THREADS} threads); "
+        f"asyncpg on the asyncio event loop, Python {sys.version.split()[0]} (register, queries)",
         "cpu_pinning": "none: client and server share every core",
     }
     servers: dict[str, dict[str, Any]] = {}
@@ -144,7 +150,16 @@ def run(options: Options) -> dict[str, Any]:
             try:
                 assert server.pid is not None
                 measured, phases, queries = asyncio.run(
-                    _measure(server.url, server.pid, profiles, options, duration, repeats, label)
+                    _measure(
+                        server.url,
+                        server.pid,
+                        profiles,
+                        options,
+                        duration,
+                        repeats,
+                        label,
+                        Path(tmp),
+                    )
                 )
             finally:
                 server.stop()
@@ -250,10 +265,12 @@ class Phase:
         if not ok:
             self.missing += 1
 
-    def error(self, exc: BaseException) -> None:
+    def error(self, exc: BaseException | str) -> None:
         self.errors += 1
         if len(self.first_errors) < 5:
-            self.first_errors.append(f"{type(exc).__name__}: {exc}")
+            self.first_errors.append(
+                exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+            )
 
     @property
     def completed(self) -> int:
@@ -329,11 +346,12 @@ class GcWatch:
 
 
 class CpuMeter:
-    """CPU seconds of this process, of the PostgreSQL server's processes and of everything
-    else on the machine over a phase."""
+    """CPU seconds of the client (this process, or with `children` the pgbench it waited
+    for), of the PostgreSQL server's processes and of everything else on the machine."""
 
     def __init__(self, server_pid: int) -> None:
         self._pid = server_pid
+        self._children = False
         self._client = 0.0
         self._server: dict[int, float] = {}
         self._machine: Any = None
@@ -343,23 +361,34 @@ class CpuMeter:
         return float(times.user + times.nice + times.system + times.irq + times.softirq)
 
     def _server_times(self) -> dict[int, float]:
+        """Per process; under key 0 the backends that exited (pgbench's, at its end), whose
+        CPU time the postmaster collected when it reaped them."""
         times: dict[int, float] = {}
         with contextlib.suppress(psutil.Error):
             root = psutil.Process(self._pid)
+            reaped = root.cpu_times()
+            times[0] = reaped.children_user + reaped.children_system
             for proc in (root, *root.children(recursive=True)):
                 with contextlib.suppress(psutil.Error):
                     cpu = proc.cpu_times()
                     times[proc.pid] = cpu.user + cpu.system
         return times
 
-    def start(self) -> None:
-        self._client = time.process_time()
+    def _client_seconds(self) -> float:
+        if not self._children:
+            return time.process_time()
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    def start(self, *, children: bool = False) -> None:
+        self._children = children
+        self._client = self._client_seconds()
         self._server = self._server_times()
         self._machine = psutil.cpu_times()
 
     def stop(self, phase: Phase) -> None:
         machine = psutil.cpu_times()
-        phase.client_cpu_seconds = time.process_time() - self._client
+        phase.client_cpu_seconds = self._client_seconds() - self._client
         now = self._server_times()
         phase.server_cpu_seconds = sum(t - self._server.get(pid, 0.0) for pid, t in now.items())
         busy = self._busy(machine) - self._busy(self._machine)
@@ -395,167 +424,110 @@ async def _register(
     return phase
 
 
-async def _closed_loop(
-    registry: AsyncpgRegistry,
-    node_ids: Sequence[str],
+def _pgbench_version() -> str:
+    done = subprocess.run([str(PGBENCH), "--version"], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "pgbench"
+
+
+PGBENCH = EmbeddedPostgres._bin("pgbench")  # the one shipped with the server's binaries
+
+
+def heartbeat_script(count: int) -> str:
+    """A pgbench script of the adapter's heartbeat statement for a random node of `count`;
+    `\\gset` fails the client when no row came back (the node had no row for this instance)."""
+    sql = " ".join(registry_sql._HEARTBEAT.split())
+    for parameter, value in (
+        ("$1", "'node-' || lpad(:node::text, 5, '0')"),
+        ("$2", "'online'"),
+        ("$3", ":instance"),
+    ):
+        if parameter not in sql:
+            raise RuntimeError(f"no {parameter} in the adapter's heartbeat statement: {sql}")
+        sql = sql.replace(parameter, value)
+    return f"\\set node random(0, {count - 1})\n{sql} \\gset\n"
+
+
+def start_pgbench(
+    url: str,
+    instance: str,
+    count: int,
+    workdir: Path,
     *,
+    name: str,
     connections: int,
-    duration: float,
-    meter: CpuMeter,
-    seed: int,
-) -> Phase:
-    """`connections` clients, each sending the next heartbeat as soon as one returns."""
-    phase = Phase("heartbeat, closed loop", connections)
-    deadline = 0  # set just before the workers start
+    seconds: int,
+    rate: float | None = None,
+) -> subprocess.Popen[str]:
+    """pgbench running the heartbeat script for `seconds`, closed loop or at `rate`/s (-R:
+    Poisson arrivals, latency logged from each transaction's scheduled start), one log line
+    per transaction under `workdir`/`name`.*."""
+    script = workdir / "heartbeat.sql"
+    script.write_text(heartbeat_script(count))
+    argv = [str(PGBENCH), "-n", "-M", "prepared", "-f", str(script), "-D", f"instance={instance}",
+            "-c", str(connections), "-j", str(min(PGBENCH_THREADS, connections)),
+            "-T", str(seconds), "--log", f"--log-prefix={workdir / name}"]  # fmt: skip
+    if rate is not None:
+        argv += ["-R", f"{rate:.3f}"]
+    return subprocess.Popen(
+        [*argv, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir
+    )
 
-    async def worker(number: int) -> None:
-        rng = random.Random(seed * 1_000 + number)
-        while (began := time.perf_counter_ns()) < deadline and phase.errors < MAX_ERRORS:
-            try:
-                ok = await registry.heartbeat(rng.choice(node_ids), status="online")
-            except RegistryUnavailable as exc:
-                phase.error(exc)
-                continue
-            phase.record(began, ok)
 
-    meter.start()
-    phase.start_ns = time.perf_counter_ns()
-    deadline = phase.start_ns + int(duration * 1e9)
-    await asyncio.gather(*(worker(n) for n in range(connections)))
-    phase.wall_seconds = (time.perf_counter_ns() - phase.start_ns) / 1e9
-    meter.stop(phase)
+def finish_pgbench(
+    proc: subprocess.Popen[str], workdir: Path, *, name: str, connections: int,
+    seconds: int, rate: float | None = None,
+) -> Phase:  # fmt: skip
+    """Wait for pgbench and read its per-transaction logs into a Phase: client_id,
+    transaction_no, latency (us), script_no, completion time (s, us)[, schedule lag]."""
+    _, stderr = proc.communicate(timeout=seconds + SETUP_TIMEOUT)
+    phase = Phase(name, connections, target_rate=rate)
+    done: list[tuple[int, int]] = []  # (completed at, latency) in ns
+    for log in sorted(workdir.glob(f"{name}.*")):
+        for line in log.read_text().splitlines():
+            fields = line.split()
+            latency = int(fields[2]) * 1000
+            done.append((int(fields[4]) * 1_000_000_000 + int(fields[5]) * 1000, latency))
+        log.unlink()
+    if done:
+        phase.start_ns = min(at - latency for at, latency in done)
+    for at, latency in done:
+        phase.latencies_ns.append(latency)
+        second = (at - phase.start_ns) // 1_000_000_000
+        phase.per_second[second] = phase.per_second.get(second, 0) + 1
+    phase.wall_seconds = float(seconds)
+    for line in stderr.splitlines():
+        if "aborted" in line or "error" in line.lower():
+            phase.error(line.strip())
+    if proc.returncode not in (0, 2) or (proc.returncode == 2 and not phase.errors):
+        phase.error(f"pgbench exited with {proc.returncode}: {stderr.strip()[-300:]}")
     phase.sent = phase.completed + phase.errors
     return phase
 
 
-async def _paced(
-    registry: AsyncpgRegistry,
-    node_ids: Sequence[str],
-    *,
-    rate: float,
-    duration: float,
-    meter: CpuMeter,
-    name: str,
-    connections: int,
-    until: Callable[[], bool] | None = None,
-) -> Phase:
-    """Open loop at `rate`: heartbeat k is due at start + k / rate, for node k mod N (so each
-    node beats once per N / rate seconds), whether or not earlier ones have returned. Latency
-    counts from the due time. Runs `duration` seconds, and longer until `until()` is true."""
-    phase = Phase(name, connections, target_rate=rate)
-    in_flight: set[asyncio.Task[None]] = set()
-
-    async def beat(node_id: str, due_ns: int) -> None:
-        try:
-            ok = await registry.heartbeat(node_id, status="online")
-        except RegistryUnavailable as exc:
-            phase.error(exc)
-            return
-        phase.record(due_ns, ok)
-
-    meter.start()
-    phase.start_ns = start = time.perf_counter_ns()
-    period_ns = 1e9 / rate
-    end_ns = start + int(duration * 1e9)
-    k = 0
-    while True:
-        due = start + int(k * period_ns)
-        if due >= end_ns and (until is None or until()):
-            break
-        now = time.perf_counter_ns()
-        if due > now:
-            await asyncio.sleep((due - now) / 1e9)
-            continue
-        task = asyncio.create_task(beat(node_ids[k % len(node_ids)], due))
-        in_flight.add(task)
-        task.add_done_callback(in_flight.discard)
-        k += 1
-    await asyncio.gather(*in_flight)
-    phase.wall_seconds = (time.perf_counter_ns() - start) / 1e9
+def _pgbench_phase(
+    url: str, instance: str, count: int, workdir: Path, meter: CpuMeter, *,
+    name: str, connections: int, seconds: int, rate: float | None = None,
+) -> Phase:  # fmt: skip
+    meter.start(children=True)
+    proc = start_pgbench(url, instance, count, workdir, name=_log_name(name, connections),
+                         connections=connections, seconds=seconds, rate=rate)  # fmt: skip
+    phase = finish_pgbench(proc, workdir, name=_log_name(name, connections),
+                           connections=connections, seconds=seconds, rate=rate)  # fmt: skip
+    phase.name = name
     meter.stop(phase)
-    phase.sent = k
     return phase
 
 
-def _paced_child(
-    url: str,
-    node_ids: list[str],
-    rate: float,
-    duration: float,
-    name: str,
-    server_pid: int,
-    ready: MpEvent,
-    stop: MpEvent,
-    results: MpQueue[Phase | str],
-) -> None:
-    """Child process: open the pool, say ready, run _paced until `stop`, send the Phase back."""
-
-    async def main() -> Phase:
-        registry = AsyncpgRegistry(url, timeout=TIMEOUT, max_connections=max(CONNECTIONS))
-        await registry.open()
-        try:  # every connection opened and the statement prepared before the clock starts
-            warm = node_ids[: max(CONNECTIONS)]
-            await asyncio.gather(*(registry.heartbeat(n, status="online") for n in warm))
-            ready.set()
-            return await _paced(
-                registry,
-                node_ids,
-                rate=rate,
-                duration=duration,
-                meter=CpuMeter(server_pid),
-                name=name,
-                connections=max(CONNECTIONS),
-                until=stop.is_set,
-            )
-        finally:
-            await registry.close()
-
-    try:
-        results.put(asyncio.run(main()))
-    except BaseException as exc:
-        results.put(f"paced heartbeat process failed: {type(exc).__name__}: {exc}")
-    finally:
-        ready.set()
+def _log_name(name: str, connections: int) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", f"{name} {connections}")
 
 
-async def _paced_elsewhere(
-    url: str,
-    node_ids: Sequence[str],
-    *,
-    rate: float,
-    duration: float,
-    name: str,
-    server_pid: int,
-    during: Callable[[], Awaitable[T]] | None = None,
-) -> tuple[Phase, T | None]:
-    """The paced load from a child process, so that the queries `during` it (awaited here,
-    once the child is ready) cannot stall its event loop: building 10,000 NodeProfiles
-    holds the GIL for tens of ms."""
-    ctx = multiprocessing.get_context("spawn")
-    ready, stop = ctx.Event(), ctx.Event()
-    results: MpQueue[Phase | str] = ctx.Queue()
-    if during is None:
-        stop.set()
-    args = (url, list(node_ids), rate, duration, name, server_pid, ready, stop, results)
-    child = ctx.Process(target=_paced_child, args=args, name="bench-registry-paced", daemon=True)
-    child.start()
-    outcome: T | None = None
-    try:
-        if not await asyncio.to_thread(ready.wait, SETUP_TIMEOUT):
-            raise RuntimeError("the paced heartbeat process did not start in time")
-        if during is not None and child.is_alive():
-            outcome = await during()
-    finally:
-        stop.set()
-        try:
-            got = await asyncio.to_thread(results.get, True, duration + SETUP_TIMEOUT)
-        finally:
-            await asyncio.to_thread(child.join, 10)
-            if child.is_alive():
-                child.kill()
-    if isinstance(got, str):
-        raise RuntimeError(got)
-    return got, outcome
+def paced_short(phase: Phase) -> bool:
+    """Fewer beats than a Poisson schedule at the target rate gives but for bad luck."""
+    if phase.target_rate is None:
+        return False
+    expected = phase.target_rate * phase.wall_seconds
+    return phase.completed < expected - PACED_SIGMAS * math.sqrt(expected)
 
 
 @dataclass
@@ -768,11 +740,11 @@ async def _measure(
     duration: float,
     repeats: int,
     label: str,
+    workdir: Path,
 ) -> tuple[dict[str, Any], list[Phase], list[QueryResult]]:
     """Everything on one server; the JSON summary plus the raw phases for the tables."""
     failures: list[str] = []
     required = len(profiles) / INTERVAL_SECONDS
-    node_ids = [p.node_id for p in profiles]
     meter = CpuMeter(server_pid)
     beats = AsyncpgRegistry(url, timeout=TIMEOUT, max_connections=max(CONNECTIONS))
     # One connection for queries and bookkeeping: its prepared statements can be inspected.
@@ -800,36 +772,28 @@ async def _measure(
         await reader.pool.execute("ANALYZE worker_capabilities")
         after_register = await _table_stats(reader)
 
-        _say(f"{label}: warm-up {options.warmup:g} s, then heartbeats")
-        await _closed_loop(
-            beats,
-            node_ids,
-            connections=max(CONNECTIONS),
-            duration=options.warmup,
-            meter=meter,
-            seed=SEED,
-        )
-        heartbeats: list[Phase] = []
-        for n, connections in enumerate(CONNECTIONS, start=1):
-            heartbeats.append(
-                await _closed_loop(
-                    beats,
-                    node_ids,
-                    connections=connections,
-                    duration=duration,
-                    meter=meter,
-                    seed=SEED + n,
-                )
-            )
+        _say(f"{label}: warm-up {options.warmup:g} s, then heartbeats (pgbench)")
+        count, instance, seconds = len(profiles), beats.instance, max(1, round(duration))
+
+        def pgbench(name: str, connections: int, seconds: int, rate: float | None = None) -> Any:
+            return asyncio.to_thread(
+                _pgbench_phase, url, instance, count, workdir, meter, name=name,
+                connections=connections, seconds=seconds, rate=rate,
+            )  # fmt: skip
+
+        await pgbench("warm-up", max(CONNECTIONS), max(1, round(options.warmup)))
+        heartbeats: list[Phase] = [
+            await pgbench("heartbeat, closed loop", connections, seconds)
+            for connections in CONNECTIONS
+        ]
         paced_name = f"heartbeat, paced {required:.0f}/s"
-        paced, _ = await _paced_elsewhere(
-            url, node_ids, rate=required, duration=duration, name=paced_name, server_pid=server_pid
-        )
-        heartbeats.append(paced)
+        heartbeats.append(await pgbench(paced_name, max(CONNECTIONS), seconds, required))
 
         _say(f"{label}: queries, idle")
+        began = time.monotonic()
         with GcWatch() as idle_gc:
             idle = await _queries(reader, profiles, repeats=repeats, load="idle", refresh=True)
+        idle_seconds = time.monotonic() - began
         await _refresh(reader)
         explain_args = _eligible_args(EXPLAINED.requirements)
         plan = await _explain(reader, registry_sql._ELIGIBLE, explain_args, "ANALYZE, BUFFERS")
@@ -843,24 +807,29 @@ async def _measure(
         plans = await _plan_choices(reader)
 
         _say(f"{label}: queries under the paced heartbeat load")
-        await _refresh(reader)  # from here the paced round-robin keeps every node live
-
-        def queries() -> Awaitable[list[QueryResult]]:
-            load = f"{required:.0f} beats/s"
-            return _queries(reader, profiles, repeats=repeats, load=load, refresh=False)
-
+        await _refresh(reader)  # every node live for 2 intervals from here, beats or not
+        # the paced load outlasts the queries: twice what they took idle, at least `duration`
+        loaded_seconds = max(seconds, math.ceil(2 * idle_seconds) + 2)
+        name = f"{paced_name} + queries"
+        log = _log_name(name, max(CONNECTIONS))
         with GcWatch() as loaded_gc:
-            paced, loaded = await _paced_elsewhere(
-                url,
-                node_ids,
-                rate=required,
-                duration=duration,
-                name=f"{paced_name} + queries",
-                server_pid=server_pid,
-                during=queries,
+            meter.start(children=True)
+            proc = await asyncio.to_thread(
+                start_pgbench, url, instance, count, workdir, name=log,
+                connections=max(CONNECTIONS), seconds=loaded_seconds, rate=required,
+            )  # fmt: skip
+            loaded = await _queries(
+                reader, profiles, repeats=repeats, load=f"{required:.0f} beats/s", refresh=False
             )
+            if proc.poll() is not None:
+                failures.append("the queries under load outlasted the paced pgbench run")
+            paced = await asyncio.to_thread(
+                finish_pgbench, proc, workdir, name=log, connections=max(CONNECTIONS),
+                seconds=loaded_seconds, rate=required,
+            )  # fmt: skip
+            paced.name = name
+            meter.stop(paced)
         heartbeats.append(paced)
-        assert loaded is not None
         final = await _table_stats(reader)
     finally:
         await reader.close()
@@ -872,9 +841,9 @@ async def _measure(
                 f"{phase.name} ({phase.connections} conns): {phase.errors} errors, "
                 f"{phase.missing} heartbeats found no row {phase.first_errors}"
             )
-        if phase.target_rate is not None and phase.rate < 0.98 * phase.target_rate:
+        if paced_short(phase):
             failures.append(
-                f"{phase.name}: achieved {phase.rate:.1f}/s of {phase.target_rate:.1f}/s paced"
+                f"{phase.name}: achieved {phase.rate:.1f}/s of {phase.target_rate}/s paced"
             )
     for result in [*idle, *loaded]:
         if result.rows != result.expected or not result.same_nodes or result.rows <= 0:
@@ -1054,19 +1023,22 @@ def _notes(
     )
     notes.append(
         "the machine's facts (CPU model, cores, memory, load) are in the JSON, added by "
-        "bench/__main__.py; the client (this Python process: asyncpg on the asyncio loop) and "
+        "bench/__main__.py; the client (pgbench for the heartbeats, this Python process with "
+        "asyncpg on the asyncio loop for registration) and "
         f"PostgreSQL share the {len(os.sched_getaffinity(0))} cores, unpinned, so client CPU% "
         "and server CPU% (100 = one core) show where the time went; when the client is near "
         "100 % the rate is a floor for what PostgreSQL alone would take; other CPU% is the "
-        "rest of the machine's busy time (for the '+ queries' rows, mostly the query process)"
+        "rest of the machine's busy time (for the '+ queries' rows, mostly this process's queries)"
     )
     notes.append(
-        f"the closed-loop phases beat random nodes from {'/'.join(map(str, CONNECTIONS))} "
-        "connections of one pool, as fast as they return; the paced phases beat node k mod N "
-        "at exactly nodes/30 per second, open loop, from a child process with its own pool "
-        "(its CPU is the client CPU% of those rows), so the queries' Python work in this "
-        "process cannot stall them; 'errors' counts exceptions plus beats "
-        "that found no row; the real fleet is N agents each with its own pool "
+        "heartbeats are pgbench (-M prepared, -j 2) running the adapter's own UPDATE for a "
+        "random node; the closed-loop phases from "
+        f"{'/'.join(map(str, CONNECTIONS))} connections, as fast as they return; the paced "
+        "phases at nodes/30 per second on average (-R: Poisson arrivals, so a second's count "
+        "varies; latency logged from each beat's scheduled start), from a process of their "
+        "own, so the queries' Python work in this process cannot stall them; 'errors' counts "
+        "failed transactions, a beat that found no row among them (\\gset wants one); the "
+        "real fleet is N agents each with its own pool "
         "(AsyncpgRegistry default max 4; a pooled connection idles out only after 300 s, and "
         f"a beat comes every 30 s), so at least {setup['nodes']:,} open connections, against "
         f"max_connections = {off.get('max_connections', '?')} here: at that size a pooler "

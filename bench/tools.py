@@ -1,0 +1,64 @@
+"""The HTTP load tools the pings benchmark drives: wrk (closed loop) and oha (fixed rate).
+
+`tools/bench-tools/install.sh` installs them (`make bench` runs it first); a tool is looked
+up on PATH, then in that script's cache. Each run's CPU time is the
+child's own (getrusage of the waited-for children), so a table can show what the load
+generator cost next to what the server under test did.
+"""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+INSTALL = "tools/bench-tools/install.sh"
+
+
+class ToolMissing(RuntimeError):
+    """A load tool is not installed: the message says how to get it."""
+
+
+def find(name: str) -> str:
+    """The path of the tool `name`, on PATH or in the install script's cache."""
+    if found := shutil.which(name):
+        return found
+    printed = subprocess.run(
+        [str(REPO / INSTALL), "--print"], capture_output=True, text=True, check=False
+    )
+    if printed.returncode == 0 and printed.stdout.strip():
+        path = printed.stdout.strip().splitlines()[-1]
+        if found := shutil.which(name, path=path):
+            return found
+    raise ToolMissing(f"{name} is not installed: run {INSTALL} (make bench does)")
+
+
+@dataclass(frozen=True)
+class Ran:
+    stdout: str
+    stderr: str
+    cpu_seconds: float  # user + system of the tool's process
+
+
+def run(argv: Sequence[str], *, timeout: float) -> Ran:
+    """Run a tool to the end; a non-zero exit is an error that shows its stderr."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{Path(argv[0]).name} exited with {done.returncode}: {done.stderr[-800:]}"
+        )
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return Ran(done.stdout, done.stderr, cpu)
+
+
+def version(name: str, *flags: str) -> str:
+    """The first line a tool prints of its own version."""
+    done = subprocess.run([find(name), *flags], capture_output=True, text=True, check=False)
+    text = (done.stdout or done.stderr).strip()
+    return text.splitlines()[0] if text else name
