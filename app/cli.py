@@ -58,10 +58,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     deadline = app.state.runtime.shutdown
 
+    received: list[int] = []
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             # the shutdown deadline starts at the signal, not once HTTP has drained
             deadline.begin()
+            received.append(sig)
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
@@ -96,6 +99,10 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # Ctrl-C: uvicorn has shut down as for SIGTERM, then raises the interrupt again;
         # exit as a shell reports an interrupted command, without a traceback
+        return 128 + signal.SIGINT
+    if signal.SIGINT in received:
+        # the same when the interrupt raised again was ignored: the manager was started
+        # with SIGINT ignored, as a script's background job is
         return 128 + signal.SIGINT
     return 0
 

@@ -14,8 +14,13 @@ from tests.support.process import ManagerProcess
 pytestmark = pytest.mark.e2e
 
 
-def test_ctrl_c_shuts_down_cleanly_without_a_traceback(tmp_path: Path) -> None:
-    proc = ManagerProcess(env={}, workdir=tmp_path).start()
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["terminal", "background-job"])
+def test_ctrl_c_shuts_down_cleanly_without_a_traceback(
+    tmp_path: Path, sigint_ignored: bool
+) -> None:
+    """Also when the manager was started with SIGINT ignored, as a script's background job
+    is: the exit code still says it was interrupted."""
+    proc = ManagerProcess(env={}, workdir=tmp_path).start(sigint_ignored=sigint_ignored)
     try:
         proc.send(signal.SIGINT)
         code = proc.wait(timeout=30)

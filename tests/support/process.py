@@ -36,7 +36,12 @@ class ManagerProcess:
         self._workdir = workdir
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, *, wait_ready: bool = True, timeout: float = 30.0) -> ManagerProcess:
+    def start(
+        self, *, wait_ready: bool = True, timeout: float = 30.0, sigint_ignored: bool = False
+    ) -> ManagerProcess:
+        """`sigint_ignored`: started as a background job of a script is (SIGINT ignored);
+        otherwise with SIGINT's default, whatever this process inherited."""
+        disposition = signal.SIG_IGN if sigint_ignored else signal.SIG_DFL
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "app", "serve"],
@@ -44,6 +49,7 @@ class ManagerProcess:
                 env=self._env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, disposition),
             )
         if wait_ready:
             self.wait_ready(timeout)
