@@ -232,6 +232,7 @@ def _init_streams(args: argparse.Namespace) -> int:
     import asyncio
 
     from app.adapters.bus import BusError, JetStreamBus, NatsRefused
+    from app.services.components import NatsAuthConfig
     from app.services.streams import TIERS, init_streams
     from app.services.wiring import nats_auth
 
@@ -243,7 +244,7 @@ def _init_streams(args: argparse.Namespace) -> int:
         settings.nats_url,
         name="workload-manager/init-streams",
         timeout=10,
-        auth=nats_auth(settings),
+        auth=nats_auth(NatsAuthConfig.of(settings)),
     )
 
     async def run() -> None:
@@ -271,6 +272,7 @@ def _publish(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from app.adapters.bus import BusError, JetStreamBus, NatsRefused, Published
+    from app.services.components import NatsAuthConfig
     from app.services.streams import new_job, publish_job
     from app.services.wiring import nats_auth
 
@@ -290,7 +292,10 @@ def _publish(args: argparse.Namespace) -> int:
         print(f"workload-manager: invalid job: {exc}", file=sys.stderr)
         return 2
     bus = JetStreamBus(
-        settings.nats_url, name="workload-manager/publish", timeout=10, auth=nats_auth(settings)
+        settings.nats_url,
+        name="workload-manager/publish",
+        timeout=10,
+        auth=nats_auth(NatsAuthConfig.of(settings)),
     )
 
     async def run() -> Published:

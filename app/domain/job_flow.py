@@ -17,6 +17,23 @@ from enum import StrEnum
 from app.domain.jobs import EventKind
 
 
+@dataclass(frozen=True)
+class WorkerConfig:
+    """The worker's settings (decided in app/services/components.py)."""
+
+    tier: str
+    concurrency: int
+    batch: int
+    ack_wait: float
+    max_attempts: int
+    max_deliveries: int
+    backoff: tuple[float, ...]
+    not_here_delay: float
+    held_delay: float
+    job_timeout: float
+    fetch_wait: float = 1.0
+
+
 class Outcome(StrEnum):
     """What happened to one delivery (the value is the metrics label)."""
 

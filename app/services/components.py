@@ -1,167 +1,552 @@
-"""The components of the manager, decided once from the settings: each is on, with what it
-will do, or off, with why (`/v1/status` shows both). The composition root
-(`app/services/runtime.py`) opens what is on; table-tested in tests/services/test_components.py.
+"""The components of the manager, each decided once from the settings.
+
+`decide(settings, can_sign=...)` is the one place that reads the settings' switches: each
+component is `On(config, reason)`, its config holding everything its opener in
+`app/services/wiring.py` needs (the openers read no settings), or `Off(reason)`. The
+composition root (`app/services/runtime.py`) opens what is on, in the order their inputs
+require; `/v1/status` shows each one's reason. Table-tested in
+tests/services/test_components.py.
+
+What only the start can tell (a cluster that does not answer, an embedded server that does
+not start, a registry that is not running) switches an `On` component off later, with its
+reason, through `Component.switch_off`; that is the only decision left to the openers, and
+the worker's ledger the only one with a fallback (`choose_ledger`, table-tested too).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+from pydantic import SecretStr
+
 from app.domain.components import Component, ComponentState
 from app.domain.redaction import redact_url
+from app.domain.requirements import Tier
 from app.domain.uptime import SAVE_EVERY_SECONDS
 from app.settings import Settings
 
+if TYPE_CHECKING:
+    from app.domain.job_flow import WorkerConfig
+    from app.domain.manifests import ManifestPolicy
+    from app.domain.planning import SyncPolicy
+    from app.domain.updates import UpdatePolicy
+    from app.domain.uptime import RestartPolicy
+    from app.services.streams import Topology
 
-def decide_components(settings: Settings, *, can_sign: bool) -> dict[str, Component]:
-    """Every component, on or off, and why, from the settings alone (and whether there is
-    a node key to sign with). What happens at start (a cluster that cannot be reached, a
-    registry that is not running) may switch an enabled one off later, with its reason."""
-    report_reason: str
-    report_enabled = settings.report_enabled
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class On(Generic[C]):
+    """The component runs, with this config; `reason` says what it will do."""
+
+    config: C
+    reason: str
+    enabled: Literal[True] = True
+
+
+@dataclass(frozen=True)
+class Off:
+    """The component does not run, and why."""
+
+    reason: str
+    enabled: Literal[False] = False
+
+
+Decision = On[C] | Off
+
+
+# --- the configs: plain data from the settings, one per component ---------------------
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """The signed client of the node-system backend (the report and the sync share it)."""
+
+    base_url: str
+    timeout: float
+    attempts: int
+    max_wait: float
+    deadline: float
+    max_response_bytes: int
+
+
+@dataclass(frozen=True)
+class DataServiceConfig:
+    """A data server: the configured URL, or an embedded server in `embedded_dir`."""
+
+    url: SecretStr | None
+    embedded_dir: Path | None
+    probe_timeout: float = 5.0
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    interval: float
+    to_backend: bool  # False: the report goes to the log and /v1/status only
+    data_dir: Path  # its disk is reported (its parent's until it exists)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The one Kubernetes client (the sync, the self-update, uptime management)."""
+
+    kubeconfig: Path | None
+    namespace: str
+    timeout: float
+
+
+@dataclass(frozen=True)
+class FolderSourceConfig:
+    directory: Path
+
+
+@dataclass(frozen=True)
+class BackendSourceConfig:
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    source: BackendSourceConfig | FolderSourceConfig
+    namespace: str
+    max_workloads: int
+    policy: SyncPolicy
+    manifest_policy: ManifestPolicy
+    manager_url: str
+    ping_token_secret: SecretStr | None
+    concurrency: int
+    deadline: float
+    interval: float
+    refresh_interval: float
+
+
+@dataclass(frozen=True)
+class UptimeConfig:
+    policy: RestartPolicy
+
+
+@dataclass(frozen=True)
+class UptimeRecordConfig:
+    file: Path  # where the record is kept outside a cluster
+    config_map_namespace: str | None  # the manager's own namespace, in a cluster
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What the node says of itself (the registry's row, the jobs' matching)."""
+
+    tier: Tier
+    region: str | None
+    trust_zone: str | None
+    capabilities: tuple[str, ...]
+    data_dir: Path  # its disk is fingerprinted (the working directory's until it exists)
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    timeout: float
+    pool_size: int
+    migrations_dir: Path | None  # None: no migrations at start (production's init container)
+    migrate_on_start: bool
+    heartbeat_interval: float
+
+
+@dataclass(frozen=True)
+class NatsAuthConfig:
+    creds_file: Path | None
+    nkey_seed_file: Path | None
+    tls_ca_file: Path | None
+    tls_cert_file: Path | None
+    tls_key_file: Path | None
+
+    @classmethod
+    def of(cls, settings: Settings) -> NatsAuthConfig:
+        return cls(
+            creds_file=settings.nats_creds_file, nkey_seed_file=settings.nats_nkey_seed_file,
+            tls_ca_file=settings.nats_tls_ca_file, tls_cert_file=settings.nats_tls_cert_file,
+            tls_key_file=settings.nats_tls_key_file,
+        )  # fmt: skip
+
+
+LedgerHome = Literal["postgres", "jetstream"]
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    worker: WorkerConfig
+    ledger: LedgerHome
+    # JOB_LEDGER=auto: PostgreSQL's ledger when the registry runs, the JetStream bucket's
+    # when it turns out not to (an embedded PostgreSQL that did not start)
+    ledger_fallback: bool
+    topology: Topology
+    auto_init_streams: bool
+    timeout: float
+    http_timeout: float
+    http_allowed_targets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SelfUpdateConfig:
+    url: str
+    timeout: float
+    s3_endpoint: str | None
+    public_key: str | None
+    signature_url: str | None
+    namespace: str
+    deployment: str
+    container: str
+    policy: UpdatePolicy
+    deadline: float
+    poll_interval: float
+    interval: float
+
+
+@dataclass(frozen=True)
+class MatrixConfig:
+    homeserver: str
+    room_id: str
+    token: SecretStr
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every component, decided; `components()` gives the records `/v1/status` shows."""
+
+    report: Decision[ReportConfig]
+    postgres: Decision[DataServiceConfig]
+    nats: Decision[DataServiceConfig]
+    sync: Decision[SyncConfig]
+    registry: Decision[RegistryConfig]
+    worker: Decision[WorkerPlan]
+    uptime: Decision[UptimeConfig]
+    uptime_record: On[UptimeRecordConfig]
+    self_update: Decision[SelfUpdateConfig]
+    alerts: Decision[MatrixConfig]
+    # shared by components, not components themselves
+    backend: BackendConfig | None  # the sync and the report, when it may sign
+    cluster: ClusterConfig
+    profile: ProfileConfig
+    nats_auth: NatsAuthConfig
+    watch_every: float  # how often the workload book is looked at (health, uptime)
+
+    def decisions(self) -> dict[str, On[Any] | Off]:
+        return {
+            "report": self.report, "postgres": self.postgres, "nats": self.nats,
+            "sync": self.sync, "registry": self.registry, "worker": self.worker,
+            "uptime": self.uptime, "uptime_record": self.uptime_record,
+            "self_update": self.self_update, "alerts": self.alerts,
+        }  # fmt: skip
+
+    def components(self) -> dict[str, Component]:
+        """The status records, the API and the scheduler first (both critical)."""
+        records = {
+            "api": Component("api", True, "serving", critical=True, state=ComponentState.OK),
+            "scheduler": Component("scheduler", True, "runs the periodic loops", critical=True),
+        }
+        for name, decision in self.decisions().items():
+            records[name] = Component(name, decision.enabled, decision.reason)
+        return records
+
+
+def decide(settings: Settings, *, can_sign: bool) -> Plan:
+    """Every component, on with its config or off with why, from the settings alone (and
+    whether there is a node key to sign with)."""
+    embedded = settings.embedded_services and not settings.is_production
+    backend = _backend(settings) if can_sign else None
+    database = settings.database_url
+    data_dir = settings.data_dir
+    sync = _sync(settings, backend)
+    registry = _registry(settings, database is not None or embedded)
+    return Plan(
+        report=_report(settings, can_sign),
+        postgres=_data_service(database, embedded, data_dir / "postgres", "DATABASE_URL"),
+        nats=_data_service(
+            SecretStr(settings.nats_url) if settings.nats_url else None,
+            embedded,
+            data_dir / "nats",
+            "NATS_URL",
+        ),
+        sync=sync,
+        registry=registry,
+        worker=_worker(settings, registry_on=registry.enabled, embedded=embedded),
+        uptime=_uptime(settings, sync),
+        uptime_record=On(
+            UptimeRecordConfig(
+                file=data_dir / "uptime.json", config_map_namespace=settings.pod_namespace
+            ),
+            "counts each workload's share of time healthy (24 h, 7 d), saved every "
+            f"{SAVE_EVERY_SECONDS:.0f} s and at shutdown",
+        ),
+        self_update=_self_update(settings),
+        alerts=_alerts(settings),
+        backend=backend,
+        cluster=ClusterConfig(
+            settings.kubeconfig, settings.managed_namespace, settings.kube_timeout_seconds
+        ),
+        profile=ProfileConfig(
+            tier=settings.tier,
+            region=settings.node_region,
+            trust_zone=settings.node_trust_zone,
+            capabilities=tuple(settings.node_capabilities),
+            data_dir=data_dir,
+        ),
+        nats_auth=NatsAuthConfig.of(settings),
+        watch_every=max(1.0, min(15.0, settings.ping_stale_seconds / 2)),
+    )
+
+
+def choose_ledger(plan: WorkerPlan, *, registry_running: bool) -> LedgerHome | Off:
+    """Where the worker keeps its idempotency ledger, once the start has shown whether the
+    registry runs: the planned home, the JetStream bucket when JOB_LEDGER=auto planned
+    PostgreSQL's and the registry is not running, or off when JOB_LEDGER=postgres."""
+    if plan.ledger == "jetstream" or registry_running:
+        return plan.ledger
+    if plan.ledger_fallback:
+        return "jetstream"
+    return Off("JOB_LEDGER=postgres but the registry is not running")
+
+
+def _backend(settings: Settings) -> BackendConfig | None:
+    if settings.node_system_endpoint is None:
+        return None
+    return BackendConfig(
+        base_url=settings.node_system_endpoint,
+        timeout=settings.backend_timeout_seconds,
+        attempts=settings.backend_retry_attempts,
+        max_wait=settings.backend_retry_max_wait_seconds,
+        deadline=settings.backend_deadline_seconds,
+        max_response_bytes=settings.backend_max_response_bytes,
+    )
+
+
+def _report(settings: Settings, can_sign: bool) -> Decision[ReportConfig]:
     if not settings.report_enabled:
-        report_reason = "switched off by REPORT_ENABLED=false"
-    elif settings.node_system_endpoint is None:
-        report_reason = "no NODE_SYSTEM_ENDPOINT: reports go to the log and /v1/status"
-    elif not can_sign:
-        report_enabled = False
-        report_reason = (
+        return Off("switched off by REPORT_ENABLED=false")
+    endpoint = settings.node_system_endpoint
+    config = ReportConfig(settings.report_interval_seconds, endpoint is not None, settings.data_dir)
+    if endpoint is None:
+        return On(config, "no NODE_SYSTEM_ENDPOINT: reports go to the log and /v1/status")
+    if not can_sign:
+        return Off(
             "NODE_SYSTEM_ENDPOINT is set but there is no NODE_PRIVATE_KEY, "
             "NODE_PRIVATE_KEY_FILE or ~/.config/lfgnode/config.yaml (NODE_CONFIG_FILE) "
             "to sign with"
         )
+    return On(config, f"signed reports to {redact_url(endpoint)}")
+
+
+def _data_service(
+    configured: SecretStr | None, embedded: bool, directory: Path, variable: str
+) -> Decision[DataServiceConfig]:
+    if configured is not None:
+        return On(DataServiceConfig(configured, None), f"{variable} is set")
+    if embedded:
+        return On(DataServiceConfig(None, directory), f"embedded server (no {variable} set)")
+    return Off(f"no {variable} set and embedded servers are off")
+
+
+def _sync(settings: Settings, backend: BackendConfig | None) -> Decision[SyncConfig]:
+    if not settings.sync_enabled:
+        return Off("switched off by SYNC_ENABLED=false")
+    source: BackendSourceConfig | FolderSourceConfig
+    if backend is not None:
+        source = BackendSourceConfig(backend.base_url)
+        reason = f"desired state from {redact_url(backend.base_url)}"
+    elif settings.desired_state_dir is not None:
+        source = FolderSourceConfig(settings.desired_state_dir)
+        reason = f"desired state from folder {settings.desired_state_dir}"
     else:
-        report_reason = f"signed reports to {redact_url(settings.node_system_endpoint)}"
-    embedded = settings.embedded_services and not settings.is_production
+        return Off("no NODE_SYSTEM_ENDPOINT (with a key) and no DESIRED_STATE_DIR to sync from")
+    from app.domain.manifests import ManifestPolicy
+    from app.domain.planning import SyncPolicy
+    from app.domain.pod_security import Level
 
-    def data_service(name: str, configured: str | None, variable: str) -> Component:
-        if configured is not None:
-            return Component(name, True, f"{variable} is set")
-        if embedded:
-            return Component(name, True, f"embedded server (no {variable} set)")
-        return Component(name, False, f"no {variable} set and embedded servers are off")
+    # the manager's own Deployment, when it lives among the workloads it manages
+    own = settings.pod_namespace in (None, settings.managed_namespace)
+    config = SyncConfig(
+        source=source,
+        namespace=settings.managed_namespace,
+        max_workloads=settings.max_desired_workloads,
+        policy=SyncPolicy(
+            max_deletes=settings.sync_max_deletes,
+            max_delete_percent=settings.sync_max_delete_percent,
+            protected=frozenset({settings.self_deployment_name}) if own else frozenset(),
+        ),
+        manifest_policy=ManifestPolicy(
+            allow_privileged=settings.allow_privileged,
+            allow_host_namespaces=settings.allow_host_namespaces,
+            allow_host_path=settings.allow_host_path,
+            allow_host_ports=settings.allow_host_ports,
+            level=Level(settings.manifest_policy),
+            max_replicas=settings.manifest_max_replicas,
+            max_bytes=settings.manifest_max_bytes,
+        ),
+        manager_url=settings.manager_url,
+        ping_token_secret=settings.ping_token_secret,
+        concurrency=settings.sync_concurrency,
+        deadline=settings.sync_deadline_seconds,
+        interval=settings.sync_interval_seconds,
+        refresh_interval=settings.cluster_refresh_seconds,
+    )
+    return On(config, reason)
 
-    database = settings.database_url.get_secret_value() if settings.database_url else None
-    return {
-        "api": Component("api", True, "serving", critical=True, state=ComponentState.OK),
-        "scheduler": Component("scheduler", True, "runs the periodic loops", critical=True),
-        "report": Component("report", report_enabled, report_reason),
-        "postgres": data_service("postgres", database, "DATABASE_URL"),
-        "nats": data_service("nats", settings.nats_url, "NATS_URL"),
-        "sync": _sync_component(settings, can_sign=can_sign),
-        "registry": _registry_component(settings, database, embedded),
-        "worker": _worker_component(settings, database, embedded),
-        "uptime": _uptime_component(settings),
-        "uptime_record": _uptime_record_component(),
-        "self_update": _self_update_component(settings),
-        "alerts": _alerts_component(settings),
-    }
 
+def _uptime(settings: Settings, sync: Decision[SyncConfig]) -> Decision[UptimeConfig]:
+    if not settings.uptime_restart_enabled:
+        return Off("switched off by UPTIME_RESTART_ENABLED=false")
+    if not sync.enabled:
+        return Off(f"needs the sync's cluster access, and the sync is off ({sync.reason})")
+    from app.domain.uptime import RestartPolicy
 
-def _alerts_component(settings: Settings) -> Component:
-    missing = [
-        name
-        for name, value in (
-            ("MATRIX_HOMESERVER", settings.matrix_homeserver),
-            ("MATRIX_ROOM_ID", settings.matrix_room_id),
-            ("MATRIX_ACCESS_TOKEN", settings.matrix_access_token),
-        )
-        if value is None
-    ]
-    if missing:
-        return Component("alerts", False, f"{', '.join(missing)} not set: alerts go to the log")
-    return Component(
-        "alerts",
-        True,
-        f"Matrix room {settings.matrix_room_id} on {redact_url(settings.matrix_homeserver or '')}",
+    policy = RestartPolicy(
+        after_seconds=settings.uptime_restart_after_seconds,
+        backoff_seconds=settings.uptime_restart_backoff_seconds,
+        backoff_max_seconds=settings.uptime_restart_backoff_max_seconds,
+        per_workload_per_hour=settings.uptime_restarts_per_workload_per_hour,
+        per_node_per_hour=settings.uptime_restarts_per_node_per_hour,
+    )
+    return On(
+        UptimeConfig(policy),
+        "rollout-restarts managed workloads unhealthy or stale for longer than "
+        f"{settings.uptime_restart_after_seconds:.0f} s",
     )
 
 
-def _registry_component(settings: Settings, database: str | None, embedded: bool) -> Component:
+def _registry(settings: Settings, has_database: bool) -> Decision[RegistryConfig]:
     if not settings.registry_enabled:
-        return Component("registry", False, "switched off by REGISTRY_ENABLED=false")
-    if database is None and not embedded:
-        return Component(
-            "registry", False,
+        return Off("switched off by REGISTRY_ENABLED=false")
+    if not has_database:
+        return Off(
             "no DATABASE_URL (or CAPABILITY_REGISTRY) set: capabilities are not registered; "
-            "jobs are matched against this node's own profile",
-        )  # fmt: skip
-    tier = settings.tier
-    reason = f"tier {tier.value} in worker_capabilities, heartbeat every "
+            "jobs are matched against this node's own profile"
+        )
+    reason = f"tier {settings.tier.value} in worker_capabilities, heartbeat every "
     reason += f"{settings.heartbeat_interval_seconds:g} s"
     if settings.node_tier is None:
         reason += " (NODE_TIER unset: tier C for development)"
-    return Component("registry", True, reason)
+    migrate = settings.migrates_on_start
+    config = RegistryConfig(
+        timeout=settings.database_timeout_seconds,
+        pool_size=settings.database_pool_size,
+        migrations_dir=settings.migrations_dir,
+        migrate_on_start=migrate,
+        heartbeat_interval=settings.heartbeat_interval_seconds,
+    )
+    return On(config, reason)
 
 
-def _worker_component(settings: Settings, database: str | None, embedded: bool) -> Component:
+def _worker(settings: Settings, *, registry_on: bool, embedded: bool) -> Decision[WorkerPlan]:
     if not settings.worker_enabled:
-        return Component("worker", False, "switched off by WORKER_ENABLED=false")
+        return Off("switched off by WORKER_ENABLED=false")
     if settings.nats_url is None and not embedded:
-        return Component("worker", False, "no NATS_URL set")
-    has_database = settings.registry_enabled and (database is not None or embedded)
-    if settings.job_ledger == "postgres" and not has_database:
-        return Component("worker", False, "JOB_LEDGER=postgres but there is no registry database")
-    on_postgres = has_database and settings.job_ledger != "jetstream"
+        return Off("no NATS_URL set")
+    if settings.job_ledger == "postgres" and not registry_on:
+        return Off("JOB_LEDGER=postgres but there is no registry database")
+    from app.domain.job_flow import WorkerConfig
+    from app.services.streams import Topology
+
     tier = settings.tier.value
-    ledger = (
+    ledger: LedgerHome = (
+        "postgres" if registry_on and settings.job_ledger != "jetstream" else "jetstream"
+    )
+    plan = WorkerPlan(
+        worker=WorkerConfig(
+            tier=tier,
+            concurrency=settings.worker_concurrency,
+            batch=settings.job_fetch_batch,
+            ack_wait=settings.job_ack_wait_seconds,
+            max_attempts=settings.job_max_attempts,
+            max_deliveries=settings.job_max_deliveries,
+            backoff=tuple(settings.job_backoff_seconds),
+            not_here_delay=settings.job_not_here_delay_seconds,
+            held_delay=settings.job_held_delay_seconds,
+            job_timeout=settings.job_timeout_seconds,
+        ),
+        ledger=ledger,
+        ledger_fallback=settings.job_ledger == "auto",
+        topology=Topology.of(settings),
+        auto_init_streams=settings.auto_init_streams,
+        timeout=settings.backend_timeout_seconds,
+        http_timeout=settings.http_job_timeout_seconds,
+        http_allowed_targets=tuple(
+            settings.http_job_allowed_targets or [settings.managed_namespace]
+        ),
+    )
+    return On(plan, worker_reason(plan, ledger))
+
+
+def worker_reason(plan: WorkerPlan, home: LedgerHome) -> str:
+    """What the worker does, with where its ledger is (`home`, once the start chose it)."""
+    tier = plan.worker.tier
+    where = (
         "ledger in PostgreSQL"
-        if on_postgres
+        if home == "postgres"
         else f"ledger in the JetStream bucket JOB_LEDGER_{tier}"
     )
-    return Component(
-        "worker",
-        True,
+    if home != plan.ledger:
+        where += " (JOB_LEDGER=auto, and the registry is not running)"
+    return (
         f"consumer wm-{tier} on MM_ONLINE, MM_OFFLINE, MM_WRITE; "
-        f"{settings.worker_concurrency} job(s) at a time; {ledger}",
+        f"{plan.worker.concurrency} job(s) at a time; {where}"
     )
 
 
-def _self_update_component(settings: Settings) -> Component:
+def _self_update(settings: Settings) -> Decision[SelfUpdateConfig]:
     if not settings.self_update_enabled:
-        return Component("self_update", False, "switched off by SELF_UPDATE_ENABLED=false")
+        return Off("switched off by SELF_UPDATE_ENABLED=false")
     if settings.self_update_url is None:
-        return Component("self_update", False, "no SELF_UPDATE_URL set")
+        return Off("no SELF_UPDATE_URL set")
     if settings.pod_namespace is None:
-        return Component(
-            "self_update",
-            False,
-            "not running in a cluster (no POD_NAMESPACE from the downward API)",
-        )
-    return Component(
-        "self_update",
-        True,
+        return Off("not running in a cluster (no POD_NAMESPACE from the downward API)")
+    from app.domain.updates import UpdatePolicy
+
+    window: tuple[time, time] | None = settings.update_window
+    config = SelfUpdateConfig(
+        url=settings.self_update_url,
+        timeout=settings.self_update_timeout_seconds,
+        s3_endpoint=settings.self_update_s3_endpoint,
+        public_key=settings.self_update_public_key,
+        signature_url=settings.self_update_signature_url,
+        namespace=settings.pod_namespace,
+        deployment=settings.self_deployment_name,
+        container=settings.self_container_name,
+        policy=UpdatePolicy(
+            repository=settings.self_image_repository,
+            allow_prerelease=settings.self_update_allow_prerelease,
+            window=window,
+        ),
+        deadline=settings.self_update_deadline_seconds,
+        poll_interval=settings.self_update_poll_seconds,
+        interval=settings.self_update_interval_seconds,
+    )
+    return On(
+        config,
         f"{redact_url(settings.self_update_url)} -> "
         f"{settings.pod_namespace}/{settings.self_deployment_name}",
     )
 
 
-def _sync_component(settings: Settings, *, can_sign: bool) -> Component:
-    if not settings.sync_enabled:
-        return Component("sync", False, "switched off by SYNC_ENABLED=false")
-    if settings.node_system_endpoint and can_sign:
-        source = redact_url(settings.node_system_endpoint)
-        return Component("sync", True, f"desired state from {source}")
-    if settings.desired_state_dir is not None:
-        return Component("sync", True, f"desired state from folder {settings.desired_state_dir}")
-    return Component(
-        "sync", False, "no NODE_SYSTEM_ENDPOINT (with a key) and no DESIRED_STATE_DIR to sync from"
-    )
-
-
-def _uptime_record_component() -> Component:
-    return Component(
-        "uptime_record",
-        True,
-        "counts each workload's share of time healthy (24 h, 7 d), saved every "
-        f"{SAVE_EVERY_SECONDS:.0f} s and at shutdown",
-    )
-
-
-def _uptime_component(settings: Settings) -> Component:
-    if not settings.uptime_restart_enabled:
-        return Component("uptime", False, "switched off by UPTIME_RESTART_ENABLED=false")
-    return Component(
-        "uptime", settings.sync_enabled,
-        "rollout-restarts managed workloads unhealthy or stale for longer than "
-        f"{settings.uptime_restart_after_seconds:.0f} s" if settings.sync_enabled
-        else "needs the sync's cluster access (SYNC_ENABLED=false)",
+def _alerts(settings: Settings) -> Decision[MatrixConfig]:
+    homeserver, room, token = (
+        settings.matrix_homeserver, settings.matrix_room_id, settings.matrix_access_token
     )  # fmt: skip
+    if homeserver is None or room is None or token is None:
+        missing = [
+            name
+            for name, value in (
+                ("MATRIX_HOMESERVER", homeserver),
+                ("MATRIX_ROOM_ID", room),
+                ("MATRIX_ACCESS_TOKEN", token),
+            )
+            if value is None
+        ]
+        return Off(f"{', '.join(missing)} not set: alerts go to the log")
+    return On(
+        MatrixConfig(homeserver, room, token, settings.backend_timeout_seconds),
+        f"Matrix room {room} on {redact_url(homeserver)}",
+    )

@@ -92,6 +92,15 @@ async def http(job: Job, context: HandlerContext) -> dict[str, Any]:
 BUILT_IN: dict[str, Handler] = {"noop": noop, "http": http}
 
 
+@dataclass(frozen=True)
+class JobHandlers:
+    """What runs jobs on this node: the handlers by job type, and the workload HTTP client
+    each handler's context carries."""
+
+    table: dict[str, Handler]
+    http: WorkloadHttp
+
+
 def load_handlers() -> dict[str, Handler]:
     """Built-ins plus installed plugins; a plugin that fails to load is logged and skipped."""
     handlers = dict(BUILT_IN)

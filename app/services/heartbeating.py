@@ -77,6 +77,7 @@ class Heartbeat:
         interval_seconds: float,
         metrics: Metrics,
         prepare: Callable[[], Awaitable[object]] | None = None,
+        on_registered: Callable[[], None] | None = None,
         retry_attempts: int = 3,
         retry_max_wait: float = 5.0,
     ) -> None:
@@ -95,8 +96,9 @@ class Heartbeat:
         # one write at a time, each with the status as it is when the write begins: a beat
         # in flight at SIGTERM cannot put `online` back over `draining`
         self._writing = asyncio.Lock()
-        # set once the node is registered (and, in development, the schema is migrated)
-        self.registered = asyncio.Event()
+        # told each time the registry has this instance's row (the schema migrated first,
+        # in development); the composition root passes it on to whoever waits for that
+        self._on_registered = on_registered
 
     async def profile(self) -> NodeProfile:
         """The node's profile, with the hardware fingerprint refreshed every 10 minutes."""
@@ -127,7 +129,8 @@ class Heartbeat:
         finally:
             self._metrics.heartbeat_duration.observe(time.monotonic() - started)
         self._metrics.heartbeats.labels("ok").inc()
-        self.registered.set()
+        if self._on_registered is not None:
+            self._on_registered()
         return Outcome.ok(status=self.status)
 
     async def _write(self) -> None:

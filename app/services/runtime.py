@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app import __version__
@@ -30,7 +31,7 @@ from app.domain.redaction import redact_text, redact_url
 from app.domain.uptime import SAVE_EVERY_SECONDS
 from app.metrics import Metrics
 from app.services.alerting import Alerter
-from app.services.components import decide_components
+from app.services.components import DataServiceConfig, Decision, Plan, decide
 from app.services.healthwatch import HealthWatch
 from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
@@ -38,6 +39,8 @@ from app.services.supervision import Deadline, Supervisor, within
 from app.services.wiring import (
     Cluster,
     consumer_stats,
+    local_profile,
+    nats_auth,
     open_backend,
     open_cluster,
     open_matrix_room,
@@ -76,6 +79,7 @@ class Runtime:
     book: WorkloadBook
     supervisor: Supervisor
     shutdown: Deadline
+    plan: Plan  # every component decided, with its config (app/services/components.py)
     components: dict[str, Component]
     alerts: Alerter
     started_at: float = field(default_factory=time.monotonic)
@@ -149,12 +153,13 @@ def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monot
         on_forget=metrics.forget_workload,
         clock=clock,
     )
-    components = decide_components(settings, can_sign=signer is not None)
+    plan = decide(settings, can_sign=signer is not None)
+    components = plan.components()
     alerts = Alerter(
         node_id=node_id,
         metrics=metrics,
         window_seconds=settings.alert_window_seconds,
-        deliver=components["alerts"].enabled,
+        deliver=plan.alerts.enabled,
     )
     runtime = Runtime(
         settings=settings,
@@ -168,6 +173,7 @@ def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monot
             alerts=alerts,
         ),
         shutdown=Deadline(settings.shutdown_grace_seconds),
+        plan=plan,
         components=components,
         alerts=alerts,
     )
@@ -204,10 +210,10 @@ async def _abandon_start(rt: Runtime) -> None:
 
 
 async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
-    settings, components = rt.settings, rt.components
+    plan, components, settings = rt.plan, rt.components, rt.settings
     await _start_data_services(rt, stack)
 
-    room = open_matrix_room(settings, components["alerts"], stack)
+    room = open_matrix_room(plan.alerts, stack)
     if room is not None:
         rt.supervisor.start(
             "alert-sender", functools.partial(rt.alerts.deliver_to, room), restart=True,
@@ -215,47 +221,55 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
         )  # fmt: skip
         components["alerts"].record(datetime.now(UTC), Outcome.ok())
 
-    backend = open_backend(settings, rt.signer, stack)
-    rt.reporter = Reporter(
-        node_id=rt.node_id,
-        book=rt.book,
-        backend=backend if components["report"].enabled else None,
-        metrics=rt.metrics,
-        disk_path=settings.data_dir if settings.data_dir.exists() else settings.data_dir.parent,
-        started_at=rt.started_at,
-    )
+    backend = open_backend(plan.backend, rt.signer, stack)
+    if plan.report.enabled:
+        report = plan.report.config
+        rt.reporter = Reporter(
+            node_id=rt.node_id,
+            book=rt.book,
+            backend=backend if report.to_backend else None,
+            metrics=rt.metrics,
+            disk_path=report.data_dir if report.data_dir.exists() else report.data_dir.parent,
+            started_at=rt.started_at,
+        )
     cluster = rt.cluster = await open_cluster(
-        settings, [components["sync"], components["self_update"]], stack
+        plan.cluster, [components["sync"], components["self_update"]], stack
     )
     rt.syncer = await open_syncer(
-        settings, components["sync"], stack, backend=backend, cluster=cluster, book=rt.book,
+        plan.sync, components["sync"], backend=backend, cluster=cluster, book=rt.book,
         metrics=rt.metrics, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
     rt.uptime_record = await open_uptime_recorder(
-        settings, components["uptime_record"], cluster=cluster, every=_watch_every(settings)
-    )
+        plan.uptime_record.config, components["uptime_record"], cluster=cluster,
+        every=plan.watch_every,
+    )  # fmt: skip
     rt.book.set_uptime(rt.uptime_record.shares)
     rt.uptime = open_uptime_keeper(
-        settings, components["uptime"], cluster=cluster, sync_running=rt.syncer is not None,
-        book=rt.book, alerts=rt.alerts, metrics=rt.metrics, cluster_lock=rt.cluster_lock,
+        plan.uptime, components["uptime"], cluster=cluster, syncer=rt.syncer, book=rt.book,
+        alerts=rt.alerts, metrics=rt.metrics, cluster_lock=rt.cluster_lock,
         record=rt.uptime_record.record,
     )  # fmt: skip
-    cluster_version = cluster.client.server_version if cluster is not None else None
+    # one profile of this node, which the registry stores and the worker matches jobs to
+    profile = local_profile(
+        plan.profile, rt.node_id, cluster.client.server_version if cluster is not None else None
+    )
+    # the registry holds this instance's row: what PostgreSQL's ledger waits for
+    registered = asyncio.Event()
     rt.heartbeat = await open_registry(
-        settings, components["registry"], stack, database_url=rt.database_url,
-        node_id=rt.node_id, metrics=rt.metrics, cluster_version=cluster_version,
+        plan.registry, components["registry"], stack, database_url=rt.database_url,
+        profile=profile, metrics=rt.metrics, on_registered=registered.set,
     )  # fmt: skip
     rt.registry = rt.heartbeat.registry if rt.heartbeat is not None else None
     opened = await open_worker(
-        settings, components["worker"], stack, nats_url=rt.nats_url, heartbeat=rt.heartbeat,
-        node_id=rt.node_id, metrics=rt.metrics, alerts=rt.alerts,
-        report=rt.supervisor.reporter(components["worker"]), cluster_version=cluster_version,
+        plan.worker, components["worker"], stack, nats_url=rt.nats_url, auth=plan.nats_auth,
+        registry=rt.registry, registered=registered.wait, node_id=rt.node_id, profile=profile,
+        metrics=rt.metrics, alerts=rt.alerts, report=rt.supervisor.reporter(components["worker"]),
     )  # fmt: skip
     if opened is not None:
         rt.worker, rt.bus = opened
     rt.updater = await open_self_updater(
-        settings, components["self_update"], stack, cluster=cluster, metrics=rt.metrics,
-        alerts=rt.alerts, cluster_lock=rt.cluster_lock,
+        plan.self_update, stack, cluster=cluster, metrics=rt.metrics, alerts=rt.alerts,
+        cluster_lock=rt.cluster_lock,
     )  # fmt: skip
 
     _add_loops(rt)
@@ -294,20 +308,15 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
         )  # fmt: skip
 
 
-def _watch_every(settings: Settings) -> float:
-    """How often the workload book is looked at (health-watch, uptime)."""
-    return max(1.0, min(15.0, settings.ping_stale_seconds / 2))
-
-
 # a sync or heartbeats failing this many times in a row alert
 ALERT_AFTER_FAILURES = 3
 
 
 def _add_loops(rt: Runtime) -> None:
     """Every periodic loop, with the component its outcomes are recorded on."""
-    settings, add, components = rt.settings, rt.supervisor.add_loop, rt.components
+    plan, add, components = rt.plan, rt.supervisor.add_loop, rt.components
     watch = rt.health_watch = HealthWatch(book=rt.book, alerts=rt.alerts)
-    every = _watch_every(settings)
+    every = plan.watch_every
     add("health-watch", watch.check, every=every, first_after=every)
     record, book = rt.uptime_record, rt.book
     if record is not None:
@@ -325,39 +334,40 @@ def _add_loops(rt: Runtime) -> None:
             "uptime", rt.uptime.check, every=every, first_after=every,
             what="uptime management", component=components["uptime"],
         )  # fmt: skip
-    if rt.reporter is not None and components["report"].enabled:
+    if rt.reporter is not None and plan.report.enabled:
+        interval = plan.report.config.interval
         add(
-            "report", rt.reporter.report_once, every=settings.report_interval_seconds,
-            first_after=min(5.0, settings.report_interval_seconds), what="node report",
-            component=components["report"],
+            "report", rt.reporter.report_once, every=interval, first_after=min(5.0, interval),
+            what="node report", component=components["report"],
         )  # fmt: skip
-    if rt.heartbeat is not None:
+    if rt.heartbeat is not None and plan.registry.enabled:
         add(
-            "heartbeat", rt.heartbeat.beat, every=settings.heartbeat_interval_seconds,
+            "heartbeat", rt.heartbeat.beat, every=plan.registry.config.heartbeat_interval,
             first_after=0.1, what="registry heartbeat", component=components["registry"],
             alert_after=ALERT_AFTER_FAILURES,
         )  # fmt: skip
-    if rt.bus is not None:
-        tier = settings.tier.value
+    if rt.bus is not None and plan.worker.enabled:
+        tier = plan.worker.config.worker.tier
         add("consumer-stats", consumer_stats(rt.bus, rt.metrics, tier), every=15.0, first_after=5.0)
-    if rt.syncer is not None:
+    if rt.syncer is not None and plan.sync.enabled:
+        sync = plan.sync.config
         add(
-            "sync", rt.syncer.run_scheduled, every=settings.sync_interval_seconds,
-            first_after=min(10.0, settings.sync_interval_seconds), what="deployment sync",
+            "sync", rt.syncer.run_scheduled, every=sync.interval,
+            first_after=min(10.0, sync.interval), what="deployment sync",
             component=components["sync"], alert_after=ALERT_AFTER_FAILURES,
         )  # fmt: skip
         from app.adapters.kube import KubeError
 
         add(
-            "cluster-view", rt.syncer.refresh_view, every=settings.cluster_refresh_seconds,
-            first_after=settings.cluster_refresh_seconds, what="cluster view",
-            outage=(KubeError,),
+            "cluster-view", rt.syncer.refresh_view, every=sync.refresh_interval,
+            first_after=sync.refresh_interval, what="cluster view", outage=(KubeError,),
         )  # fmt: skip
-    if rt.updater is not None:
+    if rt.updater is not None and plan.self_update.enabled:
+        interval = plan.self_update.config.interval
         add(
-            "self-update", rt.updater.run_scheduled, every=settings.self_update_interval_seconds,
-            first_after=min(60.0, settings.self_update_interval_seconds),
-            what="self-update check", component=components["self_update"],
+            "self-update", rt.updater.run_scheduled, every=interval,
+            first_after=min(60.0, interval), what="self-update check",
+            component=components["self_update"],
         )  # fmt: skip
 
 
@@ -396,7 +406,7 @@ async def stop_runtime(rt: Runtime) -> None:
             "uptime record", deadline.budget(cap=2.0, reserve=tail),
             functools.partial(rt.supervisor.run_now, "uptime-save"),
         )  # fmt: skip
-    if rt.reporter is not None and rt.components["report"].enabled:
+    if rt.reporter is not None and rt.plan.report.enabled:
         await within(
             "final report", deadline.budget(cap=5.0, reserve=tail / 2),
             functools.partial(rt.supervisor.run_now, "report"),
@@ -428,55 +438,58 @@ async def _drain_worker(rt: Runtime, tail: float) -> None:
 
 async def open_sync_only(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
     """The syncer alone, as the one-shot CLI and the sync tests use it."""
-    cluster = await open_cluster(rt.settings, [rt.components["sync"]], stack)
+    plan = rt.plan
+    cluster = await open_cluster(plan.cluster, [rt.components["sync"]], stack)
     return await open_syncer(
-        rt.settings, rt.components["sync"], stack,
-        backend=open_backend(rt.settings, rt.signer, stack), cluster=cluster, book=rt.book,
-        metrics=rt.metrics, cluster_lock=rt.cluster_lock,
+        plan.sync, rt.components["sync"], backend=open_backend(plan.backend, rt.signer, stack),
+        cluster=cluster, book=rt.book, metrics=rt.metrics, cluster_lock=rt.cluster_lock,
     )  # fmt: skip
 
 
 async def open_self_update_only(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater | None:
     """The self-updater alone, as `workload-manager self-update` and its tests use it."""
-    cluster = await open_cluster(rt.settings, [rt.components["self_update"]], stack)
+    plan = rt.plan
+    cluster = await open_cluster(plan.cluster, [rt.components["self_update"]], stack)
     return await open_self_updater(
-        rt.settings, rt.components["self_update"], stack, cluster=cluster, metrics=rt.metrics,
-        alerts=rt.alerts, cluster_lock=rt.cluster_lock,
+        plan.self_update, stack, cluster=cluster, metrics=rt.metrics, alerts=rt.alerts,
+        cluster_lock=rt.cluster_lock,
     )  # fmt: skip
 
 
 async def _start_data_services(rt: Runtime, stack: AsyncExitStack) -> None:
-    settings = rt.settings
-    data_dir = settings.data_dir.resolve()
-    pg_component, nats_component = rt.components["postgres"], rt.components["nats"]
-
-    if settings.database_url is not None:
-        rt.database_url = settings.database_url.get_secret_value()
-    elif pg_component.enabled:
-        pg = EmbeddedPostgres(data_dir / "postgres")
-        try:
-            await asyncio.to_thread(pg.start)
-        except (EmbeddedError, OSError) as exc:
-            pg_component.failed(datetime.now(UTC), f"embedded PostgreSQL: {exc}")
-        else:
-            stack.callback(pg.stop)
-            rt.database_url = pg.url
-            pg_component.detail.update(embedded=True, pid=pg.pid)
-
-    if settings.nats_url is not None:
-        rt.nats_url = settings.nats_url
-    elif nats_component.enabled:
-        server = EmbeddedNats(data_dir / "nats")
-        try:
-            await asyncio.to_thread(server.start)
-        except (EmbeddedError, OSError) as exc:
-            nats_component.failed(datetime.now(UTC), f"embedded nats-server: {exc}")
-        else:
-            stack.callback(server.stop)
-            rt.nats_url = server.url
-            nats_component.detail.update(embedded=True, pid=server.pid)
-
+    """PostgreSQL and nats-server: the configured URL, or the embedded server started here."""
+    plan, components = rt.plan, rt.components
+    rt.database_url = await _data_service(
+        plan.postgres, components["postgres"], EmbeddedPostgres, "PostgreSQL", stack
+    )
+    rt.nats_url = await _data_service(
+        plan.nats, components["nats"], EmbeddedNats, "nats-server", stack
+    )
     await asyncio.gather(_probe_postgres(rt), _probe_nats(rt))
+
+
+async def _data_service(
+    decision: Decision[DataServiceConfig],
+    component: Component,
+    server: Callable[[Path], EmbeddedPostgres | EmbeddedNats],
+    label: str,
+    stack: AsyncExitStack,
+) -> str | None:
+    if not decision.enabled:
+        return None
+    config = decision.config
+    if config.url is not None:
+        return config.url.get_secret_value()
+    assert config.embedded_dir is not None  # decided: a URL or an embedded server
+    embedded = server(config.embedded_dir.resolve())
+    try:
+        await asyncio.to_thread(embedded.start)
+    except (EmbeddedError, OSError) as exc:
+        component.failed(datetime.now(UTC), f"embedded {label}: {exc}")
+        return None
+    stack.callback(embedded.stop)
+    component.detail.update(embedded=True, pid=embedded.pid)
+    return embedded.url
 
 
 async def _probe_postgres(rt: Runtime) -> None:
@@ -494,10 +507,9 @@ async def _postgres_version(url: str) -> dict[str, object]:
 async def _probe_nats(rt: Runtime) -> None:
     if rt.nats_url is not None:
         from app.adapters import bus
-        from app.services.wiring import nats_auth
 
         url = rt.nats_url
-        auth = nats_auth(rt.settings)
+        auth = nats_auth(rt.plan.nats_auth)
         await _probe(
             rt.components["nats"], url,
             bus.server_info(url, connect_timeout=PROBE_TIMEOUT, auth=auth),

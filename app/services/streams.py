@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from app.adapters.bus import ConsumerSpec, JetStreamBus, Published, StreamSpec
 from app.adapters.kv_ledger import bucket as ledger_bucket
@@ -53,7 +54,53 @@ def derive_replicas(
     return min(MAX_DERIVED_REPLICAS, advertised)
 
 
-def stream_specs(settings: Settings, replicas: Mapping[str, int] | None = None) -> list[StreamSpec]:
+class TopologySettings(Protocol):
+    """What the topology is made from: `Settings`, or the worker's `Topology`."""
+
+    @property
+    def nats_stream_max_age_seconds(self) -> float: ...
+    @property
+    def nats_duplicate_window_seconds(self) -> float: ...
+    @property
+    def nats_stream_replicas(self) -> int | None: ...
+    @property
+    def job_stream_retention(self) -> str: ...
+    @property
+    def job_ack_wait_seconds(self) -> float: ...
+    @property
+    def job_max_ack_pending(self) -> int: ...
+    @property
+    def ledger_ttl_seconds(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The topology's slice of the settings, as the worker's config carries it."""
+
+    nats_stream_max_age_seconds: float
+    nats_duplicate_window_seconds: float
+    nats_stream_replicas: int | None
+    job_stream_retention: str
+    job_ack_wait_seconds: float
+    job_max_ack_pending: int
+    ledger_ttl_seconds: float
+
+    @classmethod
+    def of(cls, settings: Settings) -> Topology:
+        return cls(
+            nats_stream_max_age_seconds=settings.nats_stream_max_age_seconds,
+            nats_duplicate_window_seconds=settings.nats_duplicate_window_seconds,
+            nats_stream_replicas=settings.nats_stream_replicas,
+            job_stream_retention=settings.job_stream_retention,
+            job_ack_wait_seconds=settings.job_ack_wait_seconds,
+            job_max_ack_pending=settings.job_max_ack_pending,
+            ledger_ttl_seconds=settings.ledger_ttl_seconds,
+        )
+
+
+def stream_specs(
+    settings: TopologySettings, replicas: Mapping[str, int] | None = None
+) -> list[StreamSpec]:
     """The streams' specs; `replicas` per stream name (what `init_streams` derives), a
     stream without one getting NATS_STREAM_REPLICAS, else 1."""
     chosen = replicas or {}
@@ -78,7 +125,9 @@ def stream_specs(settings: Settings, replicas: Mapping[str, int] | None = None) 
 UNLIMITED_DELIVERIES = -1
 
 
-def consumer_specs(settings: Settings, tiers: tuple[str, ...] = TIERS) -> list[ConsumerSpec]:
+def consumer_specs(
+    settings: TopologySettings, tiers: tuple[str, ...] = TIERS
+) -> list[ConsumerSpec]:
     return [
         ConsumerSpec(
             stream=stream,
@@ -104,7 +153,7 @@ def consumer_specs(settings: Settings, tiers: tuple[str, ...] = TIERS) -> list[C
 
 
 async def init_streams(
-    bus: JetStreamBus, settings: Settings, *, tiers: tuple[str, ...] = TIERS
+    bus: JetStreamBus, settings: TopologySettings, *, tiers: tuple[str, ...] = TIERS
 ) -> list[tuple[str, str]]:
     """Create or update everything; returns (what, created|updated|unchanged) pairs.
     ReplicasRefused when the server refuses the replica count (see `derive_replicas`)."""

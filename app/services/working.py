@@ -38,9 +38,17 @@ import stamina
 from app.adapters.bus import BusError, Delivery, JetStreamBus, PullSubscription
 from app.adapters.kv_ledger import LedgerUnavailable
 from app.adapters.registry import RegistryUnavailable
-from app.adapters.workload_http import WorkloadHttp
 from app.domain import components
-from app.domain.job_flow import DEAD_LETTERS, Delays, Outcome, Plan, Verb, plan, unsent
+from app.domain.job_flow import (
+    DEAD_LETTERS,
+    Delays,
+    Outcome,
+    Plan,
+    Verb,
+    WorkerConfig,
+    plan,
+    unsent,
+)
 from app.domain.jobs import (
     STREAMS,
     Admission,
@@ -60,7 +68,7 @@ from app.domain.jobs import (
 from app.domain.ledger import Claim, job_fingerprint
 from app.domain.requirements import NodeProfile, Requirements, Tier
 from app.metrics import Metrics
-from app.services.handlers import Handler, HandlerContext
+from app.services.handlers import HandlerContext, JobHandlers
 
 if TYPE_CHECKING:
     from app.services.alerting import Alerter
@@ -120,21 +128,6 @@ class Registry(Protocol):
     async def eligible(self, requirements: Requirements) -> list[NodeProfile]: ...
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    tier: str
-    concurrency: int
-    batch: int
-    ack_wait: float
-    max_attempts: int
-    max_deliveries: int
-    backoff: tuple[float, ...]
-    not_here_delay: float
-    held_delay: float
-    job_timeout: float
-    fetch_wait: float = 1.0
-
-
 class _Held:
     """A delivery fetched here and not yet answered (what the keep-alive keeps ours)."""
 
@@ -172,8 +165,7 @@ class Worker:
         ledger: Ledger,
         registry: Registry | None,
         node: Callable[[], Awaitable[NodeProfile]],
-        handlers: dict[str, Handler],
-        http: WorkloadHttp,
+        handlers: JobHandlers,
         config: WorkerConfig,
         metrics: Metrics,
         report: Callable[[components.Outcome], None],
@@ -186,8 +178,8 @@ class Worker:
         self._ledger = ledger
         self._registry = registry
         self._node = node
-        self._handlers = handlers
-        self._http = http
+        self._handlers = handlers.table
+        self._http = handlers.http
         self._config = config
         self._metrics = metrics
         self._report = report  # connected or not, recorded by the supervisor

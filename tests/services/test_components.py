@@ -1,14 +1,35 @@
 """Which components run, decided once from the settings: a table of settings and what each
-component is (on or off) and why. Nothing is opened here."""
+component is (on or off) and why, a table of the configs the openers get, and the
+worker's ledger as the start decides it. Nothing is opened here."""
 
 from __future__ import annotations
 
+import inspect
+from datetime import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from app.services.components import decide_components
+from app.services import wiring
+from app.services.components import (
+    BackendSourceConfig,
+    FolderSourceConfig,
+    Off,
+    On,
+    Plan,
+    WorkerPlan,
+    choose_ledger,
+    decide,
+    worker_reason,
+)
+from app.settings import Settings
 from tests.conftest import SettingsFactory
+
+
+def decide_components(settings: Settings, *, can_sign: bool) -> dict[str, Any]:
+    return decide(settings, can_sign=can_sign).components()
+
 
 ENDPOINT = "https://backend.example/api"
 DB = "postgresql://wm@db.example/wm"
@@ -37,6 +58,10 @@ ROWS: list[tuple[str, dict[str, Any], bool, str, str, bool]] = [
      "SYNC_ENABLED=false", False),
     ("uptime follows the sync setting", {"sync_enabled": False}, False, "uptime",
      "needs the sync's cluster access", False),
+    ("uptime follows the sync's source", {}, False, "uptime",
+     "the sync is off (no NODE_SYSTEM_ENDPOINT (with a key) and no DESIRED_STATE_DIR", False),
+    ("uptime with a sync", {"desired_state_dir": "/srv"}, False, "uptime",
+     "rollout-restarts managed workloads", True),
     ("uptime switched off", {"uptime_restart_enabled": False}, False, "uptime",
      "UPTIME_RESTART_ENABLED=false", False),
     ("the uptime record is kept without restarts", {"uptime_restart_enabled": False}, False,
@@ -99,3 +124,128 @@ def test_every_component_is_decided_and_the_api_and_scheduler_are_critical(
     )  # fmt: skip
     assert {n for n, c in components.items() if c.critical} == {"api", "scheduler"}
     assert all(c.name == n for n, c in components.items())
+
+
+SELF_UPDATE = {"self_update_url": "https://releases.example/v.json", "pod_namespace": "wm"}
+
+CONFIGS: list[tuple[str, dict[str, Any], bool, str, Any]] = [
+    # (case, settings, can sign, what of the plan, expected)
+    ("the backend is the source when it can be signed for",
+     {"node_system_endpoint": ENDPOINT, "desired_state_dir": "/srv"}, True,
+     "sync.config.source", BackendSourceConfig(ENDPOINT)),
+    ("the folder when the backend cannot be signed for",
+     {"node_system_endpoint": ENDPOINT, "desired_state_dir": "/srv"}, False,
+     "sync.config.source", FolderSourceConfig(Path("/srv"))),
+    ("no backend client without a key", {"node_system_endpoint": ENDPOINT}, False,
+     "backend", None),
+    ("the own Deployment is protected among the workloads", {"desired_state_dir": "/srv"},
+     False, "sync.config.policy.protected", frozenset({"workload-manager"})),
+    ("and not when the manager lives elsewhere",
+     {"desired_state_dir": "/srv", "pod_namespace": "workload-manager"}, False,
+     "sync.config.policy.protected", frozenset()),
+    ("the manifest policy's level", {"desired_state_dir": "/srv",
+     "manifest_policy": "restricted"}, False, "sync.config.manifest_policy.level", "restricted"),
+    ("reports to the log without an endpoint", {}, False, "report.config.to_backend", False),
+    ("reports to the backend", {"node_system_endpoint": ENDPOINT}, True,
+     "report.config.to_backend", True),
+    ("PostgreSQL's ledger with a database", {"nats_url": NATS, "database_url": DB}, False,
+     "worker.config.ledger", "postgres"),
+    ("auto may fall back", {"nats_url": NATS, "database_url": DB}, False,
+     "worker.config.ledger_fallback", True),
+    ("postgres may not", {"nats_url": NATS, "database_url": DB, "job_ledger": "postgres"},
+     False, "worker.config.ledger_fallback", False),
+    ("JetStream's ledger when asked", {"nats_url": NATS, "database_url": DB,
+     "job_ledger": "jetstream"}, False, "worker.config.ledger", "jetstream"),
+    ("JetStream's ledger without a database", {"nats_url": NATS}, False,
+     "worker.config.ledger", "jetstream"),
+    ("the worker's tier", {"nats_url": NATS, "node_tier": "A"}, False,
+     "worker.config.worker.tier", "A"),
+    ("HTTP jobs reach the managed namespace by default", {"nats_url": NATS}, False,
+     "worker.config.http_allowed_targets", ("workloads",)),
+    ("the topology's ledger TTL follows the stream's age", {"nats_url": NATS,
+     "nats_stream_max_age_seconds": 3600}, False, "worker.config.topology.ledger_ttl_seconds",
+     3600.0),
+    ("streams are made in development", {"nats_url": NATS}, False,
+     "worker.config.auto_init_streams", True),
+    ("migrations run in development", {"database_url": DB}, False,
+     "registry.config.migrate_on_start", True),
+    ("and not when switched off", {"database_url": DB, "migrate_on_start": False}, False,
+     "registry.config.migrate_on_start", False),
+    ("the self-update's namespace", SELF_UPDATE, False, "self_update.config.namespace", "wm"),
+    ("the self-update's window", {**SELF_UPDATE, "self_update_window": "02:00-04:00"}, False,
+     "self_update.config.policy.window", (time(2), time(4))),
+    ("the uptime record's ConfigMap namespace", {"pod_namespace": "wm"}, False,
+     "uptime_record.config.config_map_namespace", "wm"),
+    ("the book is watched at half the stale time", {"ping_stale_seconds": 10}, False,
+     "watch_every", 5.0),
+    ("at most every 15 s", {}, False, "watch_every", 15.0),
+    ("the matrix token", MATRIX, False, "alerts.config.token.get_secret_value", "syt_secret"),
+]  # fmt: skip
+
+
+def _path(plan: Plan, path: str) -> Any:
+    value: Any = plan
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value() if callable(value) else value
+
+
+@pytest.mark.parametrize(
+    ("settings", "can_sign", "path", "expected"),
+    [row[1:] for row in CONFIGS],
+    ids=[row[0] for row in CONFIGS],
+)
+def test_each_component_gets_its_config_from_the_decision(
+    make_settings: SettingsFactory, settings: dict[str, Any], can_sign: bool, path: str,
+    expected: Any,
+) -> None:  # fmt: skip
+    assert _path(decide(make_settings(**settings), can_sign=can_sign), path) == expected
+
+
+LEDGERS: list[tuple[str, str, bool, bool, str]] = [
+    # (case, planned home, may fall back, registry running, chosen: home or "off")
+    ("postgres with the registry", "postgres", True, True, "postgres"),
+    ("auto falls back to JetStream without it", "postgres", True, False, "jetstream"),
+    ("JOB_LEDGER=postgres without it is off", "postgres", False, False, "off"),
+    ("JetStream whatever runs", "jetstream", True, True, "jetstream"),
+    ("JetStream without a registry", "jetstream", False, False, "jetstream"),
+]
+
+
+@pytest.mark.parametrize(
+    ("home", "fallback", "running", "chosen"),
+    [row[1:] for row in LEDGERS],
+    ids=[row[0] for row in LEDGERS],
+)
+def test_the_worker_s_ledger_as_the_start_finds_the_registry(
+    make_settings: SettingsFactory, home: str, fallback: bool, running: bool, chosen: str
+) -> None:
+    decision = decide(make_settings(nats_url=NATS, database_url=DB), can_sign=False).worker
+    assert isinstance(decision, On)
+    plan: WorkerPlan = decision.config
+    plan = WorkerPlan(**{**plan.__dict__, "ledger": home, "ledger_fallback": fallback})
+    result = choose_ledger(plan, registry_running=running)
+    assert (result.reason if isinstance(result, Off) else result) == (
+        "JOB_LEDGER=postgres but the registry is not running" if chosen == "off" else chosen
+    )
+
+
+def test_no_opener_reads_the_settings() -> None:
+    """Each opener gets its decision and its dependencies; the settings are read once, by
+    `decide`, so no component can be switched on twice."""
+    openers = [f for n, f in vars(wiring).items() if n.startswith("open_") and callable(f)]
+    assert len(openers) >= 8
+    for opener in openers:
+        annotations = [str(p.annotation) for p in inspect.signature(opener).parameters.values()]
+        assert not [a for a in annotations if "Settings" in a], opener.__name__
+
+
+def test_a_worker_that_fell_back_says_where_its_ledger_is(make_settings: SettingsFactory) -> None:
+    decision = decide(make_settings(nats_url=NATS, database_url=DB), can_sign=False).worker
+    assert isinstance(decision, On)
+    assert decision.reason.endswith("ledger in PostgreSQL")
+    fell_back = worker_reason(decision.config, "jetstream")
+    assert fell_back.endswith(
+        "ledger in the JetStream bucket JOB_LEDGER_C (JOB_LEDGER=auto, and the registry is "
+        "not running)"
+    )

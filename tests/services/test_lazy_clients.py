@@ -39,11 +39,13 @@ def test_the_fingerprint_without_a_cluster_does_not_import_the_cluster_client(
     modules = modules_after(
         f"""
         import asyncio
-        from app.services.wiring import _local_profile
+        from app.services.components import decide
+        from app.services.wiring import local_profile
         from app.settings import Settings
 
         settings = Settings(data_dir={str(tmp_path)!r}, embedded_services=False)
-        profile = _local_profile(settings, "node-1", cluster_version=None)
+        plan = decide(settings, can_sign=False)
+        profile = local_profile(plan.profile, "node-1", cluster_version=None)
         hardware = asyncio.run(profile()).hardware
         assert hardware and "k3s_version" not in hardware, hardware
         """,
