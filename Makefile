@@ -19,7 +19,7 @@ help:
 	@echo "make test-faults - only the fault suite (tests/faults)"
 	@echo "make lint   - ruff, mypy --strict, import contracts, hadolint, checkov on the rendered k8s/"
 	@echo "make checkov - build the scanner's own virtualenv ($(CHECKOV_VENV))"
-	@echo "make bench  - benchmarks (installs wrk and oha first); prints tables, writes bench/results/latest.json"
+	@echo "make bench  - benchmarks (installs wrk, oha and nats first); prints tables, writes bench/results/latest.json"
 	@echo "make soak   - 10 minutes under steady load; writes bench/results/soak.json (not in CI)"
 	@echo "make control-plane - build kube-apiserver, controllers, etcd and kwok for the tests (cached)"
 	@echo "make run-cluster - make run plus a real control plane, syncing examples/desired-state"
@@ -83,7 +83,8 @@ fmt: $(STAMP)
 	$(BIN)/ruff format app tests bench
 
 # The load tools (wrk from Debian, oha built with cargo into ~/.cache/workload-manager/oha/,
-# reused): tools/bench-tools/install.sh, whose last line is the PATH prefix to run them from.
+# nats with go install into ~/.cache/workload-manager/natscli/, reused):
+# tools/bench-tools/install.sh, whose last line is the PATH prefix to run them from.
 bench: $(STAMP) control-plane
 	PATH="$$(tools/bench-tools/install.sh | tail -n1):$$PATH" $(BIN)/python -m bench
 

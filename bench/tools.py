@@ -1,4 +1,5 @@
-"""The HTTP load tools the pings benchmark drives: wrk (closed loop) and oha (fixed rate).
+"""The load tools the benchmarks drive: wrk (closed loop) and oha (fixed rate) for HTTP,
+`nats bench` (the NATS CLI) for the jobs benchmark's JetStream floor.
 
 `tools/bench-tools/install.sh` installs them (`make bench` runs it first); a tool is looked
 up on PATH, then in that script's cache. Each run's CPU time is the
@@ -17,6 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL = "tools/bench-tools/install.sh"
+QUICK = 30.0  # seconds for `install.sh --print` and a tool's --version
 
 
 class ToolMissing(RuntimeError):
@@ -28,7 +30,11 @@ def find(name: str) -> str:
     if found := shutil.which(name):
         return found
     printed = subprocess.run(
-        [str(REPO / INSTALL), "--print"], capture_output=True, text=True, check=False
+        [str(REPO / INSTALL), "--print"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=QUICK,
     )
     if printed.returncode == 0 and printed.stdout.strip():
         path = printed.stdout.strip().splitlines()[-1]
@@ -59,6 +65,8 @@ def run(argv: Sequence[str], *, timeout: float) -> Ran:
 
 def version(name: str, *flags: str) -> str:
     """The first line a tool prints of its own version."""
-    done = subprocess.run([find(name), *flags], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [find(name), *flags], capture_output=True, text=True, check=False, timeout=QUICK
+    )
     text = (done.stdout or done.stderr).strip()
     return text.splitlines()[0] if text else name
