@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from app.domain.job_flow import WorkerConfig
     from app.domain.manifests import ManifestPolicy
     from app.domain.planning import SyncPolicy
+    from app.domain.topology import Topology
     from app.domain.updates import UpdatePolicy
     from app.domain.uptime import RestartPolicy
-    from app.services.streams import Topology
 
 C = TypeVar("C")
 
@@ -448,7 +448,7 @@ def _worker(settings: Settings, *, registry_on: bool, embedded: bool) -> Decisio
     if settings.job_ledger == "postgres" and not registry_on:
         return Off("JOB_LEDGER=postgres but there is no registry database")
     from app.domain.job_flow import WorkerConfig
-    from app.services.streams import Topology
+    from app.domain.topology import Topology
 
     tier = settings.tier.value
     ledger: LedgerHome = (

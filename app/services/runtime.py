@@ -250,9 +250,11 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
         record=rt.uptime_record.record,
     )  # fmt: skip
     # one profile of this node, which the registry stores and the worker matches jobs to
-    profile = local_profile(
-        plan.profile, rt.node_id, cluster.client.server_version if cluster is not None else None
-    )
+    # (made only for them: a node with neither loads no database or queue client)
+    profile = None
+    if plan.registry.enabled or plan.worker.enabled:
+        version = cluster.client.server_version if cluster is not None else None
+        profile = local_profile(plan.profile, rt.node_id, version)
     # the registry holds this instance's row: what PostgreSQL's ledger waits for
     registered = asyncio.Event()
     rt.heartbeat = await open_registry(

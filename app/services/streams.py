@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 from app.adapters.bus import ConsumerSpec, JetStreamBus, Published, StreamSpec
 from app.adapters.kv_ledger import bucket as ledger_bucket
@@ -29,7 +28,7 @@ from app.domain.jobs import (
     job_subject,
 )
 from app.domain.requirements import Requirements, Tier
-from app.settings import Settings
+from app.domain.topology import TopologySettings
 
 TIERS = tuple(t.value for t in Tier)
 MAX_DERIVED_REPLICAS = 3  # JetStream's usual most; more only when NATS_STREAM_REPLICAS says
@@ -52,50 +51,6 @@ def derive_replicas(
     if advertised <= 0:
         return MAX_DERIVED_REPLICAS
     return min(MAX_DERIVED_REPLICAS, advertised)
-
-
-class TopologySettings(Protocol):
-    """What the topology is made from: `Settings`, or the worker's `Topology`."""
-
-    @property
-    def nats_stream_max_age_seconds(self) -> float: ...
-    @property
-    def nats_duplicate_window_seconds(self) -> float: ...
-    @property
-    def nats_stream_replicas(self) -> int | None: ...
-    @property
-    def job_stream_retention(self) -> str: ...
-    @property
-    def job_ack_wait_seconds(self) -> float: ...
-    @property
-    def job_max_ack_pending(self) -> int: ...
-    @property
-    def ledger_ttl_seconds(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class Topology:
-    """The topology's slice of the settings, as the worker's config carries it."""
-
-    nats_stream_max_age_seconds: float
-    nats_duplicate_window_seconds: float
-    nats_stream_replicas: int | None
-    job_stream_retention: str
-    job_ack_wait_seconds: float
-    job_max_ack_pending: int
-    ledger_ttl_seconds: float
-
-    @classmethod
-    def of(cls, settings: Settings) -> Topology:
-        return cls(
-            nats_stream_max_age_seconds=settings.nats_stream_max_age_seconds,
-            nats_duplicate_window_seconds=settings.nats_duplicate_window_seconds,
-            nats_stream_replicas=settings.nats_stream_replicas,
-            job_stream_retention=settings.job_stream_retention,
-            job_ack_wait_seconds=settings.job_ack_wait_seconds,
-            job_max_ack_pending=settings.job_max_ack_pending,
-            ledger_ttl_seconds=settings.ledger_ttl_seconds,
-        )
 
 
 def stream_specs(

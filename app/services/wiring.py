@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from app.adapters.registry import AsyncpgRegistry
     from app.adapters.signing import NodeSigner
     from app.domain.uptime import UptimeRecord
-    from app.services.heartbeating import Heartbeat, LocalProfile
+    from app.services.heartbeating import Heartbeat
+    from app.services.profile import LocalProfile
     from app.services.syncing import Syncer
     from app.services.updating import SelfUpdater
     from app.services.uptime import UptimeKeeper, UptimeRecorder
@@ -200,33 +201,31 @@ def local_profile(
 ) -> LocalProfile:
     """The node's own profile, which the registry stores and jobs are matched against: its
     settings and its hardware fingerprint (and the cluster's version, when there is one)."""
-    from app.services.heartbeating import LocalProfile
+    from app.services.profile import LocalProfile
 
     return LocalProfile(
         node_id=node_id, tier=config.tier,
         region=config.region, trust_zone=config.trust_zone,
         capabilities=list(config.capabilities),
-        fingerprint=_fingerprint(config.data_dir, cluster_version),
+        # the data directory's disk, else the working directory's (decided once, here)
+        fingerprint=_fingerprint(
+            config.data_dir if config.data_dir.exists() else Path.cwd(), cluster_version
+        ),
     )  # fmt: skip
 
 
-def _fingerprint_of(data_dir: Path) -> dict[str, Any]:
-    from app.adapters import system
-
-    return system.fingerprint(data_dir if data_dir.exists() else Path.cwd())
-
-
 def _fingerprint(
-    data_dir: Path, cluster_version: Callable[[], Awaitable[str]] | None
+    disk: Path, cluster_version: Callable[[], Awaitable[str]] | None
 ) -> Callable[[], Awaitable[dict[str, Any]]]:
     """The node's hardware fingerprint (and the cluster's version, when there is one).
 
     The cluster's client is imported only when there is a cluster: kubernetes-asyncio
     costs some 37 MiB of RSS (44 without NATS, whose client imports aiohttp too), which
     a node without sync would pay for one exception class (bench/memory.py)."""
+    from app.adapters import system
 
     async def fingerprint() -> dict[str, Any]:
-        hardware = await asyncio.to_thread(_fingerprint_of, data_dir)
+        hardware = await asyncio.to_thread(system.fingerprint, disk)
         if cluster_version is not None:
             from app.adapters.kube import KubeError  # imported already: the cluster is on
 
@@ -245,7 +244,7 @@ async def open_registry(
     stack: AsyncExitStack,
     *,
     database_url: str | None,
-    profile: LocalProfile,
+    profile: LocalProfile | None,
     metrics: Metrics,
     on_registered: Callable[[], None],
 ) -> Heartbeat | None:
@@ -259,6 +258,7 @@ async def open_registry(
     if database_url is None:
         component.switch_off("PostgreSQL is not running (see the postgres component)")
         return None
+    assert profile is not None  # the root makes it whenever the registry or the worker is on
     from app.adapters.registry import AsyncpgRegistry
     from app.domain.migrations import MigrationError
     from app.services import migrating
@@ -304,7 +304,7 @@ async def open_worker(
     registry: AsyncpgRegistry | None,
     registered: Callable[[], Awaitable[object]],
     node_id: str,
-    profile: LocalProfile,
+    profile: LocalProfile | None,
     metrics: Metrics,
     alerts: Alerter,
     report: Callable[[Outcome], None],
@@ -323,6 +323,7 @@ async def open_worker(
     if nats_url is None:
         component.switch_off("nats-server is not running (see the nats component)")
         return None
+    assert profile is not None  # the root makes it whenever the registry or the worker is on
     plan = decision.config
     home = choose_ledger(plan, registry_running=registry is not None)
     if not isinstance(home, str):

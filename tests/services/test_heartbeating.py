@@ -15,7 +15,8 @@ from app.domain.requirements import Tier
 from app.main import create_app
 from app.metrics import Metrics
 from app.services import migrating
-from app.services.heartbeating import Heartbeat, LocalProfile
+from app.services.heartbeating import Heartbeat
+from app.services.profile import LocalProfile
 from tests.conftest import SettingsFactory, running
 from tests.support.polling import eventually
 

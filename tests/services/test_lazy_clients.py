@@ -55,6 +55,52 @@ def test_the_fingerprint_without_a_cluster_does_not_import_the_cluster_client(
     assert "app.adapters.kube" not in modules
 
 
+def test_deciding_a_worker_imports_no_nats_client(tmp_path: Path) -> None:
+    """The plan is made at build time, before anything starts: a worker planned on must
+    not load nats-py (and aiohttp) into a process that may never start it."""
+    modules = modules_after(
+        f"""
+        from app.services.components import decide
+        from app.settings import Settings
+
+        settings = Settings(data_dir={str(tmp_path)!r}, nats_url="nats://127.0.0.1:1")
+        assert decide(settings, can_sign=False).worker.enabled
+        """,
+        tmp_path,
+    )
+    assert "nats" not in modules
+    assert "app.adapters.bus" not in modules
+
+
+def test_a_manager_with_everything_off_imports_no_database_or_queue_client(
+    tmp_path: Path,
+) -> None:
+    """Started with every component that can be off switched off: no asyncpg, no nats."""
+    modules = modules_after(
+        f"""
+        import asyncio
+        from contextlib import AsyncExitStack
+        from app.services.runtime import build_runtime, start_runtime
+        from app.settings import Settings
+
+        settings = Settings(
+            data_dir={str(tmp_path)!r}, embedded_services=False, sync_enabled=False,
+            self_update_enabled=False, report_enabled=False,
+        )
+
+        async def main() -> None:
+            runtime = build_runtime(settings)
+            async with AsyncExitStack() as stack:
+                await start_runtime(runtime, stack)
+                assert runtime.started
+
+        asyncio.run(main())
+        """,
+        tmp_path,
+    )
+    assert {"asyncpg", "nats", "app.adapters.registry", "app.adapters.bus"}.isdisjoint(modules)
+
+
 def test_the_workload_http_client_is_made_on_the_first_call(tmp_path: Path) -> None:
     modules = modules_after(
         """
