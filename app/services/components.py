@@ -80,7 +80,6 @@ class DataServiceConfig:
 
     url: SecretStr | None
     embedded_dir: Path | None
-    probe_timeout: float = 5.0
 
 
 @dataclass(frozen=True)

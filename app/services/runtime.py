@@ -37,7 +37,6 @@ from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
 from app.services.supervision import Deadline, Supervisor, within
 from app.services.wiring import (
-    Cluster,
     consumer_stats,
     local_profile,
     nats_auth,
@@ -87,7 +86,6 @@ class Runtime:
     # what start_runtime opened (None: off, or not started yet)
     reporter: Reporter | None = None
     health_watch: HealthWatch | None = None
-    cluster: Cluster | None = None  # the one Kubernetes client, shared
     syncer: Syncer | None = None
     uptime: UptimeKeeper | None = None
     uptime_record: UptimeRecorder | None = None
@@ -97,8 +95,6 @@ class Runtime:
     worker: Worker | None = None
     bus: JetStreamBus | None = None
     cluster_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    database_url: str | None = None
-    nats_url: str | None = None
     started: bool = False
     stopping: bool = False
 
@@ -211,7 +207,7 @@ async def _abandon_start(rt: Runtime) -> None:
 
 async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
     plan, components, settings = rt.plan, rt.components, rt.settings
-    await _start_data_services(rt, stack)
+    database_url, nats_url = await _start_data_services(rt, stack)
 
     room = open_matrix_room(plan.alerts, stack)
     if room is not None:
@@ -232,7 +228,7 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
             disk_path=report.data_dir if report.data_dir.exists() else report.data_dir.parent,
             started_at=rt.started_at,
         )
-    cluster = rt.cluster = await open_cluster(
+    cluster = await open_cluster(
         plan.cluster, [components["sync"], components["self_update"]], stack
     )
     rt.syncer = await open_syncer(
@@ -258,12 +254,12 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
     # the registry holds this instance's row: what PostgreSQL's ledger waits for
     registered = asyncio.Event()
     rt.heartbeat = await open_registry(
-        plan.registry, components["registry"], stack, database_url=rt.database_url,
+        plan.registry, components["registry"], stack, database_url=database_url,
         profile=profile, metrics=rt.metrics, on_registered=registered.set,
     )  # fmt: skip
     rt.registry = rt.heartbeat.registry if rt.heartbeat is not None else None
     opened = await open_worker(
-        plan.worker, components["worker"], stack, nats_url=rt.nats_url, auth=plan.nats_auth,
+        plan.worker, components["worker"], stack, nats_url=nats_url, auth=plan.nats_auth,
         registry=rt.registry, registered=registered.wait, node_id=rt.node_id, profile=profile,
         metrics=rt.metrics, alerts=rt.alerts, report=rt.supervisor.reporter(components["worker"]),
     )  # fmt: skip
@@ -458,16 +454,18 @@ async def open_self_update_only(rt: Runtime, stack: AsyncExitStack) -> SelfUpdat
     )  # fmt: skip
 
 
-async def _start_data_services(rt: Runtime, stack: AsyncExitStack) -> None:
-    """PostgreSQL and nats-server: the configured URL, or the embedded server started here."""
+async def _start_data_services(rt: Runtime, stack: AsyncExitStack) -> tuple[str | None, str | None]:
+    """PostgreSQL's and nats-server's URLs: the configured one, or the embedded server's,
+    started here (None: off, or it did not start); each probed once."""
     plan, components = rt.plan, rt.components
-    rt.database_url = await _data_service(
+    database_url = await _data_service(
         plan.postgres, components["postgres"], EmbeddedPostgres, "PostgreSQL", stack
     )
-    rt.nats_url = await _data_service(
+    nats_url = await _data_service(
         plan.nats, components["nats"], EmbeddedNats, "nats-server", stack
     )
-    await asyncio.gather(_probe_postgres(rt), _probe_nats(rt))
+    await asyncio.gather(_probe_postgres(rt, database_url), _probe_nats(rt, nats_url))
+    return database_url, nats_url
 
 
 async def _data_service(
@@ -494,9 +492,8 @@ async def _data_service(
     return embedded.url
 
 
-async def _probe_postgres(rt: Runtime) -> None:
-    if rt.database_url is not None:
-        url = rt.database_url
+async def _probe_postgres(rt: Runtime, url: str | None) -> None:
+    if url is not None:
         await _probe(rt.components["postgres"], url, _postgres_version(url))
 
 
@@ -506,11 +503,10 @@ async def _postgres_version(url: str) -> dict[str, object]:
     return {"server_version": await registry.server_version(url, connect_timeout=PROBE_TIMEOUT)}
 
 
-async def _probe_nats(rt: Runtime) -> None:
-    if rt.nats_url is not None:
+async def _probe_nats(rt: Runtime, url: str | None) -> None:
+    if url is not None:
         from app.adapters import bus
 
-        url = rt.nats_url
         auth = nats_auth(rt.plan.nats_auth)
         await _probe(
             rt.components["nats"], url,
