@@ -6,10 +6,7 @@ streams, consumers and ledger buckets from it). Plain data: deciding the worker'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from app.settings import Settings
+from typing import Protocol
 
 
 class TopologySettings(Protocol):
@@ -42,15 +39,3 @@ class Topology:
     job_ack_wait_seconds: float
     job_max_ack_pending: int
     ledger_ttl_seconds: float
-
-    @classmethod
-    def of(cls, settings: Settings) -> Topology:
-        return cls(
-            nats_stream_max_age_seconds=settings.nats_stream_max_age_seconds,
-            nats_duplicate_window_seconds=settings.nats_duplicate_window_seconds,
-            nats_stream_replicas=settings.nats_stream_replicas,
-            job_stream_retention=settings.job_stream_retention,
-            job_ack_wait_seconds=settings.job_ack_wait_seconds,
-            job_max_ack_pending=settings.job_max_ack_pending,
-            ledger_ttl_seconds=settings.ledger_ttl_seconds,
-        )
