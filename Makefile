@@ -102,9 +102,10 @@ control-plane:
 # The manager's image from the Dockerfile, on a base built here from Debian's packages
 # (tools/image/build.sh; cached in ~/.cache/workload-manager/image); the OCI archive's path
 # is the last line. Also the real node's pause and workload (pinger) images.
-# Root and these Debian packages: tools/debian-packages.sh installs the missing ones.
+# Root and these Debian packages: tools/debian-packages.sh installs the missing ones (wrk
+# sends the node's memory test its ping load).
 NODE_PACKAGES := containerd runc containernetworking-plugins iproute2 iptables socat buildah \
-                 debootstrap busybox-static
+                 debootstrap busybox-static wrk
 
 image:
 	tools/debian-packages.sh $(NODE_PACKAGES)

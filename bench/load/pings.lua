@@ -1,7 +1,17 @@
 -- wrk script for bench/pings.py: POST /v1/workloads/<name>/health, each workload with its
 -- own ping token, the workloads in turn; at the end one JSON line with the summary.
 --   wrk ... -s bench/load/pings.lua URL -- BODY NAME=TOKEN [NAME=TOKEN ...]
+-- With PINGS_DELAY_MS set, each connection waits that long after a response before it
+-- sends again (wrk's `delay` hook): about connections x 1000 / PINGS_DELAY_MS pings a
+-- second, a steady load for the real node's memory reading (tests/node) rather than a
+-- saturation. Unset, wrk sends again at once.
 local encoded, at = {}, 0
+local pause = tonumber(os.getenv("PINGS_DELAY_MS") or "")
+if pause then
+  function delay()
+    return pause
+  end
+end
 
 function init(args)
   local body = args[1]

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from app.domain.tokens import ping_token
 from tests.support.control_plane import ROOT
 from tests.support.node import NODE_NAME
 from tests.support.node_world import (
@@ -35,6 +36,7 @@ from tests.support.version_file import REPO
 # the first test starts the node and installs the manager: minutes on a busy machine
 pytestmark = [pytest.mark.node, pytest.mark.timeout(900)]
 
+LOAD_SECONDS = 20  # the ping load of the memory reading
 CONFIRMED = "workload-manager.io/update-confirmed"
 FAILED_VERSIONS = "workload-manager.io/failed-versions"
 RESTRICTED = {
@@ -187,26 +189,33 @@ def test_the_managers_memory_idle_and_under_ping_load(world: NodeWorld) -> None:
     """Measured, not judged (the target is the benchmark's and the closing note's)."""
     pod = until("one ready manager", lambda: running_version(world, "0.1.0"))[0]
     idle = until("an idle reading", lambda: (r := working_set(world, pod))[0] > 0 and r)
+    # wrk (Debian's), four connections each pausing 20 ms after an answer: about 200
+    # pings/s, from the 50 workloads in turn with their own tokens (bench/load/pings.lua)
+    tokens = [f"load-{i}={ping_token('node-ping-secret', f'load-{i}')}" for i in range(50)]
     load = subprocess.Popen(
-        [*world.node.launcher, sys.executable, "-m", "bench.node_load",
-         f"{pod['status']['podIP']}:8080", "node-ping-secret", "200", "20", "50"],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [*world.node.launcher, shutil.which("wrk") or "wrk", "-t1", "-c4", f"-d{LOAD_SECONDS}s",
+         "--timeout", "5s", "-s", str(ROOT / "bench" / "load" / "pings.lua"),
+         f"http://{pod['status']['podIP']}:8080", "--",
+         '{"status":"healthy","version":"1.0.0"}', *tokens],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PINGS_DELAY_MS": "20"},
     )  # fmt: skip
     peak = idle
     while load.poll() is None:
         peak = max(peak, working_set(world, pod))
-    out, _ = load.communicate()
+    out, _ = load.communicate(timeout=LOAD_SECONDS + 30)
     phase = json.loads(out.strip().splitlines()[-1])
+    rate = phase["completed"] / (phase["duration_us"] / 1e6)
     mib = 1024 * 1024
     line = (
         f"manager container working set (kubelet summary / cgroup): idle "
-        f"{idle[0] / mib:.1f} / {idle[1] / mib:.1f} MiB; under {phase['requests_per_second']} "
-        f"pings/s for 20 s: {peak[0] / mib:.1f} / {peak[1] / mib:.1f} MiB"
+        f"{idle[0] / mib:.1f} / {idle[1] / mib:.1f} MiB; under {rate:.0f} "
+        f"pings/s for {LOAD_SECONDS} s: {peak[0] / mib:.1f} / {peak[1] / mib:.1f} MiB"
     )
     print(line)  # noqa: T201 (the measurement, in the test's output)
     (world.node.logs / "memory.txt").write_text(line + "\n" + json.dumps(phase) + "\n")
-    assert phase["completed"] > 0 and not phase["transport_errors"], phase
-    assert set(phase["statuses"]) <= {"204"}, phase["statuses"]
+    transport = {k: phase[k] for k in ("connect", "read", "write", "timeout")}
+    assert phase["completed"] > 0 and not any(transport.values()), phase
+    assert phase["status_errors"] == 0, phase  # no answer of 400 or more
 
 
 def test_self_update_replaces_its_own_pod_and_the_old_one_exits_on_sigterm(

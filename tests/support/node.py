@@ -51,7 +51,7 @@ HIERARCHIES = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blki
                "systemd", "unified")  # fmt: skip
 BUILD = ROOT / "tools" / "control-plane" / "build.sh"
 REQUIRED = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "socat", "nsenter",
-            "unshare", "setpriv", "ip", "iptables", "kubectl")  # fmt: skip
+            "unshare", "setpriv", "ip", "iptables", "kubectl", "wrk")  # fmt: skip
 CNI_BIN = Path("/usr/lib/cni")
 
 
