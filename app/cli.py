@@ -232,9 +232,8 @@ def _init_streams(args: argparse.Namespace) -> int:
     import asyncio
 
     from app.adapters.bus import BusError, JetStreamBus, NatsRefused
-    from app.services.components import NatsAuthConfig
+    from app.services.components import nats_auth_of
     from app.services.streams import TIERS, init_streams
-    from app.services.wiring import nats_auth
 
     settings = _nats_settings()
     if settings is None:
@@ -244,7 +243,7 @@ def _init_streams(args: argparse.Namespace) -> int:
         settings.nats_url,
         name="workload-manager/init-streams",
         timeout=10,
-        auth=nats_auth(NatsAuthConfig.of(settings)),
+        auth=nats_auth_of(settings),
     )
 
     async def run() -> None:
@@ -272,9 +271,8 @@ def _publish(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from app.adapters.bus import BusError, JetStreamBus, NatsRefused, Published
-    from app.services.components import NatsAuthConfig
+    from app.services.components import nats_auth_of
     from app.services.streams import new_job, publish_job
-    from app.services.wiring import nats_auth
 
     settings = _nats_settings()
     if settings is None:
@@ -295,7 +293,7 @@ def _publish(args: argparse.Namespace) -> int:
         settings.nats_url,
         name="workload-manager/publish",
         timeout=10,
-        auth=nats_auth(NatsAuthConfig.of(settings)),
+        auth=nats_auth_of(settings),
     )
 
     async def run() -> Published:

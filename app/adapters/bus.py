@@ -19,9 +19,7 @@ import asyncio
 import json
 import logging
 import re
-import ssl
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import nats
@@ -30,6 +28,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js import api
 
+from app.adapters.nats_auth import NatsAuth as NatsAuth  # the connection takes it
 from app.settings import nats_servers
 
 log = logging.getLogger(__name__)
@@ -91,34 +90,6 @@ def _replicas_refused(exc: BaseException, stream: str, replicas: int) -> Replica
 class NatsRefused(Exception):
     """NATS refused this node: its credentials (authorization) or a subject it needs
     (permissions). Not a fault to retry quickly: an operator has to change something."""
-
-
-@dataclass(frozen=True)
-class NatsAuth:
-    """How the manager proves who it is to NATS, besides a user:password or token in the
-    URL (nats-py reads those from it): a creds file (a user JWT and its nkey seed), an
-    nkey seed file, and TLS. Paths only; the secrets stay in their files."""
-
-    creds_file: Path | None = None
-    nkey_seed_file: Path | None = None
-    tls_ca_file: Path | None = None
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-
-    def options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {}
-        if self.creds_file is not None:
-            options["user_credentials"] = str(self.creds_file)
-        if self.nkey_seed_file is not None:
-            options["nkeys_seed"] = str(self.nkey_seed_file)
-        if self.tls_ca_file is not None or self.tls_cert_file is not None:
-            context = ssl.create_default_context(
-                cafile=str(self.tls_ca_file) if self.tls_ca_file is not None else None
-            )
-            if self.tls_cert_file is not None and self.tls_key_file is not None:
-                context.load_cert_chain(str(self.tls_cert_file), str(self.tls_key_file))
-            options["tls"] = context
-        return options
 
 
 # A node id in a subject is one token of these: a `.` would make it several, and node

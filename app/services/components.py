@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from pydantic import SecretStr
 
+from app.adapters.nats_auth import NatsAuth
 from app.domain.components import Component, ComponentState
 from app.domain.redaction import redact_url
 from app.domain.requirements import Tier
@@ -154,23 +155,6 @@ class RegistryConfig:
     heartbeat_interval: float
 
 
-@dataclass(frozen=True)
-class NatsAuthConfig:
-    creds_file: Path | None
-    nkey_seed_file: Path | None
-    tls_ca_file: Path | None
-    tls_cert_file: Path | None
-    tls_key_file: Path | None
-
-    @classmethod
-    def of(cls, settings: Settings) -> NatsAuthConfig:
-        return cls(
-            creds_file=settings.nats_creds_file, nkey_seed_file=settings.nats_nkey_seed_file,
-            tls_ca_file=settings.nats_tls_ca_file, tls_cert_file=settings.nats_tls_cert_file,
-            tls_key_file=settings.nats_tls_key_file,
-        )  # fmt: skip
-
-
 LedgerHome = Literal["postgres", "jetstream"]
 
 
@@ -230,7 +214,7 @@ class Plan:
     backend: BackendConfig | None  # the sync and the report, when it may sign
     cluster: ClusterConfig
     profile: ProfileConfig
-    nats_auth: NatsAuthConfig
+    nats_auth: NatsAuth
     watch_every: float  # how often the workload book is looked at (health, uptime)
 
     def decisions(self) -> dict[str, On[Any] | Off]:
@@ -294,9 +278,18 @@ def decide(settings: Settings, *, can_sign: bool) -> Plan:
             capabilities=tuple(settings.node_capabilities),
             data_dir=data_dir,
         ),
-        nats_auth=NatsAuthConfig.of(settings),
+        nats_auth=nats_auth_of(settings),
         watch_every=max(1.0, min(15.0, settings.ping_stale_seconds / 2)),
     )
+
+
+def nats_auth_of(settings: Settings) -> NatsAuth:
+    """The NATS credentials the settings name (files only: the secrets stay in them)."""
+    return NatsAuth(
+        creds_file=settings.nats_creds_file, nkey_seed_file=settings.nats_nkey_seed_file,
+        tls_ca_file=settings.nats_tls_ca_file, tls_cert_file=settings.nats_tls_cert_file,
+        tls_key_file=settings.nats_tls_key_file,
+    )  # fmt: skip
 
 
 def choose_ledger(plan: WorkerPlan, *, registry_running: bool) -> LedgerHome | Off:

@@ -39,7 +39,6 @@ from app.services.supervision import Deadline, Supervisor, within
 from app.services.wiring import (
     consumer_stats,
     local_profile,
-    nats_auth,
     open_backend,
     open_cluster,
     open_matrix_room,
@@ -507,7 +506,7 @@ async def _probe_nats(rt: Runtime, url: str | None) -> None:
     if url is not None:
         from app.adapters import bus
 
-        auth = nats_auth(rt.plan.nats_auth)
+        auth = rt.plan.nats_auth
         await _probe(
             rt.components["nats"], url,
             bus.server_info(url, connect_timeout=PROBE_TIMEOUT, auth=auth),

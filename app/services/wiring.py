@@ -33,7 +33,6 @@ from app.services.components import (
     ClusterConfig,
     Decision,
     MatrixConfig,
-    NatsAuthConfig,
     ProfileConfig,
     RegistryConfig,
     SelfUpdateConfig,
@@ -48,9 +47,10 @@ from app.services.workloads import WorkloadBook
 
 if TYPE_CHECKING:
     from app.adapters.backend import BackendClient
-    from app.adapters.bus import JetStreamBus, NatsAuth
+    from app.adapters.bus import JetStreamBus
     from app.adapters.kube import KubeDeployments
     from app.adapters.matrix import MatrixRoom
+    from app.adapters.nats_auth import NatsAuth
     from app.adapters.registry import AsyncpgRegistry
     from app.adapters.signing import NodeSigner
     from app.domain.uptime import UptimeRecord
@@ -185,17 +185,6 @@ async def open_syncer(
     )
 
 
-def nats_auth(config: NatsAuthConfig) -> NatsAuth:
-    """The NATS credentials the settings name (files only: the secrets stay in them)."""
-    from app.adapters.bus import NatsAuth
-
-    return NatsAuth(
-        creds_file=config.creds_file, nkey_seed_file=config.nkey_seed_file,
-        tls_ca_file=config.tls_ca_file, tls_cert_file=config.tls_cert_file,
-        tls_key_file=config.tls_key_file,
-    )  # fmt: skip
-
-
 def local_profile(
     config: ProfileConfig, node_id: str, cluster_version: Callable[[], Awaitable[str]] | None
 ) -> LocalProfile:
@@ -300,7 +289,7 @@ async def open_worker(
     stack: AsyncExitStack,
     *,
     nats_url: str | None,
-    auth: NatsAuthConfig,
+    auth: NatsAuth,
     registry: AsyncpgRegistry | None,
     registered: Callable[[], Awaitable[object]],
     node_id: str,
@@ -346,7 +335,7 @@ async def open_worker(
         return None
     bus = JetStreamBus(
         nats_url, name=f"workload-manager/{node_id}", timeout=plan.timeout,
-        auth=nats_auth(auth), inbox_prefix=inbox,
+        auth=auth, inbox_prefix=inbox,
     )  # fmt: skip
     http = WorkloadHttp(timeout=plan.http_timeout, allowed_targets=list(plan.http_allowed_targets))
     stack.push_async_callback(http.aclose)
