@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHECKOV_VENV  := $(VENV)/tools/checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-stamp
 
-.PHONY: install run dev test test-fast fuzz test-faults test-node lint fmt bench soak clean help control-plane run-cluster run-node image install-file checkov
+.PHONY: install run dev test test-deps test-fast fuzz test-faults test-node lint fmt bench soak clean help control-plane run-cluster run-node image install-file checkov cold-path
 
 help:
 	@echo "make run    - start the manager on embedded defaults (Postgres + NATS from wheels)"
@@ -17,7 +17,7 @@ help:
 	@echo "make test-fast - pure rules, the API and the adapters that need no control plane (no Go build)"
 	@echo "make fuzz   - the property and schema fuzz tests with new random examples (not in CI)"
 	@echo "make test-faults - only the fault suite (tests/faults)"
-	@echo "make lint   - ruff, mypy --strict, import contracts, hadolint, checkov on the rendered k8s/"
+	@echo "make lint   - ruff, mypy --strict, import contracts, shellcheck, hadolint, checkov on the rendered k8s/"
 	@echo "make checkov - build the scanner's own virtualenv ($(CHECKOV_VENV))"
 	@echo "make bench  - benchmarks (installs wrk, oha and nats first); prints tables, writes bench/results/latest.json"
 	@echo "make soak   - 10 minutes under steady load; writes bench/results/soak.json (not in CI)"
@@ -27,6 +27,7 @@ help:
 	@echo "make install-file - render k8s/ into build/install/workload-manager.yaml (docs/install.md)"
 	@echo "make run-node - a real node (kubelet, containerd) with the manager installed from its image"
 	@echo "make test-node - only the real node's tests (tests/node)"
+	@echo "make cold-path - the image and node builds from an empty cache, then again from the cache; both times"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,10 +51,19 @@ run: $(STAMP)
 dev: $(STAMP)
 	$(BIN)/workload-manager serve --reload
 
-test: $(STAMP) control-plane image
+# What the tests need besides the virtualenv, the control plane and the images, installed when
+# missing: Debian's headless Chromium (the status page test), openssl (the test control plane's
+# certificates), kubectl (kubernetes-client: renders the kustomizations) and the scanner's own
+# virtualenv. In CI a test that skips for want of any of them fails the run (tests/support/ci_skips.py).
+TEST_PACKAGES := chromium openssl kubernetes-client
+
+test-deps: $(STAMP) $(CHECKOV_STAMP)
+	tools/debian-packages.sh $(TEST_PACKAGES)
+
+test: test-deps control-plane image
 	$(BIN)/python -m pytest
 
-test-node: $(STAMP) control-plane image
+test-node: test-deps control-plane image
 	$(BIN)/python -m pytest tests/node
 
 # Pure rules, the API and the adapters against the servers that come from wheels
@@ -70,7 +80,12 @@ fuzz: $(STAMP) control-plane
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest tests/faults
 
+# Every shell script of the project; shellcheck reads .shellcheckrc (sourced files followed).
+SHELL_SCRIPTS = $(shell git ls-files --cached --others --exclude-standard '*.sh' 2>/dev/null || find tools -name '*.sh') .ci/run
+
 lint: $(STAMP) $(CHECKOV_STAMP)
+	tools/debian-packages.sh shellcheck kubernetes-client
+	shellcheck $(SHELL_SCRIPTS)
 	$(BIN)/ruff check app tests bench
 	$(BIN)/ruff format --check app tests bench
 	$(BIN)/mypy app tests bench
@@ -127,6 +142,12 @@ run-cluster: $(STAMP) control-plane
 # backend; prints the kubectl commands to look. Ctrl-C removes everything.
 run-node: $(STAMP) control-plane image
 	$(BIN)/python -m tests.support.run_node
+
+# Before resolving a change to tools/, the Makefile, the Dockerfile or the dependencies: the
+# set-up of `make test` from empty build caches in a temporary home, then again from them
+# (tools/cold-path.sh; prints both times; the README's set-up times come from it).
+cold-path:
+	tools/cold-path.sh
 
 clean:
 	rm -rf .data .mypy_cache .ruff_cache build dist *.egg-info

@@ -31,6 +31,9 @@ from tests.support.sync_world import KEY, NODE
 
 SettingsFactory = Callable[..., Settings]
 
+# In CI a skipped test fails the run unless its reason says it cannot run on this machine.
+pytest_plugins = ["tests.support.ci_skips"]
+
 # Property and fuzz tests (hypothesis, schemathesis) are deterministic in `make test`: the
 # same examples every run, no example database. `HYPOTHESIS_PROFILE=explore` draws new ones.
 hypothesis.settings.register_profile("deterministic", derandomize=True, database=None)

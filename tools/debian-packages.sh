@@ -6,7 +6,8 @@
 set -euo pipefail
 missing=()
 for pkg in "$@"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  status=$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null) || status=""
+  [[ "$status" == "install ok installed" ]] || missing+=("$pkg")
 done
 (( ${#missing[@]} )) || exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then

@@ -12,6 +12,7 @@ from app.adapters import bus, registry
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.main import create_app
 from tests.conftest import SettingsFactory, running
+from tests.support.ci_skips import cannot_run_here
 
 
 async def test_postgres_answers_and_survives_a_restart(tmp_path: Path) -> None:
@@ -115,11 +116,14 @@ def test_servers_left_behind_by_a_killed_run_are_replaced(tmp_path: Path) -> Non
             handle.wait(timeout=10)
 
 
+AS_ROOT_ONLY = cannot_run_here("as root only: PostgreSQL runs as a system user")
+
+
 def modes(paths: list[Path]) -> dict[Path, str]:
     return {path: stat.filemode(path.stat().st_mode) for path in paths}
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: PostgreSQL runs as a system user")
+@pytest.mark.skipif(os.geteuid() != 0, reason=AS_ROOT_ONLY)
 async def test_starting_as_root_changes_no_parent_directory(tmp_path: Path) -> None:
     """The server runs as an unprivileged user; the data directory is given to it, and
     nothing else changes: no directory above it (here one the user may not even search),
@@ -145,7 +149,7 @@ async def test_starting_as_root_changes_no_parent_directory(tmp_path: Path) -> N
         server.stop()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: PostgreSQL runs as a system user")
+@pytest.mark.skipif(os.geteuid() != 0, reason=AS_ROOT_ONLY)
 def test_an_installation_the_server_user_cannot_reach_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

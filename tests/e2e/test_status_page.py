@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,8 @@ SPAN = r"\d+(\.\d)? (s|min|h)"  # how long an uptime share covers, as the page s
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(
-        chromium_path() is None and not os.environ.get("CI"),
-        reason="chromium is not installed (.ci/run installs it; apt-get install chromium)",
+        chromium_path() is None,
+        reason="chromium is not installed (`make test` installs it; apt-get install chromium)",
     ),
 ]
 

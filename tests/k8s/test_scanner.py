@@ -36,7 +36,7 @@ Doc = dict[str, Any]
 
 needs_scanner = pytest.mark.skipif(
     not os.access(CHECKOV, os.X_OK) or shutil.which("kubectl") is None,
-    reason="the scan needs checkov (`make checkov`) and kubectl",
+    reason="the scan needs checkov and kubectl (`make test` installs both)",
 )
 
 

@@ -14,8 +14,9 @@ network.
 
 The node reaches servers on this machine's loopback only through `forward()`: a socat in
 the namespace listens on `NODE_IP:port` and hands each connection over a unix socket to a
-socat outside, which connects to the loopback server. The tests reach the API server
-through `kubectl` run inside the namespace.
+socat outside, which connects to the loopback server. `expose()` is the other way round (a
+port on this machine's loopback that reaches an address inside). The tests reach the API
+server through `kubectl` run inside the namespace.
 
 Teardown kills and removes everything (`stop`); if the run is killed outright, the next
 `Node.start` sweeps what a dead owner left (its processes, cgroups and files).
@@ -396,6 +397,21 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             "socat", f"TCP-LISTEN:{port},bind={NODE_IP},fork,reuseaddr", f"UNIX-CONNECT:{sock}",
         ])  # fmt: skip
         return f"{NODE_IP}:{port}"
+
+    def expose(self, target: str, host_port: int) -> str:
+        """`127.0.0.1:host_port` outside reaches `target` (`address:port`) inside the node:
+        `forward()` the other way round. The URL host on this machine."""
+        sock = self.run_dir / f"expose-{host_port}.sock"
+        self._popen(f"expose-{host_port}-in", [
+            "socat", f"UNIX-LISTEN:{sock},fork,unlink-early", f"TCP:{target}",
+        ])  # fmt: skip
+        deadline = time.monotonic() + 10
+        self._until(f"expose {target}", deadline, sock.exists)
+        self._popen(f"expose-{host_port}-out", [
+            "socat", f"TCP-LISTEN:{host_port},bind=127.0.0.1,fork,reuseaddr",
+            f"UNIX-CONNECT:{sock}",
+        ], inside=False)  # fmt: skip
+        return f"127.0.0.1:{host_port}"
 
     # -- stopping ---------------------------------------------------------------------
 

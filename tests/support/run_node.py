@@ -5,27 +5,43 @@ Starts the node of the tests (tests/support/node.py: the control plane, kubelet,
 kube-proxy, containerd and the CNI bridge in a network namespace of its own), side-loads
 the images `make image` built, installs the manager from the rendered `k8s/` file as
 `lfgnode start` does (docs/install.md), and has the local backend want
-`examples/desired-state/`; prints the kubectl commands to look. Ctrl-C (or SIGTERM)
-removes everything: processes, mounts, cgroups and files.
+`examples/desired-state/`; prints how to open the status page and `/v1/status` from this
+machine (a port on its loopback that reaches the manager's Service inside the node, and the
+API token) and the kubectl commands to look. Ctrl-C (or SIGTERM) removes the node: processes,
+mounts, cgroups and the servers' data; the logs are kept, and where and how large is said.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from tests.support.node import Node
-from tests.support.node_world import OWN_NS, WORKLOADS, installed, ready, until
+from tests.support.node_world import (
+    API_TOKEN,
+    OWN_NS,
+    WORKLOADS,
+    NodeWorld,
+    installed,
+    ready,
+    until,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "desired-state"
+# the manager's port on this machine's loopback (RUN_NODE_PORT; another one if it is taken)
+DEFAULT_PORT = 18088
 
 
 def _interrupted(_signum: int, _frame: object) -> None:
@@ -45,6 +61,42 @@ def _say(text: str) -> None:
     print(text, flush=True)  # noqa: T201
 
 
+def _host_port() -> int:
+    wanted = int(os.environ.get("RUN_NODE_PORT", DEFAULT_PORT))
+    for port in (wanted, 0):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            bound: int = probe.getsockname()[1]
+            return bound
+    raise RuntimeError("no free port on 127.0.0.1")
+
+
+def _expose_manager(node: Node, world: NodeWorld) -> str:
+    """A port on this machine's loopback that reaches the manager's Service in the node,
+    checked with an authenticated GET /v1/status before it is printed."""
+    service = world.kubectl("-n", OWN_NS, "get", "service", "workload-manager",
+                            "-o", "jsonpath={.spec.clusterIP}:{.spec.ports[0].port}")  # fmt: skip
+    address = node.expose(service, _host_port())
+    headers = {"Authorization": f"Bearer {API_TOKEN}"}
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"http://{address}/v1/status", headers=headers, timeout=5).is_success
+        except httpx.HTTPError:
+            return False
+
+    until(f"the manager's /v1/status through {address}", answers, timeout=60)
+    return address
+
+
+def _size(path: Path) -> str:
+    total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    return f"{total / 2**20:.1f} MiB"
+
+
 def main() -> int:
     signal.signal(signal.SIGTERM, _interrupted)
     workdir = Path(tempfile.mkdtemp(prefix="workload-manager-node-"))
@@ -62,13 +114,18 @@ def main() -> int:
                 [{"name": name, "version": version} for name, (version, _) in examples.items()]
             )
             assert node.plane is not None and node.holder is not None
+            address = _expose_manager(node, world)
             kubectl = " ".join(shlex.quote(part) for part in (
                 "nsenter", f"--net=/proc/{node.holder.pid}/ns/net", "kubectl",
                 f"--kubeconfig={node.plane.admin_kubeconfig}",
             ))  # fmt: skip
             _say(
                 "\nthe node is up; the manager syncs examples/desired-state/ from the local "
-                "backend. Look with:\n"
+                "backend.\n"
+                f"Status page: http://{address}/ (any user name; the password is the API token "
+                f"{API_TOKEN})\n"
+                f"  curl -H 'Authorization: Bearer {API_TOKEN}' http://{address}/v1/status\n"
+                "Look with kubectl:\n"
                 f"  {kubectl} get nodes -o wide\n"
                 f"  {kubectl} -n {OWN_NS} get pods\n"
                 f"  {kubectl} -n {OWN_NS} logs deploy/workload-manager -f\n"
@@ -82,6 +139,9 @@ def main() -> int:
     finally:
         _say("removing the node...")
         node.stop()
+        shutil.rmtree(workdir / "world", ignore_errors=True)  # the servers' data
+        logs = workdir / "logs"
+        _say(f"removed. The logs are kept in {logs} ({_size(logs)}): rm -rf {workdir}")
 
 
 if __name__ == "__main__":

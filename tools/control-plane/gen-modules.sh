@@ -45,7 +45,7 @@ kube_module() {
     echo "replace ("
     for m in "${staging[@]}"; do
       # only modules k8s.io/kubernetes actually requires (sample-* are not published for every tag)
-      if printf '%s\n' "${required[@]}" | grep -qx "$m"; then
+      if [[ " ${required[*]} " == *" $m "* ]]; then
         echo "	$m => $m ${staging_version}"
       fi
     done

@@ -230,8 +230,10 @@ wait_for "serviceaccount default/default" 60 kc -n default get serviceaccount de
 # Service-account tokens: signed with sa.key by the apiserver, accepted back via sa.pub;
 # kube-root-ca.crt is published by the controller-manager (--root-ca-file).
 sa_token=$(kc -n default create token default --duration=10m)
-"$KUBECTL" --server="https://127.0.0.1:$api_port" --certificate-authority="$pki/ca.crt" \
-  --token="$sa_token" auth whoami -o jsonpath='{.status.userInfo.username}' | grep -qx system:serviceaccount:default:default
+sa_user=$("$KUBECTL" --server="https://127.0.0.1:$api_port" --certificate-authority="$pki/ca.crt" \
+  --token="$sa_token" auth whoami -o jsonpath='{.status.userInfo.username}')
+[[ "$sa_user" == system:serviceaccount:default:default ]] \
+  || { echo "[smoke] the service account's token authenticates as '$sa_user'" >&2; exit 1; }
 wait_for "configmap default/kube-root-ca.crt" 30 kc -n default get configmap kube-root-ca.crt
 t_ctrl=$(now); log "controller-manager and scheduler healthy (:$kcm_port, :$sched_port)"
 
@@ -289,12 +291,12 @@ if (( ${SOAK_SECONDS:-0} > 0 )); then
   sleep "$SOAK_SECONDS"
   kc wait --for=condition=Ready node/kwok-node-0 --timeout=1s >/dev/null
   kc -n default wait --for=condition=Ready pod -l app=smoke --timeout=1s >/dev/null
-  kc get node kwok-node-0 -o jsonpath='{.spec.taints}' | grep -q unreachable \
-    && { echo "[smoke] node got an unreachable taint during the soak" >&2; exit 1; }
+  [[ "$(kc get node kwok-node-0 -o jsonpath='{.spec.taints}')" != *unreachable* ]] \
+    || { echo "[smoke] node got an unreachable taint during the soak" >&2; exit 1; }
   log "node and pod still Ready after ${SOAK_SECONDS}s"
 fi
 
-server_version=$(kc get --raw /version | sed -nE 's/.*"gitVersion": *"([^"]+)".*/\1/p' | head -n1)
+server_version=$(kc get --raw /version | sed -nE '/.*"gitVersion": *"([^"]+)".*/{s//\1/p;}' | tail -n1)
 t_stop=$(now)
 stop_procs
 t_stopped=$(now)

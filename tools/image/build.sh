@@ -67,7 +67,7 @@ done
 log() { echo "[image] $*" >&2; }
 die() { echo "[image] error: $*" >&2; exit 1; }
 
-project_version=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/pyproject.toml" | head -n1)
+project_version=$(sed -n '/^version = "\(.*\)"$/{s//\1/p;q;}' "$repo/pyproject.toml")
 [[ -n "$project_version" ]] || die "no version = \"...\" line in pyproject.toml"
 version=${version:-$project_version}
 # A PEP 440 public version, as pip prints it back, that is also a valid image tag.
@@ -113,7 +113,7 @@ cleanup() {
   # debootstrap mounts proc and sys inside the rootfs; never follow them when removing
   if [[ -d "$work/rootfs" ]]; then
     umount -R "$work/rootfs/proc" "$work/rootfs/sys" 2>/dev/null || true
-    findmnt -rno TARGET | grep -q "^$work/" && { log "still mounted under $work: left in place"; return; }
+    [[ $'\n'"$(findmnt -rno TARGET)" != *$'\n'"$work/"* ]] || { log "still mounted under $work: left in place"; return; }
   fi
   rm -rf --one-file-system "$work"
 }
@@ -262,8 +262,9 @@ build_base() {
   else
     log "base: rootfs tarball cached: $tarball"
   fi
+  # awk reads to the end: a reader that stops early kills tar with SIGPIPE (pipefail)
   pyver=$(tar -xOf "$tarball" ./var/lib/dpkg/status \
-    | awk '/^Package: python3.11-minimal$/ { p = 1 } p && /^Version:/ { print $2; exit }')
+    | awk '/^Package: python3.11-minimal$/ { p = 1 } p && /^Version:/ && v == "" { v = $2 } END { print v }')
   c=$(new_container scratch)
   bh add "$c" "$tarball" / >&2
   bh config --os linux --arch "$arch" \
@@ -365,7 +366,7 @@ verify_manager() {
   [[ "$got" == "workload-manager $want" ]] \
     || die "$image: 'workload-manager --version' printed '$got', want 'workload-manager $want'"
   # shellcheck disable=SC2016  # expanded inside the image
-  bh run --isolation chroot "$c" -- sh -c 'test "$(id -u)" = 10001 && test -r /app/migrations && ls /app/migrations | grep -q .' \
+  bh run --isolation chroot "$c" -- sh -c 'test "$(id -u)" = 10001 && test -r /app/migrations && test -n "$(ls -A /app/migrations)"' \
     || die "$image: not running as 10001, or no migrations in /app/migrations"
   bh rm "$c" >/dev/null
   done_container "$c"
@@ -411,7 +412,7 @@ build_pause() {
 build_pinger() {
   local stage="$work/pinger" c applet busybox=/bin/busybox
   [[ -x "$busybox" ]] || die "no $busybox (apt-get install busybox-static)"
-  file -L "$busybox" 2>/dev/null | grep -q 'statically linked' || ! command -v file >/dev/null \
+  ! command -v file >/dev/null || [[ "$(file -L "$busybox")" == *"statically linked"* ]] \
     || die "$busybox is not static (apt-get install busybox-static)"
   mkdir -p "$stage"/{bin,etc,tmp,home/nonroot,usr/local/bin}
   cp "$busybox" "$stage/bin/busybox"
