@@ -22,7 +22,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import kubernetes_validate
-import nkeys
 import pytest
 import yaml
 
@@ -32,7 +31,11 @@ from tests.k8s.test_manifests import KUBERNETES_VERSION, KUSTOMIZATION, MANIFEST
 from tests.support.nats_auth import (
     NODE_NAME_TEMPLATE,
     OPERATOR,
+    PRODUCERS,
     Permissions,
+    filled,
+    placeholder,
+    producer_subjects,
     tier_permissions,
     worker_permissions,
 )
@@ -44,6 +47,7 @@ SMALL = NATS / "overlays" / "small"
 AUTH_EXAMPLE = NATS / "auth.conf.example"
 CONFIG_MAP = "nats-config"
 AUTH_SECRET, AUTH_FILE = "nats-auth", "auth.conf"
+JOBS_ACCOUNT, PRODUCERS_ACCOUNT = "JOBS", "PRODUCERS"
 MAIN_CONFIG = "nats.conf"
 NAMESPACE = "nats"
 # what each kustomization builds: its folder and how many servers
@@ -658,19 +662,13 @@ def test_the_image_is_the_server_the_tests_run(variant: str, source: str) -> Non
 # --- nats-server reads the configuration
 
 
-PLACEHOLDER_NKEY = "REPLACE_WITH_TIER_{tier}_PUBLIC_NKEY"
-
-
 def example_with_keys() -> str:
-    """The auth example with a fresh nkey user for every tier in place of the placeholders."""
+    """The auth example with a fresh nkey for every tier and the producers in place of the
+    placeholders (and the operator's password for its hash)."""
     text = auth_example()
-    for tier in TIERS:
-        seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
-        public_key = nkeys.from_seed(seed).public_key.decode()
-        placeholder = PLACEHOLDER_NKEY.format(tier=tier)
-        assert text.count(placeholder) == 1, placeholder
-        text = text.replace(placeholder, public_key)
-    return text
+    for name in (*TIERS, PRODUCERS):
+        assert text.count(placeholder(name)) == 1, placeholder(name)
+    return filled(text, {})
 
 
 def check_config(
@@ -710,28 +708,76 @@ def test_nats_server_refuses_the_example_as_shipped(tmp_path: Path) -> None:
     assert "nkey" in result.stderr
 
 
-def example_users() -> list[dict[str, Any]]:
+def example_accounts() -> dict[str, dict[str, Any]]:
     config = ConfReader({}).parse(auth_example())
-    assert set(config) == {"authorization"}
-    assert set(config["authorization"]) == {"users"}
-    users: list[dict[str, Any]] = config["authorization"]["users"]
-    return users
+    assert set(config) == {"accounts"}, "accounts only: no user outside an account"
+    accounts: dict[str, dict[str, Any]] = config["accounts"]
+    return accounts
 
 
-def test_the_example_has_the_operator_and_one_user_per_tier() -> None:
-    users = example_users()
-    operator, *tiers = users
+TIER_ACCOUNTS = {f"TIER_{tier}": tier for tier in TIERS}
+
+
+def test_the_example_has_the_jobs_account_one_per_tier_and_the_producers() -> None:
+    accounts = example_accounts()
+    assert list(accounts) == [JOBS_ACCOUNT, *TIER_ACCOUNTS, PRODUCERS_ACCOUNT]
+    jobs = accounts[JOBS_ACCOUNT]
+    assert jobs["jetstream"] == "enabled"
+    (operator,) = jobs["users"]
     assert set(operator) == {"user", "password"}, "the operator may use every subject"
     assert operator["user"] == OPERATOR[0]
     assert operator["password"].startswith("$2a$"), "a bcrypt hash, not the password"
-    assert [user["nkey"] for user in tiers] == [PLACEHOLDER_NKEY.format(tier=t) for t in TIERS]
+    for name, account in accounts.items():
+        if name != JOBS_ACCOUNT:
+            assert "jetstream" not in account, f"{name}: JetStream only through imports"
+            assert "exports" not in account, f"{name} exports nothing"
+            (user,) = account["users"]
+            assert user["nkey"] == placeholder(TIER_ACCOUNTS.get(name, PRODUCERS))
+
+
+def exported_to(account: str) -> list[dict[str, Any]]:
+    return [
+        export for export in example_accounts()[JOBS_ACCOUNT]["exports"]
+        if account in export["accounts"]
+    ]  # fmt: skip
+
+
+def imported(account: str) -> list[str]:
+    found = []
+    for entry in example_accounts()[account]["imports"]:
+        assert set(entry) == {"service"}, "services only: every answer goes back to its asker"
+        assert entry["service"]["account"] == JOBS_ACCOUNT
+        found.append(entry["service"]["subject"])
+    return found
+
+
+def test_every_export_is_a_service_named_to_its_importers() -> None:
+    exports = example_accounts()[JOBS_ACCOUNT]["exports"]
+    assert exports
+    for export in exports:
+        assert set(export) <= {"service", "accounts", "response_type"}, export
+        assert export["accounts"], f"{export['service']}: no public export"
+        assert set(export["accounts"]) <= {*TIER_ACCOUNTS, PRODUCERS_ACCOUNT}
 
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_the_example_grants_each_tier_what_a_worker_needs(tier: str) -> None:
-    (user,) = [u for u in example_users() if u.get("nkey") == PLACEHOLDER_NKEY.format(tier=tier)]
+    account = f"TIER_{tier}"
+    (user,) = example_accounts()[account]["users"]
     assert set(user) == {"nkey", "permissions"}
     assert user["permissions"] == ConfReader({}).value(worker_permissions(tier))
+    wanted = list(tier_permissions(tier).publish)
+    assert imported(account) == wanted
+    exports = exported_to(account)
+    assert sorted(export["service"] for export in exports) == sorted(wanted)
+    streamed = {e["service"] for e in exports if e.get("response_type") == "stream"}
+    assert streamed == {s for s in wanted if ".CONSUMER.MSG.NEXT." in s}, "pulls answer many"
+
+
+def test_the_producers_publish_jobs_and_nothing_else() -> None:
+    assert imported(PRODUCERS_ACCOUNT) == list(producer_subjects())
+    exports = exported_to(PRODUCERS_ACCOUNT)
+    assert [export["service"] for export in exports] == list(producer_subjects())
 
 
 # --- per-node identities (operator mode; k8s/nats/README.md)
@@ -759,3 +805,17 @@ def test_the_readmes_signing_key_template_is_what_a_worker_needs() -> None:
     publish = tuple(re.findall(r"--allow-pub '([^']+)'", block))
     subscribe = tuple(re.findall(r"--allow-sub '([^']+)'", block))
     assert Permissions(publish, subscribe) == tier_permissions("C", NODE_NAME_TEMPLATE)
+
+
+def test_the_readmes_tier_account_imports_what_a_worker_needs() -> None:
+    """The `nsc add import` loop of tier C's account names exactly `tier_permissions`'s
+    subjects, each exported by JOBS and imported by TIER_C."""
+    (block,) = [
+        b for b in re.findall(r"```sh\n(.*?)```", README.read_text(), re.S)
+        if "nsc add import" in b
+    ]  # fmt: skip
+    assert "nsc add export --account JOBS --service" in block
+    assert "nsc add import --account TIER_C --service" in block
+    listed = tuple(re.findall(r"^  '([^']+)' \\$|^  '([^']+)'$", block, re.M))
+    subjects = tuple(a or b for a, b in listed)
+    assert subjects == tier_permissions("C").publish

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from app.adapters.bus import JetStreamBus
+from app.adapters.bus import JetStreamBus, NatsAuth
 from app.adapters.embedded import EmbeddedNats
 from app.domain.jobs import Job, job_subject
 from app.services.streams import new_job, publish_job
@@ -79,8 +79,8 @@ async def _subscribed(
 
 
 @asynccontextmanager
-async def publisher(url: str) -> AsyncIterator[JetStreamBus]:
-    bus = JetStreamBus(url, name="test-publisher", timeout=5)
+async def publisher(url: str, auth: NatsAuth | None = None) -> AsyncIterator[JetStreamBus]:
+    bus = JetStreamBus(url, name="test-publisher", timeout=5, auth=auth)
     await bus.connect()
     try:
         yield bus

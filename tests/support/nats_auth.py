@@ -1,9 +1,11 @@
-"""A nats-server with users and per-tier permissions, as a fleet's NATS would have them:
-an operator (user and password) who makes the topology, and one nkey user per tier whose
-permissions cover exactly what a worker of that tier needs: its own durable consumers on
-the job streams by name and filter, their acks, its tier's ledger bucket, its
-node's events subject and its own inboxes (k8s/nats/auth.conf.example carries the same
-lists; tests/k8s/test_nats_manifests.py keeps the two equal)."""
+"""A nats-server with the fleet's accounts and users, as k8s/nats/auth.conf.example ships
+them (or the file `NATS_AUTH_FILE` names, to try a candidate): the streams and buckets in
+the account JOBS, where the operator (user and password) makes the topology; one account
+per tier, whose nkey user imports and may use exactly what a worker of that tier needs
+(its own durable consumers on the job streams by name and filter, their acks, its tier's
+ledger bucket, the events subjects and its own inboxes: `tier_permissions`, which
+tests/k8s/test_nats_manifests.py keeps equal to the example); and the producers' account,
+which may publish jobs. The tests fill the example's placeholders with fresh keys."""
 
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ from app.services.streams import init_streams
 from app.settings import Settings
 
 OPERATOR = ("operator", "operator-pass")
+ROOT = Path(__file__).resolve().parents[2]
+AUTH_EXAMPLE = ROOT / "k8s" / "nats" / "auth.conf.example"
+PRODUCERS = "producers"
+PLACEHOLDER_NKEY = "REPLACE_WITH_{name}_PUBLIC_NKEY"
+PLACEHOLDER_HASH = "$2a$11$REPLACE_WITH_A_BCRYPT_HASH_OF_THE_OPERATOR_PASSWORD"
+ALL_TIERS = ("A", "B", "C")
 # what stands for "any node of the tier" in a tier user's subjects; a per-node identity
 # (a user JWT issued under the tier's signing key) has its own name there instead
 ANY_NODE = "*"
@@ -88,16 +96,42 @@ def worker_permissions(tier: str) -> str:
     return tier_permissions(tier).conf()
 
 
-def start_server(directory: Path, tiers: dict[str, NkeyUser]) -> EmbeddedNats:
-    """nats-server with JetStream, the operator, and one nkey user per tier."""
-    users = [f'{{user: "{OPERATOR[0]}", password: "{OPERATOR[1]}"}}']
-    users += [
-        f'{{nkey: "{user.public_key}", permissions: {worker_permissions(tier)}}}'
-        for tier, user in tiers.items()
-    ]
+def producer_subjects() -> tuple[str, ...]:
+    """What the producers publish: jobs of every kind, for every tier."""
+    return tuple(f"mm.{kind}.>" for kind in STREAMS)
+
+
+def auth_file() -> Path:
+    """The accounts file the tests run against: `NATS_AUTH_FILE`, else the shipped example."""
+    named = os.environ.get("NATS_AUTH_FILE")
+    return Path(named) if named else AUTH_EXAMPLE
+
+
+def placeholder(name: str) -> str:
+    """The example's stand-in for the public nkey of a tier ("A") or of the producers."""
+    return PLACEHOLDER_NKEY.format(name=f"TIER_{name}" if name in ALL_TIERS else name.upper())
+
+
+def filled(text: str, users: dict[str, NkeyUser]) -> str:
+    """The accounts file with `users`' public keys (a tier's, or `PRODUCERS`) and the
+    operator's password in place of the placeholders; a key nobody holds for the rest."""
+    for name in (*ALL_TIERS, PRODUCERS):
+        key = users[name].public_key if name in users else _unheld_key()
+        text = text.replace(placeholder(name), key)
+    return text.replace(PLACEHOLDER_HASH, OPERATOR[1])
+
+
+def _unheld_key() -> str:
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return str(nkeys.from_seed(seed).public_key.decode())
+
+
+def start_server(directory: Path, users: dict[str, NkeyUser]) -> EmbeddedNats:
+    """nats-server with JetStream and the accounts file (`auth_file()`), its placeholders
+    filled with `users`' keys."""
     directory.mkdir(parents=True, exist_ok=True)
     config = directory / "nats.conf"
-    config.write_text("authorization {\n  users = [\n    " + "\n    ".join(users) + "\n  ]\n}\n")
+    config.write_text(filled(auth_file().read_text(), users))
     return EmbeddedNats(directory / "data", config=config).start()
 
 
@@ -111,9 +145,10 @@ def operator_url(server: EmbeddedNats) -> str:
 
 @pytest.fixture(scope="module")
 def users(tmp_path_factory: pytest.TempPathFactory) -> dict[str, NkeyUser]:
-    """Tier A's and tier C's nkey users."""
+    """Every tier's nkey user, and the producers'."""
     keys = tmp_path_factory.mktemp("nkeys")
-    return {tier: new_nkey_user(keys, f"tier-{tier}") for tier in ("A", "C")}
+    made = {tier: new_nkey_user(keys, f"tier-{tier}") for tier in ALL_TIERS}
+    return {**made, PRODUCERS: new_nkey_user(keys, PRODUCERS)}
 
 
 @pytest.fixture(scope="module")

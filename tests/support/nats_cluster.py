@@ -2,7 +2,9 @@
 routes, JetStream on each: what a fleet's NATS is in production, on one machine.
 
 Each server keeps its client port, route port, name and store across restarts, so a
-server that was killed comes back as itself and catches up from the others.
+server that was killed comes back as itself and catches up from the others. With `auth`
+(the fleet's accounts, tests/support/nats_auth.py `filled`) every server has the same
+accounts and users; `as_user` gives the URLs with a user's name and password.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Member:
 
 
 class NatsCluster:
-    def __init__(self, directory: Path, size: int = 3) -> None:
+    def __init__(self, directory: Path, size: int = 3, auth: str = "") -> None:
         self.members: list[Member] = []
         # every client and route port chosen at once, so no two of them are the same (a
         # port chosen free later could be a route port not yet bound)
@@ -55,6 +57,7 @@ class NatsCluster:
                 f'  listen: "127.0.0.1:{route_port}"\n'
                 f"  routes: [{others}]\n"
                 f"}}\n"
+                f"{auth}\n"
             )
             server = EmbeddedNats(home / "data", port=clients[name], config=config)
             self.members.append(Member(name, server, route_port))
@@ -67,6 +70,10 @@ class NatsCluster:
     @property
     def urls(self) -> list[str]:
         return [m.url for m in self.members]
+
+    def as_user(self, user: str, password: str) -> list[str]:
+        """Every server's URL with this user's name and password."""
+        return [m.url.replace("nats://", f"nats://{user}:{password}@", 1) for m in self.members]
 
     def member(self, name: str) -> Member:
         (found,) = [m for m in self.members if m.name == name]
@@ -115,8 +122,8 @@ def distinct_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 @contextmanager
-def running_cluster(directory: Path, size: int = 3) -> Iterator[NatsCluster]:
-    cluster = NatsCluster(directory, size).start()
+def running_cluster(directory: Path, size: int = 3, auth: str = "") -> Iterator[NatsCluster]:
+    cluster = NatsCluster(directory, size, auth).start()
     try:
         yield cluster
     finally:

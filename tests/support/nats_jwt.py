@@ -1,6 +1,8 @@
 """NATS decentralised authentication (operator mode) for tests: an operator, a system
-account and the fleet's account, whose scoped signing keys (one per tier) carry the
-permission template every node of that tier gets, and user JWTs named after their node.
+account, the account JOBS that holds the streams and exports each JetStream service a tier
+needs, one account per tier that imports exactly its tier's services and whose scoped
+signing key carries the permission template every node of that tier gets, and user JWTs
+named after their node: the same accounts as k8s/nats/auth.conf.example, as JWTs.
 
 What `nsc` makes for an operator (k8s/nats/README.md, "Per-node identities"), minted here
 with the `nkeys` package: a JWT is base64url(header).base64url(claims).base64url(Ed25519
@@ -26,7 +28,7 @@ from typing import Any
 import nkeys
 
 from app.adapters.embedded import EmbeddedNats
-from tests.support.nats_auth import NODE_NAME_TEMPLATE, tier_permissions
+from tests.support.nats_auth import NODE_NAME_TEMPLATE, producer_subjects, tier_permissions
 
 HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 NO_LIMIT = -1
@@ -76,14 +78,42 @@ def tier_template(tier: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+LIMITS = {"subs": NO_LIMIT, "data": NO_LIMIT, "payload": NO_LIMIT, "imports": NO_LIMIT,
+          "exports": NO_LIMIT, "wildcards": True, "conn": NO_LIMIT, "leaf": NO_LIMIT}  # fmt: skip
+JETSTREAM = {"mem_storage": NO_LIMIT, "disk_storage": NO_LIMIT, "streams": NO_LIMIT,
+             "consumer": NO_LIMIT}  # fmt: skip
+
+
+def service_exports(tiers: tuple[str, ...]) -> list[dict[str, Any]]:
+    """What JOBS exports: every subject a tier's worker publishes, and the producers' job
+    subjects; a pull (`CONSUMER.MSG.NEXT`) answers with many messages."""
+    subjects = dict.fromkeys(
+        [*(s for tier in tiers for s in tier_permissions(tier).publish), *producer_subjects()]
+    )
+    return [
+        {"name": subject, "subject": subject, "type": "service",
+         **({"response_type": "Stream"} if ".CONSUMER.MSG.NEXT." in subject else {})}
+        for subject in subjects
+    ]  # fmt: skip
+
+
+def service_imports(subjects: tuple[str, ...], jobs: str) -> list[dict[str, Any]]:
+    return [
+        {"name": subject, "subject": subject, "account": jobs, "type": "service"}
+        for subject in subjects
+    ]
+
+
 @dataclass
 class Fleet:
-    """The operator, the system account and the fleet's account with its signing keys."""
+    """The operator, the system account, JOBS, and one account per tier with its signing
+    key."""
 
     tiers: tuple[str, ...]
     operator: Key = field(default_factory=lambda: Key.new(nkeys.PREFIX_BYTE_OPERATOR))
     system: Key = field(default_factory=lambda: Key.new(nkeys.PREFIX_BYTE_ACCOUNT))
-    account: Key = field(default_factory=lambda: Key.new(nkeys.PREFIX_BYTE_ACCOUNT))
+    jobs: Key = field(default_factory=lambda: Key.new(nkeys.PREFIX_BYTE_ACCOUNT))
+    tier_accounts: dict[str, Key] = field(default_factory=dict)
     tier_keys: dict[str, Key] = field(default_factory=dict)
     revoked: dict[str, int] = field(default_factory=dict)  # user public key: issued before
 
@@ -92,31 +122,37 @@ class Fleet:
 
     def __post_init__(self) -> None:
         for tier in self.tiers:
+            self.tier_accounts.setdefault(tier, Key.new(nkeys.PREFIX_BYTE_ACCOUNT))
             self.tier_keys.setdefault(tier, Key.new(nkeys.PREFIX_BYTE_ACCOUNT))
         # issued once: nats-server reloads changed accounts, not a changed operator
         nats = {"type": "operator", "system_account": self.system.public}
         self.operator_jwt = encode(self.operator.public, "fleet", nats, self.operator)
         self.system_jwt = encode(self.system.public, "SYS", {"type": "account"}, self.operator)
 
-    def account_jwt(self) -> str:
-        limits = {
-            "subs": NO_LIMIT, "data": NO_LIMIT, "payload": NO_LIMIT, "imports": NO_LIMIT,
-            "exports": NO_LIMIT, "wildcards": True, "conn": NO_LIMIT, "leaf": NO_LIMIT,
-            "mem_storage": NO_LIMIT, "disk_storage": NO_LIMIT, "streams": NO_LIMIT,
-            "consumer": NO_LIMIT,
-        }  # fmt: skip
-        signing_keys = [
-            {"kind": "user_scope", "key": key.public, "role": f"tier-{tier}",
-             "template": tier_template(tier), "description": f"the nodes of tier {tier}"}
-            for tier, key in self.tier_keys.items()
-        ]  # fmt: skip
+    def jobs_jwt(self) -> str:
+        """JOBS: JetStream, the operator's user, and the services every tier imports."""
         nats: dict[str, Any] = {
-            "type": "account", "limits": limits, "signing_keys": signing_keys,
+            "type": "account", "limits": {**LIMITS, **JETSTREAM},
+            "exports": service_exports(self.tiers),
+            "default_permissions": {"pub": {}, "sub": {}},
+        }  # fmt: skip
+        return encode(self.jobs.public, "JOBS", nats, self.operator)
+
+    def tier_jwt(self, tier: str) -> str:
+        """TIER_<tier>: no JetStream of its own, its tier's services imported from JOBS, and
+        the scoped signing key whose template every node of the tier gets."""
+        signing_key = {
+            "kind": "user_scope", "key": self.tier_keys[tier].public, "role": f"tier-{tier}",
+            "template": tier_template(tier), "description": f"the nodes of tier {tier}",
+        }  # fmt: skip
+        nats: dict[str, Any] = {
+            "type": "account", "limits": LIMITS, "signing_keys": [signing_key],
+            "imports": service_imports(tier_permissions(tier).publish, self.jobs.public),
             "default_permissions": {"pub": {}, "sub": {}},
         }  # fmt: skip
         if self.revoked:
             nats["revocations"] = dict(self.revoked)
-        return encode(self.account.public, "FLEET", nats, self.operator)
+        return encode(self.tier_accounts[tier].public, f"TIER_{tier}", nats, self.operator)
 
     def server_config(self) -> str:
         """What `nsc generate config --mem-resolver` writes: the auth part of nats.conf."""
@@ -126,8 +162,12 @@ class Fleet:
             "resolver: MEMORY\n"
             "resolver_preload: {\n"
             f"  {self.system.public}: {self.system_jwt}\n"
-            f"  {self.account.public}: {self.account_jwt()}\n"
-            "}\n"
+            f"  {self.jobs.public}: {self.jobs_jwt()}\n"
+            + "".join(
+                f"  {self.tier_accounts[tier].public}: {self.tier_jwt(tier)}\n"
+                for tier in self.tiers
+            )
+            + "}\n"
         )
 
     def node_creds(
@@ -137,20 +177,20 @@ class Fleet:
         permissions are the key's template), and the user's public key; `extra` claims
         (permissions of its own) make a JWT the server must refuse."""
         user = Key.new(nkeys.PREFIX_BYTE_USER)
-        nats = {"type": "user", "issuer_account": self.account.public, **(extra or {})}
+        nats = {"type": "user", "issuer_account": self.tier_accounts[tier].public, **(extra or {})}
         token = encode(user.public, node_id, nats, self.tier_keys[tier])
         return _creds(directory / f"{node_id}.creds", token, user), user.public
 
     def admin_creds(self, directory: Path) -> Path:
-        """The operator's user (init-streams): issued by the account key itself, with no
-        permissions set, so it may use every subject of the account."""
+        """The operator's user (init-streams) in JOBS: issued by that account's key itself,
+        with no permissions set, so it may use every subject of the account."""
         user = Key.new(nkeys.PREFIX_BYTE_USER)
         nats = {
             "type": "user", "pub": {}, "sub": {},
             "subs": NO_LIMIT, "data": NO_LIMIT, "payload": NO_LIMIT,
         }  # fmt: skip
         return _creds(
-            directory / "admin.creds", encode(user.public, "admin", nats, self.account), user
+            directory / "admin.creds", encode(user.public, "admin", nats, self.jobs), user
         )
 
     def start_server(self, directory: Path) -> EmbeddedNats:
