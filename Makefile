@@ -53,12 +53,14 @@ dev: $(STAMP)
 
 # What the tests need besides the virtualenv, the control plane and the images, installed when
 # missing: Debian's headless Chromium (the status page test), openssl (the test control plane's
-# certificates), kubectl (kubernetes-client: renders the kustomizations) and the scanner's own
-# virtualenv. In CI a test that skips for want of any of them fails the run (tests/support/ci_skips.py).
-TEST_PACKAGES := chromium openssl kubernetes-client
+# certificates), kubectl (renders the kustomizations; Debian's kubernetes-client unless a kubectl
+# is on PATH already) and the scanner's own virtualenv. In CI a test that skips for want of any
+# of them fails the run (tests/support/ci_skips.py).
+TEST_PACKAGES := chromium openssl
+KUBECTL_PACKAGE = $$(command -v kubectl >/dev/null || echo kubernetes-client)
 
 test-deps: $(STAMP) $(CHECKOV_STAMP)
-	tools/debian-packages.sh $(TEST_PACKAGES)
+	tools/debian-packages.sh $(TEST_PACKAGES) $(KUBECTL_PACKAGE)
 
 test: test-deps control-plane image
 	$(BIN)/python -m pytest
@@ -84,7 +86,7 @@ test-faults: $(STAMP)
 SHELL_SCRIPTS = $(shell git ls-files --cached --others --exclude-standard '*.sh' 2>/dev/null || find tools -name '*.sh') .ci/run
 
 lint: $(STAMP) $(CHECKOV_STAMP)
-	tools/debian-packages.sh shellcheck kubernetes-client
+	tools/debian-packages.sh shellcheck $(KUBECTL_PACKAGE)
 	shellcheck $(SHELL_SCRIPTS)
 	$(BIN)/ruff check app tests bench
 	$(BIN)/ruff format --check app tests bench
