@@ -10,7 +10,12 @@ head's completion, else the connection is closed (the application sees the clien
 disconnect); an idle kept-alive connection is closed after HTTP_KEEPALIVE_TIMEOUT_SECONDS;
 at most HTTP_MAX_CONNECTIONS connections are held at once, and at most
 HTTP_MAX_CONNECTIONS_PER_CLIENT from one peer address; one more is answered 503 and closed
-before anything of it is read. Every refusal is counted in
+before anything of it is read. Pipelined requests are parsed one head at a time: while an
+answer is owed on the connection, the bytes after a completed request stay unparsed (and
+reading stops) until that answer is written, so at most two requests of a connection are
+parsed and unanswered at once (the one being answered, and one whose head ended in the same
+piece as a chunked body before it), whatever the client sends without reading. Every
+refusal is counted in
 `workload_manager_http_refusals_total{reason}` when the protocol has the counter.
 
 uvicorn has no head timeout, and llhttp (httptools) buffers a header of any size, so the
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -63,6 +69,10 @@ _OVERRIDDEN = (
     "handle_websocket_upgrade",
 )
 _USED = ("timeout_keep_alive", "connections", "cycle", "pipeline", "loop", "transport", "flow")
+# where a request head can end: its blank line (CRLF CRLF, or a bare LF the parser may
+# accept). The parser is fed up to and including one of these at a time, so one feed
+# completes at most one head
+_BLANK_LINE = re.compile(rb"\n\r?\n")
 
 
 @dataclass(frozen=True)
@@ -207,6 +217,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._counted_as: str | None = None
         self._pending_refusal: bytes | None = None
         self._dropped = 0
+        # what the client pipelined behind a request still being answered, unparsed
+        self._waiting = b""
+        # the bytes of the body being read still to come, when its Content-Length says so
+        # (the parser is fed up to its end, so the next head starts a piece of its own)
+        self._body_left: int | None = None
 
     # --- asyncio protocol
 
@@ -246,15 +261,36 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             if self._dropped > LINGER_MAX_BYTES:
                 self.transport.close()
             return
+        if self._waiting:
+            self._hold(data)  # behind what is already waiting, in order
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         if self._deadline is None and self._reading_head:
             self._head_began()  # the first bytes of a new head on a kept-alive connection
         limit = self._limits.max_header_bytes
-        while True:
-            room = limit - self._held
-            if len(data) <= room:  # the common case: a whole small request in one read
-                self._held += len(data)  # the parser's callbacks reset it
-                _base.data_received(self, data)
+        while data:
+            if self._reading_head and self._answers_pending():
+                # between requests (or in a head) while an answer is owed: the rest waits
+                # unparsed until it is written
+                self._hold(data)
                 return
+            in_body = not self._reading_head and bool(self._body_left)
+            if in_body:
+                cut = min(len(data), self._body_left or 0)  # up to the body's end
+                self._body_left = (self._body_left or 0) - cut
+            else:  # a piece ends after the next blank line: it completes at most one head
+                end = _BLANK_LINE.search(data)
+                cut = len(data) if end is None else end.end()
+            room = limit - self._held
+            if in_body or cut <= room:
+                piece, data = data[:cut], data[cut:]
+                self._held += len(piece)  # the parser's callbacks reset it
+                _base.data_received(self, piece)
+                if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                    return  # refused by the parser, or handed over (a WebSocket upgrade)
+                continue
             # feed the parser no more than it may hold; past that it must have finished
             # the head (or met body bytes) inside what it was given
             piece, data = data[:room], data[room:]
@@ -263,7 +299,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             if piece:
                 _base.data_received(self, piece)
             if self.transport.is_closing() or self.transport.get_protocol() is not self:
-                return  # refused by the parser, or handed over (a WebSocket upgrade)
+                return
             if head and self._reading_head:
                 self._refuse("header-too-large", "request head too large", TOO_LARGE)
                 return
@@ -275,6 +311,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
                 self.transport.close()
                 return
 
+    def _hold(self, data: bytes) -> None:
+        """Keep `data` unparsed until the answers owed are written, and read no more meanwhile:
+        what waits is at most what one read brought."""
+        self._waiting += data
+        self.flow.pause_reading()
+
     # --- httptools parser callbacks
 
     # (the base class is called directly, not through super(): this is the path of
@@ -283,6 +325,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading_head = False
         self._held = 0
+        self._body_left = _content_length(self.headers)
         # the body, if any, from now on (on_message_complete ends it)
         self._deadline = self.loop.time() + self._limits.body_timeout
         self._arm_timer()
@@ -296,6 +339,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         _base.on_message_complete(self)
         self._reading_head = True
         self._held = 0
+        self._body_left = None
         self._deadline = None
 
     # --- the bounds
@@ -394,6 +438,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if self._pending_refusal is not None and not self._answers_pending():
             response, self._pending_refusal = self._pending_refusal, None
             self._send_refusal(response)
+        elif self._waiting and not self._answers_pending() and not self.transport.is_closing():
+            # every answer owed is written: the next request's turn (its head's time
+            # starts now; reading resumed in the base class)
+            data, self._waiting = self._waiting, b""
+            self._feed(data)
 
     def _send_refusal(self, response: bytes) -> None:
         if self.transport.is_closing():
@@ -404,6 +453,18 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             return
         self.transport.write_eof()
         self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The body's length as the head declares it (the parser has checked it), or None when
+    it is chunked or the head says nothing the parser has not refused."""
+    length = None
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length" and value.isdigit():
+            length = int(value)
+    return length
 
 
 @functools.cache
