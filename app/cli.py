@@ -41,6 +41,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"workload-manager: configuration error: {exc}", file=sys.stderr)
         return 2
     if args.reload:
+        if settings.probe_port is not None:
+            print("workload-manager: PROBE_PORT is not served under --reload", file=sys.stderr)
         # The reloading child builds its own app from the environment.
         uvicorn.run(
             "app.main:app_from_environment",
@@ -94,8 +96,20 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    sockets = [listening]
+    if settings.probe_port is not None:
+        try:
+            sockets.append(_listen(config.host, settings.probe_port))
+        except OSError as exc:
+            listening.close()
+            print(
+                f"workload-manager: cannot listen on {config.host}:{settings.probe_port} "
+                f"(PROBE_PORT): {exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return 1
     try:
-        Server(config).run(sockets=[listening])
+        Server(config).run(sockets=sockets)
     except KeyboardInterrupt:
         # Ctrl-C: uvicorn has shut down as for SIGTERM, then raises the interrupt again;
         # exit as a shell reports an interrupted command, without a traceback

@@ -10,7 +10,11 @@ head's completion, else the connection is closed (the application sees the clien
 disconnect); an idle kept-alive connection is closed after HTTP_KEEPALIVE_TIMEOUT_SECONDS;
 at most HTTP_MAX_CONNECTIONS connections are held at once, and at most
 HTTP_MAX_CONNECTIONS_PER_CLIENT from one peer address; one more is answered 503 and closed
-before anything of it is read. Pipelined requests are parsed one head at a time: while an
+before anything of it is read. With a probe port (PROBE_PORT), connections to it answer
+/healthz and /readyz only (404 for anything else), have caps of their own
+(PROBE_MAX_CONNECTIONS, PROBE_MAX_CONNECTIONS_PER_CLIENT) and are not counted in the
+port's: the kubelet's probes are answered while pods hold every connection of the main
+port. Pipelined requests are parsed one head at a time: while an
 answer is owed on the connection, the bytes after a completed request stay unparsed (and
 reading stops) until that answer is written, so at most two requests of a connection are
 parsed and unanswered at once (the one being answered, and one whose head ended in the same
@@ -68,11 +72,19 @@ _OVERRIDDEN = (
     "on_response_complete",
     "handle_websocket_upgrade",
 )
-_USED = ("timeout_keep_alive", "connections", "cycle", "pipeline", "loop", "transport", "flow")
+_USED = (
+    "timeout_keep_alive", "connections", "cycle", "pipeline", "loop", "transport", "flow", "app",
+    "server", "client",
+)  # fmt: skip
 # where a request head can end: its blank line (CRLF CRLF, or a bare LF the parser may
 # accept). The parser is fed up to and including one of these at a time, so one feed
 # completes at most one head
 _BLANK_LINE = re.compile(rb"\n\r?\n")
+# the probe port: what it answers, and its own caps (the kubelet opens a connection per
+# probe; pods are kept off it by the NetworkPolicy)
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+PROBE_MAX_CONNECTIONS = 32
+PROBE_MAX_CONNECTIONS_PER_CLIENT = 8
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,7 @@ class HttpLimits:
     keepalive_timeout: float
     max_connections: int
     max_connections_per_client: int
+    probe_port: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HttpLimits:
@@ -93,6 +106,7 @@ class HttpLimits:
             keepalive_timeout=settings.http_keepalive_timeout_seconds,
             max_connections=settings.http_max_connections,
             max_connections_per_client=settings.http_max_connections_per_client,
+            probe_port=settings.probe_port,
         )
 
 
@@ -118,6 +132,7 @@ class _ClientCounts:
 
     def __init__(self) -> None:
         self._held: dict[str, int] = {}
+        self.total = 0
 
     def enter(self, address: str, cap: int) -> bool:
         """Count one more connection from `address`; False (not counted) past `cap`."""
@@ -125,12 +140,30 @@ class _ClientCounts:
         if held >= cap:
             return False
         self._held[address] = held + 1
+        self.total += 1
         return True
 
     def leave(self, address: str) -> None:
         held = self._held.pop(address, 0) - 1
+        self.total -= 1
         if held > 0:
             self._held[address] = held
+
+
+def _probes_only(app: Any) -> Any:
+    """`app` for the probe port: /healthz and /readyz, and 404 for anything else."""
+
+    async def probes(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+            await app(scope, receive, send)
+            return
+        body = b"Not Found: the probe port answers /healthz and /readyz only"
+        await send({"type": "http.response.start", "status": 404,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                                (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    return probes
 
 
 class _RefusalLog:
@@ -186,6 +219,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     refusal_counter: ClassVar[MetricCounter | None] = None
     # shared by the connections of one server (`bounded_protocol` gives each its own)
     client_counts: ClassVar[_ClientCounts] = _ClientCounts()
+    probe_counts: ClassVar[_ClientCounts] = _ClientCounts()
 
     def __init__(
         self,
@@ -213,8 +247,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
-        # the peer address this connection is counted under in `client_counts`
+        # the peer address this connection is counted under, and where
         self._counted_as: str | None = None
+        self._counts = self.client_counts
         self._pending_refusal: bytes | None = None
         self._dropped = 0
         # what the client pipelined behind a request still being answered, unparsed
@@ -227,12 +262,24 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self._limits.max_connections:
+        probe_port = self._limits.probe_port
+        if probe_port is not None and self.server is not None and self.server[1] == probe_port:
+            self._counts = self.probe_counts
+            self.app = _probes_only(self.app)
+            held, cap = self._counts.total + 1, PROBE_MAX_CONNECTIONS
+            per_client = PROBE_MAX_CONNECTIONS_PER_CLIENT
+        else:  # the probe port's connections are not this port's
+            held, cap = (
+                len(self.connections) - self.probe_counts.total,
+                self._limits.max_connections,
+            )
+            per_client = self._limits.max_connections_per_client
+        if held > cap:
             self._refuse_connection("too-many-connections", "too many connections")
             return
         if self.client is not None:  # None: not an IP socket, nothing to count it under
             address = self.client[0]
-            if not self.client_counts.enter(address, self._limits.max_connections_per_client):
+            if not self._counts.enter(address, per_client):
                 self._refuse_connection(
                     "too-many-connections-from-client", "too many connections from one client"
                 )
@@ -403,7 +450,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _uncount_client(self) -> None:
         if self._counted_as is not None:
-            self.client_counts.leave(self._counted_as)
+            self._counts.leave(self._counted_as)
             self._counted_as = None
 
     def _refuse_connection(self, reason: HttpRefusal, why: str) -> None:
@@ -482,7 +529,12 @@ def bounded_protocol(
     return type(
         "BoundedHttpProtocol",
         (BoundedHttpProtocol,),
-        {"limits": limits, "refusal_counter": refusal_counter, "client_counts": _ClientCounts()},
+        {
+            "limits": limits,
+            "refusal_counter": refusal_counter,
+            "client_counts": _ClientCounts(),
+            "probe_counts": _ClientCounts(),
+        },
     )
 
 

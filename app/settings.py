@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     http_keepalive_timeout_seconds: float = _ranged(5.0, 0.1, 300.0)
     http_max_connections: int = Field(default=1_000, ge=8, le=100_000)
     http_max_connections_per_client: int = Field(default=64, ge=1, le=100_000)
+    # a second port that answers only /healthz and /readyz, outside those caps: the
+    # kubelet's probes are answered while pods hold every connection of PORT (the
+    # manifests set it; the NetworkPolicy opens it to no pod)
+    probe_port: Annotated[int, Field(ge=1, le=65535)] | None = None
 
     # --- identity and backend
     node_id: str | None = None
@@ -275,6 +279,14 @@ class Settings(BaseSettings):
                 "dots and hyphens, and the object's key)"
             )
         return value
+
+    @model_validator(mode="after")
+    def _probe_port_of_its_own(self) -> Settings:
+        if self.probe_port is not None and self.probe_port == self.port:
+            raise ValueError(
+                f"PROBE_PORT is PORT ({self.port}): the probes need a port of their own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _s3_endpoint_needs_s3(self) -> Settings:

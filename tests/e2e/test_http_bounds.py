@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 
+from app.adapters.embedded import free_port
 from tests.support.polling import eventually
 from tests.support.process import ManagerProcess, manager
 
@@ -557,3 +558,40 @@ async def test_pipelined_requests_stay_unparsed_while_one_is_answered(
             grown = max(peak_rss(m.pid), process.memory_info().rss) - before
         total = len(addresses) * cap * len(attack)
         assert grown < 16 * 1024 * 1024, f"RSS grew by {grown >> 20} MiB on {total} bytes"
+
+
+async def probe(port: int, path: str) -> int:
+    """GET `path` on a connection of its own, as the kubelet probes (0: refused or cut)."""
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            return (await client.get(f"http://127.0.0.1:{port}{path}")).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+async def test_the_probes_are_answered_while_pods_hold_every_connection(tmp_path: Path) -> None:
+    """Two addresses at their per-client cap hold all the port's connections (kept alive,
+    as pods that ping every few seconds do): a ping is refused there, and the kubelet's
+    liveness and readiness probes on the probe port are still answered, six of six; the
+    probe port answers nothing else."""
+    cap = 8
+    probes = free_port()
+    env = {
+        "HTTP_MAX_CONNECTIONS": str(2 * cap), "HTTP_MAX_CONNECTIONS_PER_CLIENT": str(cap),
+        "HTTP_HEADER_TIMEOUT_SECONDS": "60", "PROBE_PORT": str(probes),
+    }  # fmt: skip
+    with running(tmp_path, **env) as m:
+        async with (
+            connections(m, cap, source=CLIENT) as first,
+            connections(m, cap, source=OTHER_CLIENT) as second,
+        ):
+            for _, writer in first + second:
+                writer.write(HALF_HEAD)
+                await writer.drain()
+            assert await ping_once(m, source="127.0.0.3") in (0, 503)
+            assert [await probe(probes, "/healthz") for _ in range(6)] == [200] * 6
+            assert [await probe(probes, "/readyz") for _ in range(6)] == [200] * 6
+            assert await probe(probes, "/v1/status") == 404
+            assert await probe(probes, "/metrics") == 404
+            assert await all_closed(first + second, within=0.2) == 0
+        assert await refusals_counted(m, "too-many-connections") >= 1

@@ -381,8 +381,8 @@ def test_manager_deployment_is_safe_to_roll() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "probes"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "probes"}
     env = {e["name"] for e in container["env"]}
     assert {"POD_NAME", "POD_NAMESPACE", "APP_ENV"} <= env
     assert "limits" in container["resources"] and "requests" in container["resources"]
@@ -492,6 +492,27 @@ def http_port(workload: Doc) -> int:
     assert isinstance(port, int)
     assert env(workload)["PORT"]["value"] == str(port)
     return port
+
+
+def probe_port(workload: Doc) -> int:
+    (port,) = [p["containerPort"] for p in container(workload)["ports"] if p["name"] == "probes"]
+    assert isinstance(port, int)
+    assert env(workload)["PROBE_PORT"]["value"] == str(port)
+    return port
+
+
+@pytest.mark.parametrize(("folder", "kind"), [(K8S, "Deployment"), (WORKER, "DaemonSet")])
+def test_the_probes_have_a_port_of_their_own_that_no_pod_may_reach(folder: Path, kind: str) -> None:
+    """The kubelet probes the probe port, outside the HTTP port's connection caps; the
+    NetworkPolicy lets pods in on the HTTP port alone (the node is always let in)."""
+    docs = folder_docs(folder)
+    workload = only(docs, kind)
+    probes = probe_port(workload)
+    assert probes != http_port(workload)
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container(workload)[probe]["httpGet"]["port"] == "probes"
+    opened = {port for _namespace, port, _protocol in policy_sources(only(docs, "NetworkPolicy"))}
+    assert probes not in opened and opened == {http_port(workload)}
 
 
 def assert_policy_guards(docs: list[Doc], kind: str, sources: set[str]) -> None:
