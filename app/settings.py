@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     log_format: str = Field(default="auto", pattern="^(auto|json|text)$")
     data_dir: Path = Path(".data")
     shutdown_grace_seconds: float = _ranged(20.0, 0.0, 600.0)
+    # a component failing this long (NATS lost, PostgreSQL down) raises one alert, and one
+    # when it recovers
+    component_down_grace_seconds: float = _ranged(60.0, 1.0, 3_600.0)
     # HTTP server bounds: any pod on the node can connect, so a request head is bounded in
     # size and time, and the connections held at once are capped, for the node and for
     # each client address
@@ -233,6 +236,9 @@ class Settings(BaseSettings):
     node_trust_zone: str | None = Field(default=None, max_length=50, pattern=LOCATION_NAME)
     node_capabilities: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
+    # settings whose plain http:// production accepts, each a named risk (PLAIN_HTTP_RISKS)
+    allow_plain_http: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
     # --- observability
     sentry_dsn: SecretStr | None = None
     sentry_traces_sample_rate: float = _ranged(0.0, 0.0, 1.0)
@@ -341,7 +347,37 @@ class Settings(BaseSettings):
                 )
         return sorted(set(value))
 
-    @field_validator("job_backoff_seconds", "http_job_allowed_targets", mode="before")
+    @field_validator("allow_plain_http")
+    @classmethod
+    def _plain_http_names(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - set(PLAIN_HTTP_RISKS))
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)}: only {', '.join(PLAIN_HTTP_RISKS)} may be named"
+            )
+        return value
+
+    @field_validator("sentry_dsn")
+    @classmethod
+    def _sentry_dsn(cls, value: SecretStr | None) -> SecretStr | None:
+        """What sentry-sdk accepts: http(s)://<public key>@<host>[:port]/[path/]<project id>."""
+        if value is None:
+            return None
+        parts = urlsplit(value.get_secret_value())
+        try:
+            parts.port  # noqa: B018 - parsing it is the check
+        except ValueError:
+            raise ValueError("not a DSN: its port is not a number") from None
+        project = parts.path.rsplit("/", 1)[-1]
+        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.username:
+            raise ValueError("not a DSN: want http(s)://<public key>@<host>/<project id>")
+        if not project.isdigit():
+            raise ValueError("not a DSN: its path does not end in a project id (a number)")
+        return value
+
+    @field_validator(
+        "job_backoff_seconds", "http_job_allowed_targets", "allow_plain_http", mode="before"
+    )
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         """`5,30,120` or a JSON list."""
@@ -524,6 +560,50 @@ class Settings(BaseSettings):
             raise SettingsError(
                 f"NODE_PRIVATE_KEY_FILE points to {self.node_private_key_file}, which is not a file"
             )
+        for name in self.plain_http():
+            if name not in self.allow_plain_http:
+                raise SettingsError(
+                    f"{name} is plain http:// in production: {PLAIN_HTTP_RISKS[name]}; use "
+                    f"https://{PLAIN_HTTP_FIX[name]}, or accept the risk with "
+                    f"ALLOW_PLAIN_HTTP={name}"
+                )
+
+    def plain_http(self) -> list[str]:
+        """The settings that would send this node's trust over plain http:// (a loopback
+        address has no path to tamper on)."""
+        found = []
+        if _plain(self.node_system_endpoint) and (self.sync_enabled or self.report_enabled):
+            found.append("NODE_SYSTEM_ENDPOINT")
+        if (
+            self.self_update_enabled
+            and _plain(self.self_update_url)
+            and self.self_update_public_key is None
+        ):
+            found.append("SELF_UPDATE_URL")
+        return found
+
+
+# what a plain http:// setting gives whoever is on the path between the node and the server
+PLAIN_HTTP_RISKS = {
+    "NODE_SYSTEM_ENDPOINT": "anyone on the path can change the desired state, and so what "
+    "this node runs (the answers are not signed)",
+    "SELF_UPDATE_URL": "anyone on the path can pick the manager's own image (no "
+    "SELF_UPDATE_PUBLIC_KEY checks the version file)",
+}
+PLAIN_HTTP_FIX = {
+    "NODE_SYSTEM_ENDPOINT": "",
+    "SELF_UPDATE_URL": " (or set SELF_UPDATE_PUBLIC_KEY, which checks the version file)",
+}
+
+
+def _plain(url: str | None) -> bool:
+    """A plain http:// URL to anything but a loopback address."""
+    if url is None:
+        return False
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    loopback = host == "localhost" or host.startswith("127.") or host == "::1"
+    return parts.scheme == "http" and not loopback
 
 
 def _http_url(value: str, *, also: str = "") -> str:

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from nats.aio.client import Client
 from nats.js import api
 
 from app.adapters.nats_auth import NatsAuth as NatsAuth  # the connection takes it
+from app.domain.redaction import redact_url
 from app.settings import nats_servers
 
 log = logging.getLogger(__name__)
@@ -238,7 +240,11 @@ class PullSubscription:
 
 
 class JetStreamBus:
-    """The manager's long-lived connection: reconnects forever, reports its state."""
+    """The manager's long-lived connection: reconnects forever, reports its state.
+
+    `on_change`, when given, hears every change of the connection as it happens: None once
+    connected (or reconnected), else why not, naming the server and the client's last error
+    ("disconnected from nats://nats:4222: unexpected EOF", "cannot connect to ...")."""
 
     def __init__(
         self,
@@ -248,6 +254,7 @@ class JetStreamBus:
         timeout: float,
         auth: NatsAuth | None = None,
         inbox_prefix: str | None = None,
+        on_change: Callable[[str | None], None] | None = None,
     ) -> None:
         self._url = url
         self._name = name
@@ -259,11 +266,31 @@ class JetStreamBus:
         self.reconnects = 0
         self.connected = False
         self._closing = False
+        self._on_change = on_change
+        self.last_error: str | None = None  # the client's last error, for the reasons above
+        self._told: str | None = ""  # what on_change last heard ("": nothing yet)
         # the server's last refusal (credentials or a subject), for a clear error instead of
         # the bare timeout a denied request ends in
         self.refusal: str | None = None
 
+    def _change(self, why: str | None) -> None:
+        if self._on_change is not None and why != self._told:
+            self._told = why
+            self._on_change(why)
+
+    def _servers(self) -> str:
+        """The server connected to (last connected to), or the configured ones; never a
+        password."""
+        url = getattr(self._nc, "connected_url", None) if self._nc is not None else None
+        if url is not None and url.hostname:
+            return f"{url.scheme}://{url.hostname}:{url.port}"
+        return ", ".join(redact_url(server) for server in nats_servers(self._url))
+
     async def _on_error(self, exc: Exception) -> None:
+        self.last_error = str(exc).strip() or type(exc).__name__
+        if not self.connected and not self._closing:
+            verb = "cannot connect to" if self._nc is None else "disconnected from"
+            self._change(f"{verb} {self._servers()}: {self.last_error}")
         refused = _refusal(exc)
         if refused is None:
             log.debug("nats: %s", exc)
@@ -287,11 +314,16 @@ class JetStreamBus:
             if self.connected and not self._closing:
                 log.warning("NATS connection lost; reconnecting")
             self.connected = False
+            if not self._closing:
+                why = self.last_error or "connection closed"
+                self._change(f"disconnected from {self._servers()}: {why}")
 
         async def reconnected() -> None:
             self.reconnects += 1
             self.connected = True
+            self.last_error = None
             log.info("NATS reconnected (%d)", self.reconnects)
+            self._change(None)
 
         # The client retries a first connection forever (a server that is not up yet is
         # waited for), also when the server refuses the credentials: that refusal, seen
@@ -335,6 +367,8 @@ class JetStreamBus:
             raise
         self._nc = client
         self.connected = True
+        self.last_error = None
+        self._change(None)
 
     @property
     def _js(self) -> Any:

@@ -51,6 +51,9 @@ UNAUTHORIZED: dict[int | str, dict[str, str]] = {
 }
 
 
+# what the Basic credentials a browser caches for the page may do: read
+SAFE_METHODS = frozenset({"GET", "HEAD"})
+
 BearerScheme = Annotated[object, Depends(_BEARER)]
 BasicCredentials = Annotated[HTTPBasicCredentials | None, Depends(_BASIC)]
 
@@ -67,6 +70,14 @@ def _check_operator(
         if settings.is_production:  # a worker-only node may run without one: closed
             raise _unauthorized("no API_TOKEN is set on this node: this route is closed", challenge)
         return
+    if bearer(request) is None and basic is not None and request.method not in SAFE_METHODS:
+        # a browser sends the Basic credentials it cached for the page with any request to
+        # this origin, a cross-site form's POST included: they read, never act
+        raise _unauthorized(
+            "Basic credentials are accepted for reading only: send the operator token as a "
+            "bearer token",
+            challenge,
+        )
     given = bearer(request) or (basic.password if basic is not None else None)
     if given is None:
         raise _unauthorized(f"missing {what}", challenge)
@@ -78,8 +89,8 @@ def require_api_token(
     request: Request, settings: SettingsDep, _: BearerScheme, basic: BasicCredentials
 ) -> None:
     """Dependency for status and admin routes. Without API_TOKEN they are open in
-    development and closed (401) in production. The token comes as a bearer token, or as
-    the Basic password a browser cached for the page."""
+    development and closed (401) in production. The token comes as a bearer token, or, on
+    GET and HEAD only, as the Basic password a browser cached for the page."""
     _check_operator(request, settings, basic, "Bearer", "bearer token")
 
 

@@ -25,6 +25,7 @@ class ComponentInfo(BaseModel):
     last_failure_at: datetime | None
     last_error: str | None
     consecutive_failures: int
+    failing_since: datetime | None = None
     detail: dict[str, Any]
 
 

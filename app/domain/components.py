@@ -86,6 +86,7 @@ class Component:
     last_error: str | None = None
     consecutive_failures: int = 0
     detail: dict[str, Any] = field(default_factory=dict)
+    failing_since: datetime | None = None  # the first failure since it last succeeded
 
     def __post_init__(self) -> None:
         if not self.enabled:
@@ -95,14 +96,18 @@ class Component:
         self.enabled = False
         self.state = ComponentState.OFF
         self.reason = reason
+        self.failing_since = None
 
     def succeeded(self, at: datetime, **detail: Any) -> None:
         self.state = ComponentState.OK
         self.last_success_at = at
         self.consecutive_failures = 0
+        self.failing_since = None
         self.detail.update(detail)
 
     def failed(self, at: datetime, error: str, **detail: Any) -> None:
+        if self.state is not ComponentState.FAILING:
+            self.failing_since = at
         self.state = ComponentState.FAILING
         self.last_failure_at = at
         self.last_error = error
@@ -132,5 +137,30 @@ class Component:
             "last_failure_at": self.last_failure_at,
             "last_error": self.last_error,
             "consecutive_failures": self.consecutive_failures,
+            "failing_since": self.failing_since,
             "detail": dict(self.detail),
         }
+
+
+def outage_alerts(
+    components: list[Component], alerted: frozenset[str], *, now: datetime, grace: float
+) -> tuple[list[tuple[str, str]], frozenset[str]]:
+    """The alerts to raise now (key, text), and which components are then alerted as down:
+    one when an enabled component has been failing for `grace` seconds or more, one when a
+    component alerted as down is no longer failing (recovered, or switched off)."""
+    raised: list[tuple[str, str]] = []
+    down = set(alerted)
+    for component in components:
+        name, since = component.name, component.failing_since
+        failing = component.enabled and component.state is ComponentState.FAILING
+        if failing and since is not None and name not in down:
+            lasted = (now - since).total_seconds()
+            if lasted >= grace:
+                why = component.last_error or "failing"
+                raised.append((f"{name}:down", f"{name} down for {lasted:.0f} s: {why}"))
+                down.add(name)
+        elif not failing and name in down:
+            state = "off" if not component.enabled else component.state.value
+            raised.append((f"{name}:recovered", f"{name} recovered ({state})"))
+            down.discard(name)
+    return raised, frozenset(down)

@@ -27,7 +27,7 @@ from app.domain.components import Component, ComponentState
 from app.domain.redaction import redact_url
 from app.domain.requirements import Tier
 from app.domain.uptime import SAVE_EVERY_SECONDS
-from app.settings import Settings
+from app.settings import PLAIN_HTTP_RISKS, Settings
 
 if TYPE_CHECKING:
     from app.domain.job_flow import WorkerConfig
@@ -196,6 +196,14 @@ class MatrixConfig:
     timeout: float
 
 
+# What `/readyz` needs besides the API and the scheduler, when the settings turn it on:
+# the node's own connections (PostgreSQL and the registry in it, NATS and the job worker on
+# it). Not what depends on the backend (report, sync) or on a homeserver (alerts): their
+# outage is not the node's, and failing readiness for it would roll back every node's new
+# release at once.
+READINESS = frozenset({"postgres", "registry", "nats", "worker"})
+
+
 @dataclass(frozen=True)
 class Plan:
     """Every component, decided; `components()` gives the records `/v1/status` shows."""
@@ -216,6 +224,7 @@ class Plan:
     profile: ProfileConfig
     nats_auth: NatsAuth
     watch_every: float  # how often the workload book is looked at (health, uptime)
+    down_grace: float  # how long a component fails before its one alert
 
     def decisions(self) -> dict[str, On[Any] | Off]:
         return {
@@ -226,13 +235,15 @@ class Plan:
         }  # fmt: skip
 
     def components(self) -> dict[str, Component]:
-        """The status records, the API and the scheduler first (both critical)."""
+        """The status records, the API and the scheduler first (both critical), then every
+        component; those of `READINESS` are critical when on."""
         records = {
             "api": Component("api", True, "serving", critical=True, state=ComponentState.OK),
             "scheduler": Component("scheduler", True, "runs the periodic loops", critical=True),
         }
         for name, decision in self.decisions().items():
-            records[name] = Component(name, decision.enabled, decision.reason)
+            critical = decision.enabled and name in READINESS
+            records[name] = Component(name, decision.enabled, decision.reason, critical=critical)
         return records
 
 
@@ -280,6 +291,7 @@ def decide(settings: Settings, *, can_sign: bool) -> Plan:
         ),
         nats_auth=nats_auth_of(settings),
         watch_every=max(1.0, min(15.0, settings.ping_stale_seconds / 2)),
+        down_grace=settings.component_down_grace_seconds,
     )
 
 
@@ -329,7 +341,10 @@ def _report(settings: Settings, can_sign: bool) -> Decision[ReportConfig]:
             "NODE_PRIVATE_KEY_FILE or ~/.config/lfgnode/config.yaml (NODE_CONFIG_FILE) "
             "to sign with"
         )
-    return On(config, f"signed reports to {redact_url(endpoint)}")
+    return On(
+        config,
+        f"signed reports to {redact_url(endpoint)}" + _risk(settings, "NODE_SYSTEM_ENDPOINT"),
+    )
 
 
 def _data_service(
@@ -349,6 +364,7 @@ def _sync(settings: Settings, backend: BackendConfig | None) -> Decision[SyncCon
     if backend is not None:
         source = BackendSourceConfig(backend.base_url)
         reason = f"desired state from {redact_url(backend.base_url)}"
+        reason += _risk(settings, "NODE_SYSTEM_ENDPOINT")
     elif settings.desired_state_dir is not None:
         source = FolderSourceConfig(settings.desired_state_dir)
         reason = f"desired state from folder {settings.desired_state_dir}"
@@ -527,8 +543,18 @@ def _self_update(settings: Settings) -> Decision[SelfUpdateConfig]:
     return On(
         config,
         f"{redact_url(settings.self_update_url)} -> "
-        f"{settings.pod_namespace}/{settings.self_deployment_name}",
+        f"{settings.pod_namespace}/{settings.self_deployment_name}"
+        + _risk(settings, "SELF_UPDATE_URL"),
     )
+
+
+def _risk(settings: Settings, name: str) -> str:
+    """What a component's reason says of its plain http:// setting: the risk, and who
+    accepted it."""
+    if name not in settings.plain_http():
+        return ""
+    accepted = " (accepted by ALLOW_PLAIN_HTTP)" if name in settings.allow_plain_http else ""
+    return f"; {name} is plain http{accepted}: {PLAIN_HTTP_RISKS[name]}"
 
 
 def _alerts(settings: Settings) -> Decision[MatrixConfig]:

@@ -1,4 +1,5 @@
-"""The workload health watch: alerts on workloads that turn bad, and forgetting.
+"""The workload health watch: alerts on workloads that turn bad, and forgetting; and the
+outage watch: alerts on the manager's own components that stay down.
 
 A loop of its own (`health-watch`), independent of reporting: a node that sends no
 reports (`REPORT_ENABLED=false`, no backend) still alerts when a workload turns
@@ -7,6 +8,9 @@ unhealthy, stale or failed, and still forgets workloads that went silent.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
+from app.domain.components import Component, outage_alerts
 from app.domain.reports import WorkloadView
 from app.services.alerting import Alerter
 from app.services.workloads import WorkloadBook
@@ -40,3 +44,21 @@ class HealthWatch:
                     f"workload:{name}:recovered", f"workload {name} recovered ({status})"
                 )
         self._statuses = current
+
+
+class OutageWatch:
+    """One alert when a component has been failing for the grace period (NATS lost, the
+    registry's PostgreSQL down), one when it recovers (`outage_alerts`)."""
+
+    def __init__(self, components: list[Component], alerts: Alerter, *, grace: float) -> None:
+        self._components = components
+        self._alerts = alerts
+        self._grace = grace
+        self._down: frozenset[str] = frozenset()
+
+    async def check(self) -> None:
+        raised, self._down = outage_alerts(
+            self._components, self._down, now=datetime.now(UTC), grace=self._grace
+        )
+        for key, text in raised:
+            self._alerts.alert(key, text)

@@ -80,9 +80,13 @@ class Heartbeat:
             self._metrics.heartbeats.labels("failed").inc()
             self._written = None
             return Outcome.failed(str(exc))
-        except (*RegistryUnavailable, MigrationError) as exc:
+        except RegistryUnavailable as exc:  # the database is down: a state, not a failure
             self._metrics.heartbeats.labels("failed").inc()
             self._written = None  # re-register in full once the database is back
+            return Outcome.unavailable(f"{type(exc).__name__}: {exc}")
+        except MigrationError as exc:
+            self._metrics.heartbeats.labels("failed").inc()
+            self._written = None
             return Outcome.failed(f"{type(exc).__name__}: {exc}")
         finally:
             self._metrics.heartbeat_duration.observe(time.monotonic() - started)

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 from app import __version__
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.signing import NodeSigner, load_config_file, load_private_key, node_id_for
-from app.domain.components import Component, Outcome
+from app.domain.components import Component, Outcome, Result
 from app.domain.redaction import redact_text, redact_url
 from app.domain.uptime import SAVE_EVERY_SECONDS
 from app.metrics import Metrics
 from app.services.alerting import Alerter
 from app.services.components import DataServiceConfig, Decision, Plan, decide
-from app.services.healthwatch import HealthWatch
+from app.services.healthwatch import HealthWatch, OutageWatch
 from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
 from app.services.supervision import Deadline, Supervisor, within
@@ -261,6 +261,7 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
         plan.worker, components["worker"], stack, nats_url=nats_url, auth=plan.nats_auth,
         registry=rt.registry, registered=registered.wait, node_id=rt.node_id, profile=profile,
         metrics=rt.metrics, alerts=rt.alerts, report=rt.supervisor.reporter(components["worker"]),
+        connection=_reporter(rt, components["nats"]),
     )  # fmt: skip
     if opened is not None:
         rt.worker, rt.bus = opened
@@ -315,6 +316,9 @@ def _add_loops(rt: Runtime) -> None:
     watch = rt.health_watch = HealthWatch(book=rt.book, alerts=rt.alerts)
     every = plan.watch_every
     add("health-watch", watch.check, every=every, first_after=every)
+    grace = plan.down_grace
+    outages = OutageWatch(list(components.values()), rt.alerts, grace=grace)
+    add("outage-watch", outages.check, every=min(5.0, grace / 2), first_after=min(5.0, grace / 2))
     record, book = rt.uptime_record, rt.book
     if record is not None:
 
@@ -339,7 +343,8 @@ def _add_loops(rt: Runtime) -> None:
         )  # fmt: skip
     if rt.heartbeat is not None and plan.registry.enabled:
         add(
-            "heartbeat", rt.heartbeat.beat, every=plan.registry.config.heartbeat_interval,
+            "heartbeat", _beat(rt.heartbeat, _reporter(rt, components["postgres"])),
+            every=plan.registry.config.heartbeat_interval,
             first_after=0.1, what="registry heartbeat", component=components["registry"],
             alert_after=ALERT_AFTER_FAILURES,
         )  # fmt: skip
@@ -366,6 +371,28 @@ def _add_loops(rt: Runtime) -> None:
             first_after=min(60.0, interval), what="self-update check",
             component=components["self_update"],
         )  # fmt: skip
+
+
+def _reporter(rt: Runtime, component: Component) -> Callable[[Outcome], None]:
+    """Where a state of `component` is reported; nowhere while it is off."""
+    if not component.enabled:
+        return lambda _outcome: None
+    return rt.supervisor.reporter(component)
+
+
+def _beat(
+    heartbeat: Heartbeat, postgres: Callable[[Outcome], None]
+) -> Callable[[], Awaitable[Outcome]]:
+    """The heartbeat, whose every run also says whether PostgreSQL answers: its record in
+    `/v1/status` and readiness is what it is now, not what the start's probe found."""
+
+    async def beat() -> Outcome:
+        outcome = await heartbeat.beat()
+        answered = outcome.result is not Result.UNAVAILABLE
+        postgres(Outcome.ok() if answered else Outcome.unavailable(outcome.error or "no answer"))
+        return outcome
+
+    return beat
 
 
 # Of the grace period, this share (at most TAIL_CAP_SECONDS) is kept for what comes after

@@ -297,6 +297,7 @@ async def open_worker(
     metrics: Metrics,
     alerts: Alerter,
     report: Callable[[Outcome], None],
+    connection: Callable[[Outcome], None] | None = None,
 ) -> tuple[Worker, JetStreamBus] | None:
     """The job worker and its bus, not yet running: the runtime starts `worker.run` as a
     supervised task (it connects inside it, so a NATS outage at start delays the worker,
@@ -306,7 +307,11 @@ async def open_worker(
     runs (JOB_LEDGER=auto or postgres), else the tier's JetStream bucket's. On PostgreSQL's
     ledger the worker waits for `registered` (the registry holds this instance's row, and
     the ledger's schema exists) before it takes a job. Without a registry the node matches
-    jobs against its own profile and cannot tell whether another node could run a job."""
+    jobs against its own profile and cannot tell whether another node could run a job.
+
+    Every change of the bus's connection is reported as it happens, on the worker
+    (`report`) and on NATS's own record (`connection`): unavailable while it cannot
+    connect or has lost the server, naming it and the error; ok once connected."""
     if not decision.enabled:
         return None
     if nats_url is None:
@@ -333,9 +338,22 @@ async def open_worker(
     except ValueError as exc:
         component.switch_off(str(exc))
         return None
+
+    prepared = False  # the worker is ok once prepared, and again after each reconnect
+
+    def connection_changed(why: str | None) -> None:
+        if why is None:
+            outcome = Outcome.ok(connected=True)
+        else:
+            outcome = Outcome.unavailable(why, connected=False)
+        if why is not None or prepared:
+            report(outcome)
+        if connection is not None:
+            connection(outcome)
+
     bus = JetStreamBus(
         nats_url, name=f"workload-manager/{node_id}", timeout=plan.timeout,
-        auth=auth, inbox_prefix=inbox,
+        auth=auth, inbox_prefix=inbox, on_change=connection_changed,
     )  # fmt: skip
     http = WorkloadHttp(timeout=plan.http_timeout, allowed_targets=list(plan.http_allowed_targets))
     stack.push_async_callback(http.aclose)
@@ -362,6 +380,8 @@ async def open_worker(
         if home == "postgres":
             # a JetStream ledger needs no PostgreSQL, and waits for none
             await registered()
+        nonlocal prepared
+        prepared = True
         report(Outcome.ok(connected=True))
 
     claimant = uuid.uuid4().hex

@@ -656,3 +656,10 @@ def test_the_managed_namespace_enforces_the_baseline_pod_security_standard() -> 
         f"{prefix}warn": "restricted", f"{prefix}warn-version": STANDARD_VERSION,
         f"{prefix}audit": "restricted", f"{prefix}audit-version": STANDARD_VERSION,
     }  # fmt: skip
+
+
+def test_the_manager_gets_pings_while_it_is_not_ready() -> None:
+    """Readiness says whether the node's connections the settings require work (NATS, its
+    PostgreSQL); the single manager pod still gets the pings while they do not."""
+    service = only(folder_docs(K8S), "Service")
+    assert service["spec"]["publishNotReadyAddresses"] is True

@@ -94,6 +94,17 @@ ROWS: list[tuple[str, dict[str, Any], bool, str, str, bool]] = [
     ("alerts without a room", {}, False, "alerts",
      "MATRIX_HOMESERVER, MATRIX_ROOM_ID, MATRIX_ACCESS_TOKEN not set", False),
     ("alerts to a room", MATRIX, False, "alerts", "Matrix room !room:example on", True),
+    ("sync over plain http names the risk", {"node_system_endpoint": "http://backend.example"},
+     True, "sync", "NODE_SYSTEM_ENDPOINT is plain http: anyone on the path can change the "
+     "desired state", True),
+    ("report over plain http, accepted", {"node_system_endpoint": "http://backend.example",
+     "allow_plain_http": "NODE_SYSTEM_ENDPOINT"}, True, "report",
+     "NODE_SYSTEM_ENDPOINT is plain http (accepted by ALLOW_PLAIN_HTTP)", True),
+    ("a loopback backend over http is no risk", {"node_system_endpoint": "http://127.0.0.1:8"},
+     True, "sync", "desired state from http://127.0.0.1:8", True),
+    ("self-update over plain http without a key names the risk",
+     {"self_update_url": "http://releases.example/v.json", "pod_namespace": "wm"}, False,
+     "self_update", "anyone on the path can pick the manager's own image", True),
 ]  # fmt: skip
 
 
@@ -123,6 +134,15 @@ def test_every_component_is_decided_and_the_api_and_scheduler_are_critical(
          "uptime", "uptime_record", "self_update", "alerts"]
     )  # fmt: skip
     assert {n for n, c in components.items() if c.critical} == {"api", "scheduler"}
+
+
+def test_readiness_includes_the_connections_the_settings_turn_on(
+    make_settings: SettingsFactory,
+) -> None:
+    settings = make_settings(database_url=DB, nats_url=NATS, desired_state_dir="/srv", **MATRIX)
+    components = decide_components(settings, can_sign=True)
+    critical = {n for n, c in components.items() if c.critical}
+    assert critical == {"api", "scheduler", "postgres", "registry", "nats", "worker"}
     assert all(c.name == n for n, c in components.items())
 
 

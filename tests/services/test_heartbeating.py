@@ -121,15 +121,25 @@ async def test_postgres_down_at_start_then_back(
     app = create_app(make_settings(**registry_settings(make_settings, server.url)))
     try:
         async with running(app) as client:
-            # the manager is up and serving while the database is down
+            # the manager is up and serving while the database is down, and says it is
+            # not ready: the registry and its PostgreSQL are what the settings require
             assert (await client.get("/healthz")).status_code == 200
             await eventually(lambda: _registry_failing(client), within=15)
-            registry = (await client.get("/v1/status")).json()["components"]["registry"]
-            assert registry["consecutive_failures"] >= 1
-            assert (await client.get("/readyz")).status_code == 200
+            components = (await client.get("/v1/status")).json()["components"]
+            assert components["registry"]["consecutive_failures"] >= 1
+            assert components["postgres"]["state"] == "failing"
+            readiness = await client.get("/readyz")
+            assert readiness.status_code == 503
+            assert {r.split(" ")[0] for r in readiness.json()["reasons"]} == {
+                "postgres",
+                "registry",
+            }
             await asyncio.to_thread(server.start)
             await eventually(lambda: _has_row(server.url), within=15)
             await eventually(lambda: _registry_ok(client), within=10)
+            components = (await client.get("/v1/status")).json()["components"]
+            assert components["postgres"]["state"] == "ok"
+            assert (await client.get("/readyz")).status_code == 200
     finally:
         server.stop()
 
