@@ -212,7 +212,8 @@ def test_no_secret_survives(secret: str, userinfo: str, name: str, user: str) ->
         f'{{"Authorization": "Bearer {secret}"}}',
     ):
         redacted = redact_text(shown)
-        assert secret not in redacted, (shown, redacted)
+        if secret not in shown.replace(secret, ""):  # not also a part of the name or text
+            assert secret not in redacted, (shown, redacted)
         assert redact_text(redacted) == redacted  # once is enough
 
 

@@ -595,3 +595,36 @@ async def test_the_probes_are_answered_while_pods_hold_every_connection(tmp_path
             assert await probe(probes, "/metrics") == 404
             assert await all_closed(first + second, within=0.2) == 0
         assert await refusals_counted(m, "too-many-connections") >= 1
+
+
+def nested_details_ping(limit: int = 16 * 1024) -> bytes:
+    """A ping whose `details` is as many small nested objects as fit the body limit."""
+    parts, size = [], len(b'{"status":"healthy","details":{}}')
+    while size + 16 < limit:
+        part = f'"k{len(parts)}":{{"v":{{}}}}'
+        parts.append(part)
+        size += len(part) + 1
+    body = '{"status":"healthy","details":{' + ",".join(parts) + "}}"
+    assert len(body) <= limit
+    return body.encode()
+
+
+async def test_the_details_of_pings_are_not_kept(tmp_path: Path) -> None:
+    """100 workloads, each pinging once with 16 KiB of small nested objects in `details`:
+    kept as parsed objects they cost ~370 KiB each (+36 MiB); not kept, next to nothing."""
+    body = nested_details_ping()
+    with running(tmp_path) as m:
+        process = psutil.Process(m.pid)
+        for _ in range(3):
+            assert await ping_once(m) == 204
+        peak_rss_reset(m.pid)
+        before = process.memory_info().rss
+        async with httpx.AsyncClient(base_url=m.url, timeout=10) as client:
+            for i in range(100):
+                answer = await client.post(
+                    f"/v1/workloads/w{i}/health", content=body,
+                    headers={"content-type": "application/json"},
+                )  # fmt: skip
+                assert answer.status_code == 204, answer.text
+        grown = max(peak_rss(m.pid), process.memory_info().rss) - before
+        assert grown < 8 * 1024 * 1024, f"RSS grew by {grown >> 20} MiB on 100 pings"
