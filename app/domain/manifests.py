@@ -68,6 +68,9 @@ class ManifestPolicy:
     level: Level = Level.BASELINE
     max_replicas: int = 10
     max_bytes: int = 64 * 1024
+    # pod labels a workload may not carry (name, value): the manager's own, where its
+    # Service would select the workload's pods
+    reserved_pod_labels: tuple[tuple[str, str], ...] = ()
 
     @property
     def exceptions(self) -> Exceptions:
@@ -85,6 +88,10 @@ class Injection:
 
     manager_url: str
     ping_token: str | None
+
+
+# the labels of the manager's pods that its Service and NetworkPolicy select (k8s/)
+MANAGER_POD_LABELS = (("app.kubernetes.io/name", "workload-manager"),)
 
 
 def spec_hash(spec: Any) -> str:
@@ -131,6 +138,10 @@ def prepare_manifest(
     _must_be_object("spec.template.metadata.labels", template_meta.get("labels", {}))
     for key in _SERVER_OWNED_METADATA:
         metadata.pop(key, None)
+    # a finalizer would keep the Deployment (or its pods) once deleted, for as long as no
+    # controller removes it: deleting an undesired workload would never end
+    metadata.pop("finalizers", None)
+    template_meta.pop("finalizers", None)
     manifest.pop("status", None)
     metadata["name"] = name
     metadata["namespace"] = namespace
@@ -199,6 +210,14 @@ def check_size(raw: Any, max_bytes: int) -> None:
 
 def _violations(spec: dict[str, Any], *, name: str, policy: ManifestPolicy) -> list[Violation]:
     found = _own_rules(spec, name=name, max_replicas=policy.max_replicas)
+    labels = spec["template"].get("metadata", {}).get("labels", {})
+    taken = [f"{k}={v}" for k, v in policy.reserved_pod_labels if labels.get(k) == v]
+    if taken:
+        detail = (
+            f"pod labels {', '.join(taken)} are the manager's own: its Service would send "
+            "the pods the node's pings and status calls"
+        )
+        found.append(Violation("spec.template.metadata.labels", "manager: Labels", detail))
     return found + check_pod_template(
         spec["template"], level=policy.level, exceptions=policy.exceptions
     )

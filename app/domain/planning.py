@@ -26,6 +26,7 @@ class ActionKind(StrEnum):
     DELETE = "delete"
     NOOP = "noop"
     HOLD = "hold"
+    DELETING = "deleting"  # deleted already, kept by its finalizers: nothing to do
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,8 @@ class LiveDeployment:
     resource_version: str | None
     managed: bool
     drift: str | None
+    deleting_since: str | None = None  # metadata.deletionTimestamp: deleted, not gone yet
+    finalizers: tuple[str, ...] = ()
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> LiveDeployment:
@@ -48,7 +51,14 @@ class LiveDeployment:
             resource_version=metadata.get("resourceVersion"),
             managed=managed,
             drift=find_drift(obj) if managed else None,
+            deleting_since=metadata.get("deletionTimestamp"),
+            finalizers=tuple(str(f) for f in metadata.get("finalizers") or ()),
         )
+
+    @property
+    def being_deleted(self) -> str:
+        kept = f", kept by finalizers {', '.join(self.finalizers)}" if self.finalizers else ""
+        return f"being deleted since {self.deleting_since}{kept}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +99,9 @@ def _plan_desired(
     if not current.managed:
         reason = "a Deployment with this name exists and is not managed by workload-manager"
         return Action(ActionKind.HOLD, name, version, current.version, reason=reason)
+    if current.deleting_since is not None:
+        reason = f"{current.being_deleted}; created again once it is gone"
+        return Action(ActionKind.HOLD, name, version, current.version, reason=reason)
     if current.version != version:
         reason = f"version {current.version} -> {version}"
     elif current.drift is not None:
@@ -119,6 +132,13 @@ def plan_sync(
         (d for d in live_by_name.values() if d.managed and d.name not in wanted),
         key=lambda d: d.name,
     )
+    # deleted already and kept by a finalizer: no second DELETE, and no share of the budget
+    for orphan in [o for o in orphans if o.deleting_since is not None]:
+        orphans.remove(orphan)
+        actions.append(
+            Action(ActionKind.DELETING, orphan.name, None, orphan.version,
+                   reason=orphan.being_deleted)
+        )  # fmt: skip
     managed_count = sum(1 for d in live_by_name.values() if d.managed)
     budget = deletion_budget(policy, managed_count)
     for orphan in orphans:

@@ -370,7 +370,7 @@ def _sync(settings: Settings, backend: BackendConfig | None) -> Decision[SyncCon
         reason = f"desired state from folder {settings.desired_state_dir}"
     else:
         return Off("no NODE_SYSTEM_ENDPOINT (with a key) and no DESIRED_STATE_DIR to sync from")
-    from app.domain.manifests import ManifestPolicy
+    from app.domain.manifests import MANAGER_POD_LABELS, ManifestPolicy
     from app.domain.planning import SyncPolicy
     from app.domain.pod_security import Level
 
@@ -393,6 +393,9 @@ def _sync(settings: Settings, backend: BackendConfig | None) -> Decision[SyncCon
             level=Level(settings.manifest_policy),
             max_replicas=settings.manifest_max_replicas,
             max_bytes=settings.manifest_max_bytes,
+            # in the manager's own namespace, its Service would send pods that carry its
+            # name the node's pings (with their tokens) and status calls
+            reserved_pod_labels=MANAGER_POD_LABELS if own else (),
         ),
         manager_url=settings.manager_url,
         ping_token_secret=settings.ping_token_secret,

@@ -369,6 +369,8 @@ class Syncer:
         try:
             if action.kind is ActionKind.HOLD:
                 result.outcome = "held"
+            elif action.kind is ActionKind.DELETING:
+                pass  # deleted already; the cluster finishes it once its finalizers go
             elif action.kind is ActionKind.NOOP:
                 landed[action.name] = result
                 if not dry_run:

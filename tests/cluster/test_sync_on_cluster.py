@@ -125,3 +125,54 @@ async def test_rollout_state_comes_from_the_deployment_controller(world: Cluster
     await eventually(settled, within=60, step=0.5)
     statuses = {v.name: v.status for v in book.views()}
     assert statuses["stuck"] == "failed"
+
+
+async def test_a_manifests_finalizers_are_not_applied_and_one_set_later_is_waited_for(
+    world: ClusterWorld,
+) -> None:
+    """The backend's finalizers are dropped; one another controller sets keeps the deleted
+    Deployment: the next syncs report it as being deleted and send no second DELETE."""
+    finalized = manifest("api", "1.0.0")
+    finalized["metadata"]["finalizers"] = ["example.com/keep"]
+    world.desire(("api", "1.0.0"), ("old", "1.0.0"), api=finalized)
+    assert (await world.syncer.sync()).ok
+    api = world.deployment("api")
+    assert api is not None and "finalizers" not in api["metadata"]
+    finalizers(world, "old", ["example.com/keep"])
+    try:
+        world.desire(("api", "1.0.0"))
+        deleted = await world.syncer.sync()
+        done = {(r.name, r.action, r.outcome) for r in deleted.results}
+        assert ("old", "delete", "applied") in done
+        kept = world.deployment("old")
+        assert kept is not None and kept["metadata"].get("deletionTimestamp")
+        for _ in range(2):
+            again = await world.syncer.sync()
+            (old,) = [r for r in again.results if r.name == "old"]
+            assert (old.action, old.outcome) == ("deleting", "unchanged"), old
+            assert "kept by finalizers example.com/keep" in old.reason
+    finally:  # else the namespace's clean-up would wait for it forever
+        finalizers(world, "old", None)
+    await eventually(lambda: _gone(world, "old"))
+
+
+def finalizers(world: ClusterWorld, name: str, finalizers: list[str] | None) -> None:
+    world.cluster.kubectl(
+        "-n", NAMESPACE, "patch", "deployment", name, "--type=merge",
+        "-p", json.dumps({"metadata": {"finalizers": finalizers}}),
+    )  # fmt: skip
+
+
+async def test_pods_carrying_the_managers_name_are_held_in_its_namespace(
+    world: ClusterWorld,
+) -> None:
+    impostor = manifest("api", "1.0.0")
+    impostor["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] = (
+        "workload-manager"
+    )
+    world.desire(("api", "1.0.0"), api=impostor)
+    result = await world.syncer.sync()
+    (api,) = result.results
+    assert (api.action, api.outcome) == ("hold", "held"), api
+    assert "app.kubernetes.io/name=workload-manager are the manager's own" in api.reason
+    assert world.deployment("api") is None

@@ -13,6 +13,7 @@ from app.domain.manifests import (
     APPLIED_ANNOTATION,
     HASH_ANNOTATION,
     MANAGED_BY_LABEL,
+    MANAGER_POD_LABELS,
     VERSION_ANNOTATION,
     WORKLOAD_LABEL,
     Injection,
@@ -353,3 +354,31 @@ def test_many_violations_are_listed_up_to_a_bound() -> None:
     message = str(caught.value)
     assert "add[0]" in message and "and 490 more" in message
     assert len(message) < 4_000
+
+
+def test_finalizers_are_not_applied() -> None:
+    """A finalizer would keep the Deployment (or its pods) after a delete for as long as no
+    controller removes it: the undesired workload's deletion would never end."""
+
+    def finalized(m: dict[str, Any]) -> None:
+        m["metadata"]["finalizers"] = ["example.com/keep"]
+        m["spec"]["template"]["metadata"]["finalizers"] = ["example.com/keep-pods"]
+
+    prepared = prepare(edit(finalized))
+    assert "finalizers" not in prepared["metadata"]
+    assert "finalizers" not in prepared["spec"]["template"]["metadata"]
+
+
+def test_pods_that_carry_the_managers_own_labels_are_held_where_its_service_is() -> None:
+    """In the manager's namespace its Service selects its name label: a workload's pods
+    with it would get the node's pings, tokens included, and status calls."""
+    raw = edit(lambda m: m["spec"]["template"]["metadata"]["labels"].update(
+        {"app.kubernetes.io/name": "workload-manager"}))  # fmt: skip
+    reserved = ManifestPolicy(reserved_pod_labels=MANAGER_POD_LABELS)
+    with pytest.raises(
+        ManifestRejected,
+        match=r"pod labels app.kubernetes.io/name=workload-manager are the manager's own",
+    ):
+        prepare(raw, reserved)
+    assert prepare(raw)["metadata"]["name"] == "api", "elsewhere the label selects nothing"
+    assert prepare(edit(lambda m: None), reserved)["metadata"]["name"] == "api"

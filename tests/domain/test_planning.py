@@ -15,13 +15,15 @@ from app.domain.planning import (
     plan_sync,
 )
 
-C, U, D, N, H = (
+C, U, D, N, H, G = (
     ActionKind.CREATE,
     ActionKind.UPDATE,
     ActionKind.DELETE,
     ActionKind.NOOP,
     ActionKind.HOLD,
+    ActionKind.DELETING,
 )
+SINCE = "2026-12-05T12:00:00Z"
 
 
 def desired(*pairs: tuple[str, str], allow_empty: bool = False) -> DesiredState:
@@ -33,11 +35,18 @@ def desired(*pairs: tuple[str, str], allow_empty: bool = False) -> DesiredState:
 
 
 def live(
-    name: str, version: str | None, *, managed: bool = True, drift: str | None = None
+    name: str,
+    version: str | None,
+    *,
+    managed: bool = True,
+    drift: str | None = None,
+    deleting: bool = False,
 ) -> LiveDeployment:
     return LiveDeployment(
-        name=name, version=version, resource_version=f"rv-{name}", managed=managed, drift=drift
-    )
+        name=name, version=version, resource_version=f"rv-{name}", managed=managed, drift=drift,
+        deleting_since=SINCE if deleting else None,
+        finalizers=("example.com/keep",) if deleting else (),
+    )  # fmt: skip
 
 
 def kinds(actions: list[Action]) -> list[tuple[str, ActionKind]]:
@@ -69,6 +78,11 @@ POLICY = SyncPolicy(max_deletes=5, max_delete_percent=100)
         # unmanaged and not desired -> ignored entirely
         (desired(("api", "1.0")), [live("api", "1.0"), live("theirs", "1", managed=False)],
          [("api", N)]),
+        # deleted already, kept by a finalizer -> deleting: no second DELETE
+        (desired(("api", "1.0")), [live("api", "1.0"), live("old", "3", deleting=True)],
+         [("api", N), ("old", G)]),
+        # desired again while it is being deleted -> hold until it is gone
+        (desired(("api", "1.1")), [live("api", "1.0", deleting=True)], [("api", H)]),
         # a mix, sorted by name
         (desired(("b", "2"), ("a", "1"), ("c", "3")),
          [live("a", "1"), live("b", "1"), live("z", "9")],
@@ -163,3 +177,13 @@ def test_every_desired_and_every_managed_deployment_gets_exactly_one_action() ->
     names = [a.name for a in actions]
     assert len(names) == len(set(names))
     assert set(names) == {w.name for w in want.workloads} | {d.name for d in have}
+
+
+def test_a_deployment_being_deleted_takes_no_share_of_the_deletion_budget() -> None:
+    """With one deletion a sync, three Deployments kept by finalizers do not stand in the
+    way of the next orphan; each is reported as being deleted, with its finalizers."""
+    have = [live(f"stuck{i}", "1", deleting=True) for i in range(3)] + [live("orphan", "1")]
+    actions = plan_sync(desired(allow_empty=True), have, SyncPolicy(max_deletes=1))
+    assert kinds(actions) == [("orphan", D), ("stuck0", G), ("stuck1", G), ("stuck2", G)]
+    reason = actions[1].reason
+    assert reason == f"being deleted since {SINCE}, kept by finalizers example.com/keep"
