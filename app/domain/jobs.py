@@ -37,8 +37,7 @@ class EventKind(StrEnum):
     FAILED = "job.failed"
     REJECTED = "job.rejected"
     EXPIRED = "job.expired"
-    DEAD = "job.dead"
-    UNROUTABLE = "job.unroutable"
+    DEAD = "job.dead"  # dead-lettered, `code` says why (`unroutable` among them)
     NODE_ONLINE = "node.online"
     NODE_DRAINING = "node.draining"
     NODE_OFFLINE = "node.offline"

@@ -599,7 +599,8 @@ async def test_the_probes_are_answered_while_pods_hold_every_connection(tmp_path
 
 def nested_details_ping(limit: int = 16 * 1024) -> bytes:
     """A ping whose `details` is as many small nested objects as fit the body limit."""
-    parts, size = [], len(b'{"status":"healthy","details":{}}')
+    parts: list[str] = []
+    size = len(b'{"status":"healthy","details":{}}')
     while size + 16 < limit:
         part = f'"k{len(parts)}":{{"v":{{}}}}'
         parts.append(part)

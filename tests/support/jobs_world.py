@@ -25,6 +25,7 @@ from app.adapters.bus import JetStreamBus, NatsAuth
 from app.adapters.embedded import EmbeddedNats
 from app.domain.jobs import Job, job_subject
 from app.services.streams import new_job, publish_job
+from tests.support import asyncapi
 from tests.support.polling import eventually
 from tests.support.process import ManagerProcess
 
@@ -56,13 +57,21 @@ class EventLog:
 
 @asynccontextmanager
 async def watching_events(url: str) -> AsyncIterator[EventLog]:
+    """Every event while the block runs; each one must be what docs/asyncapi.yaml says
+    (checked as it comes, asserted when the block ends)."""
     log = EventLog()
+    unlike: list[str] = []
 
     async def collect(msg: Any) -> None:
-        log.events.append((msg.subject, json.loads(msg.data)))
+        body = json.loads(msg.data)
+        log.events.append((msg.subject, body))
+        said = asyncapi.check(msg.subject, body)
+        if said is not None:
+            unlike.append(said)
 
     async with _subscribed(url, "mm.events.>", collect):
         yield log
+    assert unlike == [], "events unlike docs/asyncapi.yaml"
 
 
 @asynccontextmanager
