@@ -374,6 +374,17 @@ def _self_update(args: argparse.Namespace) -> int:
     return asyncio.run(check())
 
 
+def _openapi(args: argparse.Namespace) -> int:
+    import json
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    document = create_app(Settings(_env_file=None)).openapi()
+    print(json.dumps(document, indent=2, sort_keys=True))
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     import json
 
@@ -481,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     schema = sub.add_parser("job-schema", help="print the JSON Schema of job/v1")
     schema.set_defaults(func=_schema)
+
+    openapi = sub.add_parser("openapi", help="print the HTTP API's OpenAPI document")
+    openapi.set_defaults(func=_openapi)
 
     keygen = sub.add_parser("keygen", help="print a new Ed25519 node key pair")
     keygen.add_argument(
