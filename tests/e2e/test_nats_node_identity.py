@@ -26,8 +26,8 @@ from nats.aio.client import Client
 from app.adapters.bus import JetStreamBus, NatsAuth, inbox_prefix
 from app.adapters.embedded import EmbeddedNats
 from app.adapters.kv_ledger import bucket
-from app.services.streams import init_streams, new_job, publish_job
-from app.settings import Settings
+from app.services.streams import new_job, publish_job
+from tests.support.nats_auth import operators_step
 from tests.support.nats_jwt import Fleet
 from tests.support.polling import eventually
 from tests.support.process import ManagerProcess
@@ -62,13 +62,7 @@ def operator_creds(fleet: Fleet, keys: Path) -> Path:
 @pytest.fixture
 async def admin(server: EmbeddedNats, operator_creds: Path) -> Path:
     """The operator's creds, after the operator's step with them (idempotent)."""
-    auth = NatsAuth(creds_file=operator_creds)
-    bus = JetStreamBus(server.url, name="operator", timeout=5, auth=auth)
-    await bus.connect()
-    try:
-        await init_streams(bus, Settings(_env_file=None))
-    finally:
-        await bus.drain()
+    await operators_step(server.url, NatsAuth(creds_file=operator_creds))
     return operator_creds
 
 

@@ -36,9 +36,15 @@ from app.adapters.bus import JetStreamBus, NatsAuth, inbox_prefix
 from app.adapters.embedded import EmbeddedNats
 from app.adapters.kv_ledger import bucket, key_name
 from app.domain.jobs import EVENTS_STREAM, STREAMS, consumer_name
-from app.services.streams import consumer_specs, init_streams
+from app.services.streams import consumer_specs
 from app.settings import Settings
-from tests.support.nats_auth import PRODUCERS, new_nkey_user, operator_url, start_server
+from tests.support.nats_auth import (
+    PRODUCERS,
+    new_nkey_user,
+    operator_url,
+    operators_step,
+    start_server,
+)
 from tests.support.nats_jwt import Fleet
 from tests.support.polling import eventually
 
@@ -102,14 +108,8 @@ def deployment(
 
 @pytest.fixture
 async def world(deployment: Deployment) -> Deployment:
-    """The operator's step: streams, consumers and the ledger buckets (idempotent)."""
-    url = deployment.operator_url or deployment.url
-    bus = JetStreamBus(url, name="operator", timeout=5, auth=deployment.operator)
-    await bus.connect()
-    try:
-        await init_streams(bus, Settings(_env_file=None))
-    finally:
-        await bus.drain()
+    """The deployment, after the operator's step."""
+    await operators_step(deployment.operator_url or deployment.url, deployment.operator)
     return deployment
 
 

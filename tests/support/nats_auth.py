@@ -17,7 +17,7 @@ from pathlib import Path
 import nkeys
 import pytest
 
-from app.adapters.bus import JetStreamBus
+from app.adapters.bus import JetStreamBus, NatsAuth
 from app.adapters.embedded import EmbeddedNats
 from app.adapters.kv_ledger import bucket
 from app.domain.jobs import STREAMS, consumer_filter, consumer_name
@@ -163,12 +163,16 @@ def secured(
         server.stop()
 
 
-@pytest.fixture
-async def topology(secured: EmbeddedNats) -> None:
+async def operators_step(url: str, auth: NatsAuth | None = None) -> None:
     """The operator's step: streams, consumers and the ledger buckets (idempotent)."""
-    bus = JetStreamBus(operator_url(secured), name="operator", timeout=5)
+    bus = JetStreamBus(url, name="operator", timeout=5, auth=auth)
     await bus.connect()
     try:
         await init_streams(bus, Settings(_env_file=None))
     finally:
         await bus.drain()
+
+
+@pytest.fixture
+async def topology(secured: EmbeddedNats) -> None:
+    await operators_step(operator_url(secured))
