@@ -76,10 +76,12 @@ class Heartbeat:
                 with attempt:
                     await self._write()
         except NodeHeldElsewhere as exc:
-            # a second manager for a node one already serves: it stays out of the way
+            # a second manager for a node one already serves: it stays out of the way, on
+            # standby, not failing (the new pod of a self-update waits so until the old one
+            # has gone, and must be ready meanwhile, or the old one never goes)
             self._metrics.heartbeats.labels("failed").inc()
             self._written = None
-            return Outcome.failed(str(exc))
+            return Outcome.skipped(str(exc), standby=str(exc))
         except RegistryUnavailable as exc:  # the database is down: a state, not a failure
             self._metrics.heartbeats.labels("failed").inc()
             self._written = None  # re-register in full once the database is back

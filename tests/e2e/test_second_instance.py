@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 
 from tests.support.polling import eventually
@@ -85,7 +87,26 @@ async def test_a_second_live_instance_of_a_node_never_marks_it_offline(
     try:
         await eventually(lambda: _online_and_beating(database))
         second = ManagerProcess(env=_env(database), workdir=_workdir(tmp_path, "second")).start()
-        second.stop()
+
+        async def registry() -> dict[str, Any]:
+            async with httpx.AsyncClient(timeout=5) as client:
+                found: dict[str, Any] = (await client.get(f"{second.url}/v1/status")).json()
+            return found["components"]["registry"]  # type: ignore[no-any-return]
+
+        async def on_standby() -> bool:
+            return "held by another live instance" in (await registry())["detail"].get(
+                "standby", ""
+            )
+
+        try:
+            await eventually(on_standby, within=20)
+            # standing by is not failing: it is ready (a self-update's new pod waits so for
+            # the old one to go, which it does only once the new one is ready)
+            assert (await registry())["state"] != "failing"
+            async with httpx.AsyncClient(timeout=5) as client:
+                assert (await client.get(f"{second.url}/readyz")).status_code == 200
+        finally:
+            second.stop()
         log = second.log()
         assert "held by another live instance" in log, log
         row = await _row(database)
