@@ -14,7 +14,7 @@ help:
 	@echo "make run    - start the manager on embedded defaults (Postgres + NATS from wheels)"
 	@echo "make dev    - the same, restarting on code changes"
 	@echo "make test   - the whole test suite (starts every server it needs)"
-	@echo "make test-fast - pure rules, the API and the adapters that need no control plane (no Go build)"
+	@echo "make test-fast - every test that needs no control plane, image or manager process (by marker)"
 	@echo "make fuzz   - the property and schema fuzz tests with new random examples (not in CI)"
 	@echo "make test-faults - only the fault suite (tests/faults)"
 	@echo "make lint   - ruff, mypy --strict, import contracts, shellcheck, hadolint, checkov on the rendered k8s/"
@@ -68,11 +68,13 @@ test: test-deps control-plane image
 test-node: test-deps control-plane image
 	$(BIN)/python -m pytest tests/node
 
-# Pure rules, the API and the adapters against the servers that come from wheels
-# (PostgreSQL, nats-server, moto): no Go build, no image; four processes (mostly waiting).
-FAST_TESTS := tests/domain tests/api tests/adapters tests/k8s tests/doubles
+# Every test that needs no control plane, no image and no manager process, selected by
+# marker across tests/ (a test that uses the control plane is marked by its fixture): the
+# pure rules, the API, the adapters and the services against the servers that come from
+# wheels (PostgreSQL, nats-server, moto); no Go build, no image; four processes.
+FAST_MARKERS := not e2e and not control_plane and not node and not faults
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n 4 -m "not e2e and not control_plane and not node" $(FAST_TESTS)
+	$(BIN)/python -m pytest -n 4 -m "$(FAST_MARKERS)" tests
 
 fuzz: $(STAMP) control-plane
 	HYPOTHESIS_PROFILE=explore $(BIN)/python -m pytest tests/api/test_ping_properties.py \
