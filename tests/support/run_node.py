@@ -130,7 +130,7 @@ def main() -> int:
                 f"  {kubectl} -n {OWN_NS} get pods\n"
                 f"  {kubectl} -n {OWN_NS} logs deploy/workload-manager -f\n"
                 f"  {kubectl} -n {WORKLOADS} get deploy,pods\n"
-                "Ctrl-C removes everything.\n"
+                "Ctrl-C removes the node (the logs are kept, and where is said).\n"
             )
             while True:
                 time.sleep(3600)
