@@ -142,6 +142,7 @@ def _sync(args: argparse.Namespace) -> int:
 
     from app import logs
     from app.adapters.signing import InvalidKeyError
+    from app.services.features.sync import SYNC
     from app.services.runtime import build_runtime, open_sync_only
 
     try:
@@ -156,7 +157,7 @@ def _sync(args: argparse.Namespace) -> int:
         async with AsyncExitStack() as stack:
             syncer = await open_sync_only(rt, stack)
             if syncer is None:
-                print(f"workload-manager: sync is off: {rt.components['sync'].reason}",
+                print(f"workload-manager: sync is off: {rt.components[SYNC.name].reason}",
                       file=sys.stderr)  # fmt: skip
                 return 2
             outcome = await syncer.sync(dry_run=args.dry_run)
@@ -246,7 +247,7 @@ def _init_streams(args: argparse.Namespace) -> int:
     import asyncio
 
     from app.adapters.bus import BusError, JetStreamBus, NatsRefused
-    from app.services.components import nats_auth_of
+    from app.services.features.deps import nats_auth_of
     from app.services.streams import TIERS, init_streams
 
     settings = _nats_settings()
@@ -285,7 +286,7 @@ def _publish(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from app.adapters.bus import BusError, JetStreamBus, NatsRefused, Published
-    from app.services.components import nats_auth_of
+    from app.services.features.deps import nats_auth_of
     from app.services.streams import new_job, publish_job
 
     settings = _nats_settings()
@@ -343,6 +344,7 @@ def _self_update(args: argparse.Namespace) -> int:
     from app.adapters.signing import InvalidKeyError
     from app.adapters.versions import VersionSourceError
     from app.domain.updates import VersionFileError
+    from app.services.features.self_update import SELF_UPDATE
     from app.services.runtime import build_runtime, open_self_update_only
 
     try:
@@ -355,7 +357,7 @@ def _self_update(args: argparse.Namespace) -> int:
         async with AsyncExitStack() as stack:
             updater = await open_self_update_only(rt, stack)
             if updater is None:
-                reason = rt.components["self_update"].reason
+                reason = rt.components[SELF_UPDATE.name].reason
                 print(f"workload-manager: self-update is off: {reason}", file=sys.stderr)
                 return 2
             try:

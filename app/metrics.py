@@ -122,10 +122,12 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
-        self.report_duration = Histogram(
-            f"{PREFIX}_report_duration_seconds",
-            "Time to deliver one node health report, retries included.",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        self.loop_duration = Histogram(
+            f"{PREFIX}_loop_duration_seconds",
+            "Time one run of a periodic loop took (a report, a sync, a heartbeat), retries "
+            "included, by loop.",
+            ["loop"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
             registry=self.registry,
         )
         self.job_runs = Counter(
@@ -140,12 +142,6 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
-        self.sync_duration = Histogram(
-            f"{PREFIX}_sync_duration_seconds",
-            "Time one deployment sync took, from reading the desired state to the last write.",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-            registry=self.registry,
-        )
         self.sync_actions = Counter(
             f"{PREFIX}_sync_actions_total",
             "Per-workload sync actions by kind (create, update, delete, noop, hold) and outcome.",
@@ -156,12 +152,6 @@ class Metrics:
             f"{PREFIX}_heartbeats_total",
             "Capability registry heartbeats by outcome (ok, failed).",
             ["outcome"],
-            registry=self.registry,
-        )
-        self.heartbeat_duration = Histogram(
-            f"{PREFIX}_heartbeat_duration_seconds",
-            "Time one registry heartbeat took, retries included.",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=self.registry,
         )
         self.jobs = Counter(

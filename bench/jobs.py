@@ -35,6 +35,7 @@ from app.adapters.bus import JetStreamBus
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.domain.jobs import STREAMS, Job, consumer_name, job_subject
 from app.main import create_app
+from app.services.features.worker import WORKER
 from app.services.runtime import Runtime
 from app.services.streams import consumer_specs, init_streams, new_job, publish_job, stream_specs
 from app.settings import Settings
@@ -490,8 +491,9 @@ async def _whole(
             started = time.perf_counter()
             if during is not None:
                 during()
-            worker = runtime.worker
-            assert worker is not None
+            working = runtime.get(WORKER)
+            assert working is not None
+            worker = working.worker
             view, in_flight = await world.drained(JOB_STREAM, DURABLE, n, lambda: worker.in_flight)
             wall = time.perf_counter() - started
             cpu = CpuMeter.spent(before, world.cpu.snapshot())

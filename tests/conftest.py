@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import hypothesis
@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.main import create_app
+from app.services.features.worker import WORKER
 from app.services.runtime import Runtime
 from app.settings import Settings
 from tests.support.backend import LocalBackend
@@ -28,6 +29,10 @@ from tests.support.moto_s3 import MotoS3, moto_s3_server
 from tests.support.real_cluster import MANAGER_ACCOUNT, RealCluster
 from tests.support.servers import ThreadedServer
 from tests.support.sync_world import KEY, NODE
+
+if TYPE_CHECKING:
+    from app.adapters.bus import JetStreamBus
+    from app.services.working import Worker
 
 SettingsFactory = Callable[..., Settings]
 
@@ -129,6 +134,18 @@ def app(settings: Settings) -> FastAPI:
 def runtime_of(app: FastAPI) -> Runtime:
     rt: Runtime = app.state.runtime
     return rt
+
+
+def worker_of(app: FastAPI) -> Worker | None:
+    """The running job worker (None: off, or not started)."""
+    working = runtime_of(app).get(WORKER)
+    return working.worker if working is not None else None
+
+
+def bus_of(app: FastAPI) -> JetStreamBus | None:
+    """The job worker's NATS connection (None: off, or not started)."""
+    working = runtime_of(app).get(WORKER)
+    return working.bus if working is not None else None
 
 
 @pytest.fixture

@@ -42,7 +42,14 @@ _RETRY_AFTER_STATUSES = (429, 503)
 
 
 class BackendError(RuntimeError):
-    """The backend could not be reached or answered with an error (message is loggable)."""
+    """The backend could not be reached or answered with an error (message is loggable).
+
+    `retry_after`: the seconds the backend's last Retry-After asked for (a 429 or 503 the
+    call could not outwait), which the caller's next run honours; None without one."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class BackendDeadlineError(BackendError):
@@ -66,6 +73,7 @@ class _Progress:
     received: int = 0
     last_error: str | None = None
     gave_up: str | None = None
+    asked: float | None = None  # the last Retry-After, in seconds
 
     def at_deadline(self) -> str:
         if self.doing == "reading":
@@ -182,7 +190,9 @@ class BackendClient:
             ) from None
         except _RetryableStatus as exc:
             reason = f"; not tried again: {progress.gave_up}" if progress.gave_up else ""
-            raise BackendError(f"{method} {path}: {exc}{reason}") from None
+            raise BackendError(
+                f"{method} {path}: {exc}{reason}", retry_after=progress.asked
+            ) from None
         except httpx.HTTPError as exc:
             raise BackendError(f"{method} {path}: {_describe(exc)}") from None
         raise AssertionError("unreachable: stamina either returns or raises")
@@ -199,6 +209,7 @@ class BackendClient:
         asked = parse_retry_after(exc.retry_after, datetime.fromtimestamp(self._clock(), UTC))
         if asked is None:
             return True
+        progress.asked = asked
         decision = decide_wait(asked, left=left, longest=self._max_wait)
         if isinstance(decision, GiveUp):
             progress.gave_up = decision.reason

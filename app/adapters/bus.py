@@ -240,11 +240,12 @@ class PullSubscription:
 
 
 class JetStreamBus:
-    """The manager's long-lived connection: reconnects forever, reports its state.
+    """The manager's long-lived connection: reconnects forever, tells its state.
 
-    `on_change`, when given, hears every change of the connection as it happens: None once
-    connected (or reconnected), else why not, naming the server and the client's last error
-    ("disconnected from nats://nats:4222: unexpected EOF", "cannot connect to ...")."""
+    `trouble` is why it is not connected now, naming the server and the client's last
+    error ("disconnected from nats://nats:4222: unexpected EOF", "cannot connect to
+    ..."); `on_change`, when given, hears every change of it as it happens (None once
+    connected or reconnected)."""
 
     def __init__(
         self,
@@ -272,6 +273,12 @@ class JetStreamBus:
         # the server's last refusal (credentials or a subject), for a clear error instead of
         # the bare timeout a denied request ends in
         self.refusal: str | None = None
+
+    @property
+    def trouble(self) -> str | None:
+        """Why it is not connected now, naming the server and the error; None when it is
+        connected, or has not tried yet."""
+        return None if self.connected else (self._told or None)
 
     def _change(self, why: str | None) -> None:
         if self._on_change is not None and why != self._told:

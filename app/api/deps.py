@@ -16,6 +16,8 @@ from fastapi import Depends, HTTPException, Request
 
 from app.domain.components import Component
 from app.metrics import Metrics
+from app.services.features.registry import REGISTRY
+from app.services.features.sync import SYNC
 from app.services.runtime import Runtime
 from app.services.supervision import Supervisor
 from app.services.workloads import WorkloadBook
@@ -69,12 +71,14 @@ def _components(request: Request) -> dict[str, Component]:
 
 def _syncer(request: Request) -> Switchable[Syncer]:
     rt = runtime(request)
-    return Switchable(rt.syncer, rt.components["sync"])
+    running = rt.get(SYNC)
+    return Switchable(running.syncer if running else None, rt.components[SYNC.name])
 
 
 def _registry(request: Request) -> Switchable[AsyncpgRegistry]:
     rt = runtime(request)
-    return Switchable(rt.registry, rt.components["registry"])
+    running = rt.get(REGISTRY)
+    return Switchable(running.registry if running else None, rt.components[REGISTRY.name])
 
 
 SettingsDep = Annotated[Settings, Depends(_settings)]

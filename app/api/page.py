@@ -21,6 +21,7 @@ from app.api.deps import SettingsDep, runtime
 from app.api.schemas import AlertInfo, ComponentInfo, Status, SyncInfo, WorkloadInfo
 from app.api.status import StatusDep
 from app.domain.uptime import DAY, HOUR, WEEK, HourShare, UptimeHistory
+from app.services.features.uptime import UPTIME_RECORD
 
 router = APIRouter(
     tags=["page"], dependencies=[Depends(require_page_token)], responses=UNAUTHORIZED
@@ -264,8 +265,8 @@ page at {_when(now)}, reloads every {refresh_seconds} s ·
 
 
 def _uptime_history(request: Request) -> Callable[[str], UptimeHistory | None]:
-    record = runtime(request).uptime_record
-    return record.history if record is not None else lambda _name: None
+    record = runtime(request).get(UPTIME_RECORD)
+    return record.recorder.history if record is not None else lambda _name: None
 
 
 @router.get("/", response_class=HTMLResponse, summary="Status page for people")

@@ -30,6 +30,8 @@ from app.api.schemas import (
 from app.domain.health import is_workload_name
 from app.domain.redaction import redact_text, scrub
 from app.domain.reports import WorkloadView
+from app.services.features.report import REPORT
+from app.services.features.sync import SYNC
 from app.services.runtime import Runtime
 
 router = APIRouter(
@@ -44,7 +46,10 @@ def _workload(view: WorkloadView) -> WorkloadInfo:
 def build_status(rt: Runtime) -> Status:
     """One snapshot of everything the node knows; the JSON route and the HTML page both
     render it, so they cannot disagree."""
-    last = rt.reporter.last_report if rt.reporter is not None else None
+    reporting, syncing = rt.get(REPORT), rt.get(SYNC)
+    last = reporting.reporter.last_report if reporting is not None else None
+    syncer = syncing.syncer if syncing is not None else None
+    rt.refresh()
     return Status(
         node=NodeInfo(
             id=rt.node_id,
@@ -70,11 +75,9 @@ def build_status(rt: Runtime) -> Status:
         sync=SyncInfo(
             interval_seconds=rt.settings.sync_interval_seconds,
             next_at=rt.supervisor.next_run("sync"),
-            last=scrub(rt.syncer.last.as_dict()) if rt.syncer and rt.syncer.last else None,
+            last=scrub(syncer.last.as_dict()) if syncer and syncer.last else None,
             last_change=(
-                scrub(rt.syncer.last_change.as_dict())
-                if rt.syncer and rt.syncer.last_change
-                else None
+                scrub(syncer.last_change.as_dict()) if syncer and syncer.last_change else None
             ),
         ),
         alerts=[

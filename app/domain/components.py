@@ -9,8 +9,8 @@ reconciler. Times are passed in, so this stays a plain record.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
 from types import MappingProxyType
@@ -38,6 +38,9 @@ class Outcome:
     error: str | None = None
     detail: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     alerts: tuple[tuple[str, str], ...] = ()
+    # when the loop should run next, in seconds, instead of at its interval: a backend's
+    # Retry-After, or an interval the backend asks for (None: the supervisor's policy)
+    retry_in: float | None = None
 
     @classmethod
     def ok(cls, **detail: Any) -> Outcome:
@@ -61,10 +64,14 @@ class Outcome:
 
     def with_detail(self, **detail: Any) -> Outcome:
         """This outcome with `detail` under its own (its own wins)."""
-        return Outcome(self.result, self.error, {**detail, **self.detail}, self.alerts)
+        return replace(self, detail={**detail, **self.detail})
 
     def alerting(self, key: str, text: str) -> Outcome:
-        return Outcome(self.result, self.error, self.detail, (*self.alerts, (key, text)))
+        return replace(self, alerts=(*self.alerts, (key, text)))
+
+    def retrying(self, seconds: float | None) -> Outcome:
+        """This outcome, asking for the loop's next run in `seconds` (None: as it was)."""
+        return self if seconds is None else replace(self, retry_in=max(0.0, seconds))
 
 
 class ComponentState(StrEnum):
@@ -76,6 +83,10 @@ class ComponentState(StrEnum):
 
 @dataclass
 class Component:
+    """One component's record: on or off and why, the facts its start found (`facts`),
+    and its state, from its runs' outcomes or, for one with a live state (a connection),
+    from `live`, asked each time the record is read (`refresh`)."""
+
     name: str
     enabled: bool
     reason: str
@@ -85,25 +96,33 @@ class Component:
     last_failure_at: datetime | None = None
     last_error: str | None = None
     consecutive_failures: int = 0
-    detail: dict[str, Any] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)  # what the start found
+    last_detail: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # the last run's
     failing_since: datetime | None = None  # the first failure since it last succeeded
+    live: Callable[[], Outcome | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.enabled:
             self.state = ComponentState.OFF
+
+    @property
+    def detail(self) -> dict[str, Any]:
+        """The facts of the start, and the last run's detail over them."""
+        return {**self.facts, **self.last_detail}
 
     def switch_off(self, reason: str) -> None:
         self.enabled = False
         self.state = ComponentState.OFF
         self.reason = reason
         self.failing_since = None
+        self.live = None
 
     def succeeded(self, at: datetime, **detail: Any) -> None:
         self.state = ComponentState.OK
         self.last_success_at = at
         self.consecutive_failures = 0
         self.failing_since = None
-        self.detail.update(detail)
+        self.last_detail = detail
 
     def failed(self, at: datetime, error: str, **detail: Any) -> None:
         if self.state is not ComponentState.FAILING:
@@ -112,16 +131,31 @@ class Component:
         self.last_failure_at = at
         self.last_error = error
         self.consecutive_failures += 1
-        self.detail.update(detail)
+        self.last_detail = detail
 
     def record(self, at: datetime, outcome: Outcome) -> None:
         """A run's outcome: OK succeeds, FAILED and UNAVAILABLE fail, SKIPPED leaves the
-        state as it was; the detail is kept in every case."""
+        state as it was; its detail describes this run and replaces the last one's."""
         if outcome.result is Result.OK:
             self.succeeded(at, **outcome.detail)
         elif outcome.result is Result.SKIPPED:
-            self.detail.update(outcome.detail)
+            self.last_detail = outcome.detail
         else:
+            self.failed(at, outcome.error or outcome.result.value, **outcome.detail)
+
+    def refresh(self, at: datetime) -> None:
+        """The state now, for a component with a live state: what `live` says, recorded
+        when it differs from the record (a change of state or of error), so the times
+        say when it changed."""
+        if self.live is None or not self.enabled:
+            return
+        outcome = self.live()
+        if outcome is None or outcome.result is Result.SKIPPED:
+            return
+        if outcome.result is Result.OK:
+            if self.state is not ComponentState.OK:
+                self.succeeded(at, **outcome.detail)
+        elif self.state is not ComponentState.FAILING or self.last_error != outcome.error:
             self.failed(at, outcome.error or outcome.result.value, **outcome.detail)
 
     @property
@@ -138,7 +172,7 @@ class Component:
             "last_error": self.last_error,
             "consecutive_failures": self.consecutive_failures,
             "failing_since": self.failing_since,
-            "detail": dict(self.detail),
+            "detail": self.detail,
         }
 
 
@@ -151,6 +185,7 @@ def outage_alerts(
     raised: list[tuple[str, str]] = []
     down = set(alerted)
     for component in components:
+        component.refresh(now)
         name, since = component.name, component.failing_since
         failing = component.enabled and component.state is ComponentState.FAILING
         if failing and since is not None and name not in down:

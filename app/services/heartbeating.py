@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 import stamina
@@ -57,14 +56,18 @@ class Heartbeat:
         # told each time the registry has this instance's row (the schema migrated first,
         # in development); the composition root passes it on to whoever waits for that
         self._on_registered = on_registered
+        self.last: Outcome | None = None  # the last beat's outcome
+
+    async def beat(self) -> Outcome:
+        """One heartbeat (registering when needed): OK when the registry has it."""
+        self.last = await self._beat()
+        return self.last
 
     async def profile(self) -> NodeProfile:
         """The node's profile, with the hardware fingerprint refreshed every 10 minutes."""
         return await self._local()
 
-    async def beat(self) -> Outcome:
-        """One heartbeat (registering when needed): OK when the registry has it."""
-        started = time.monotonic()
+    async def _beat(self) -> Outcome:
         try:
             async for attempt in stamina.retry_context(
                 on=RegistryUnavailable,
@@ -90,8 +93,6 @@ class Heartbeat:
             self._metrics.heartbeats.labels("failed").inc()
             self._written = None
             return Outcome.failed(f"{type(exc).__name__}: {exc}")
-        finally:
-            self._metrics.heartbeat_duration.observe(time.monotonic() - started)
         self._metrics.heartbeats.labels("ok").inc()
         if self._on_registered is not None:
             self._on_registered()

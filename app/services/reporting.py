@@ -72,14 +72,11 @@ class Reporter:
             return Outcome.ok(target="log")
         from app.adapters.backend import BackendError
 
-        started = time.monotonic()
         try:
             await self.backend.post_health(report)
         except BackendError as exc:
             self._metrics.reports.labels("failed").inc()
-            return Outcome.failed(f"not delivered: {exc}")
-        finally:
-            self._metrics.report_duration.observe(time.monotonic() - started)
+            return Outcome.failed(f"not delivered: {exc}").retrying(exc.retry_after)
         self._metrics.reports.labels("sent").inc()
         log.debug("node report delivered: %d workloads", len(report["workloads"]))
         return Outcome.ok(target="backend")

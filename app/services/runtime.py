@@ -1,18 +1,17 @@
 """The running manager: what it is made of, and how it starts and stops.
 
-`build_runtime` is synchronous and cheap (settings, key, in-memory book, metrics,
-component table), so routes work the moment the app exists. `start_runtime` is the
-composition root: it opens each component from `wiring` in the order their inputs
-require, keeps what they return, starts the loops and the supervised tasks, and
-registers `stop_runtime` to run first on the way out. `stop_runtime` is the whole
-orderly shutdown under one deadline (`SHUTDOWN_GRACE_SECONDS`, counted from SIGTERM);
+`build_runtime` is synchronous and cheap (settings, key, in-memory book, metrics, the
+features decided), so routes work the moment the app exists. `start_runtime` is the
+composition root: it opens the features (`app/services/features/`) in their declared
+order, hands every timer and task they declare to the supervisor, and registers
+`stop_runtime` to run first on the way out. `stop_runtime` runs the features' stop steps
+phase by phase under one deadline (`SHUTDOWN_GRACE_SECONDS`, counted from SIGTERM);
 after it, the lifespan's AsyncExitStack closes the clients and the embedded servers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import socket
 import time
@@ -20,52 +19,30 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from app import __version__
-from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.signing import NodeSigner, load_config_file, load_private_key, node_id_for
-from app.domain.components import Component, Outcome, Result
-from app.domain.redaction import redact_text, redact_url
-from app.domain.uptime import SAVE_EVERY_SECONDS
+from app.domain.components import Component, Outcome
 from app.metrics import Metrics
 from app.services.alerting import Alerter
-from app.services.components import DataServiceConfig, Decision, Plan, decide
+from app.services.features import FEATURES, Plan, decide
+from app.services.features.base import Off, Phase, Running, Spec
+from app.services.features.data import NATS, POSTGRES, answered
+from app.services.features.deps import Deps
 from app.services.healthwatch import HealthWatch, OutageWatch
-from app.services.reporting import Reporter
 from app.services.scheduling import Scheduler
 from app.services.supervision import Deadline, Supervisor, within
-from app.services.wiring import (
-    consumer_stats,
-    local_profile,
-    open_backend,
-    open_cluster,
-    open_matrix_room,
-    open_registry,
-    open_self_updater,
-    open_syncer,
-    open_uptime_keeper,
-    open_uptime_recorder,
-    open_worker,
-)
 from app.services.workloads import WorkloadBook
 from app.settings import Settings
 
-# The clients of switched-off components are never imported (kubernetes-asyncio alone is
-# some 37 MiB): each `open_*` imports what it needs when its component is on.
 if TYPE_CHECKING:
-    from app.adapters.bus import JetStreamBus
-    from app.adapters.registry import AsyncpgRegistry
-    from app.services.heartbeating import Heartbeat
     from app.services.syncing import Syncer
     from app.services.updating import SelfUpdater
-    from app.services.uptime import UptimeKeeper, UptimeRecorder
-    from app.services.working import Worker
 
 log = logging.getLogger(__name__)
 
-PROBE_TIMEOUT = 5.0
+R = TypeVar("R", bound=Running)
 
 
 @dataclass
@@ -77,29 +54,31 @@ class Runtime:
     book: WorkloadBook
     supervisor: Supervisor
     shutdown: Deadline
-    plan: Plan  # every component decided, with its config (app/services/components.py)
+    plan: Plan
     components: dict[str, Component]
     alerts: Alerter
+    running: dict[Spec[Any, Any], Running] = field(default_factory=dict)
+    # one change to the cluster at a time: the sync, the self-update, uptime restarts
+    cluster_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     started_at: float = field(default_factory=time.monotonic)
     started_wall: datetime = field(default_factory=lambda: datetime.now(UTC))
-    # what start_runtime opened (None: off, or not started yet)
-    reporter: Reporter | None = None
-    health_watch: HealthWatch | None = None
-    syncer: Syncer | None = None
-    uptime: UptimeKeeper | None = None
-    uptime_record: UptimeRecorder | None = None
-    registry: AsyncpgRegistry | None = None
-    heartbeat: Heartbeat | None = None
-    updater: SelfUpdater | None = None
-    worker: Worker | None = None
-    bus: JetStreamBus | None = None
-    cluster_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     started: bool = False
     stopping: bool = False
 
     @property
     def uptime_seconds(self) -> float:
         return time.monotonic() - self.started_at
+
+    def get(self, spec: Spec[Any, R]) -> R | None:
+        """The running feature of `spec`; None while it is off or not opened."""
+        found = self.running.get(spec)
+        return found  # type: ignore[return-value]  # keyed by its own spec
+
+    def refresh(self) -> None:
+        """Each component's live state read now (`Component.refresh`)."""
+        now = datetime.now(UTC)
+        for component in self.components.values():
+            component.refresh(now)
 
     def not_ready_because(self) -> list[str]:
         """Why `/readyz` says 503: start-up unfinished, shutting down, the loops not
@@ -111,6 +90,7 @@ class Runtime:
             reasons.append("shutting down")
         if not self.supervisor.scheduler.running:
             reasons.append("scheduler is not running")
+        self.refresh()
         for name, component in self.components.items():
             if component.critical and not component.healthy:
                 reasons.append(f"{name} is failing: {component.last_error}")
@@ -148,13 +128,15 @@ def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monot
         on_forget=metrics.forget_workload,
         clock=clock,
     )
+    from app.services.features.alerts import ALERTS
+
     plan = decide(settings, can_sign=signer is not None)
     components = plan.components()
     alerts = Alerter(
         node_id=node_id,
         metrics=metrics,
         window_seconds=settings.alert_window_seconds,
-        deliver=plan.alerts.enabled,
+        deliver=plan.of(ALERTS).enabled,
     )
     runtime = Runtime(
         settings=settings,
@@ -172,16 +154,17 @@ def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monot
         components=components,
         alerts=alerts,
     )
-    metrics.watch_state(
-        workloads=book.counts,
-        components=lambda: {n: c.healthy for n, c in components.items() if c.enabled},
-        uptimes=book.uptimes,
-    )
+
+    def healthy() -> dict[str, bool]:
+        runtime.refresh()
+        return {n: c.healthy for n, c in components.items() if c.enabled}
+
+    metrics.watch_state(workloads=book.counts, components=healthy, uptimes=book.uptimes)
     return runtime
 
 
 async def start_runtime(rt: Runtime, stack: AsyncExitStack) -> None:
-    """Open every component, start the loops and tasks; `stop_runtime` runs first on exit.
+    """Open every feature, start the loops and tasks; `stop_runtime` runs first on exit.
 
     A start that fails part-way stops what it had started (the alert sender, the loops)
     before the exit stack closes the clients those use, then raises."""
@@ -204,97 +187,58 @@ async def _abandon_start(rt: Runtime) -> None:
     await rt.supervisor.stop_all(budget=deadline.budget(reserve=0.25))
 
 
+def deps_of(rt: Runtime, stack: AsyncExitStack) -> Deps:
+    return Deps(
+        node_id=rt.node_id, signer=rt.signer, metrics=rt.metrics, book=rt.book,
+        alerts=rt.alerts, supervisor=rt.supervisor, stack=stack, shared=rt.plan.shared,
+        components=rt.components, started_at=rt.started_at, cluster_lock=rt.cluster_lock,
+    )  # fmt: skip
+
+
+async def open_feature(rt: Runtime, spec: Spec[Any, R], deps: Deps) -> R | None:
+    """Open `spec` when it is on; a fact of the start that switches it off is recorded
+    on its component with the reason."""
+    decision = rt.plan.of(spec)
+    if not decision.enabled:
+        return None
+    opened = await spec.open(decision.config, deps)
+    component = rt.components[spec.name]
+    if isinstance(opened, Off):
+        component.switch_off(opened.reason)
+        return None
+    rt.running[spec] = opened
+    component.live = opened.health
+    return opened
+
+
 async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
-    plan, components, settings = rt.plan, rt.components, rt.settings
-    database_url, nats_url = await _start_data_services(rt, stack)
-
-    room = open_matrix_room(plan.alerts, stack)
-    if room is not None:
-        rt.supervisor.start(
-            "alert-sender", functools.partial(rt.alerts.deliver_to, room), restart=True,
-            component=components["alerts"],
-        )  # fmt: skip
-        components["alerts"].record(datetime.now(UTC), Outcome.ok())
-
-    backend = open_backend(plan.backend, rt.signer, stack)
-    if plan.report.enabled:
-        report = plan.report.config
-        rt.reporter = Reporter(
-            node_id=rt.node_id,
-            book=rt.book,
-            backend=backend if report.to_backend else None,
-            metrics=rt.metrics,
-            disk_path=report.data_dir if report.data_dir.exists() else report.data_dir.parent,
-            started_at=rt.started_at,
-        )
-    cluster = await open_cluster(
-        plan.cluster, [components["sync"], components["self_update"]], stack
+    deps = deps_of(rt, stack)
+    # both servers started before either is probed
+    postgres = await open_feature(rt, POSTGRES, deps)
+    nats = await open_feature(rt, NATS, deps)
+    deps.database_url = postgres.url if postgres is not None else None
+    deps.nats_url = nats.url if nats is not None else None
+    await asyncio.gather(
+        POSTGRES.probe(postgres, deps) if postgres is not None else _nothing(),
+        NATS.probe(nats, deps) if nats is not None else _nothing(),
     )
-    rt.syncer = await open_syncer(
-        plan.sync, components["sync"], backend=backend, cluster=cluster, book=rt.book,
-        metrics=rt.metrics, cluster_lock=rt.cluster_lock,
-    )  # fmt: skip
-    rt.uptime_record = await open_uptime_recorder(
-        plan.uptime_record.config, components["uptime_record"], cluster=cluster,
-        every=plan.watch_every,
-    )  # fmt: skip
-    rt.book.set_uptime(rt.uptime_record.shares)
-    rt.uptime = open_uptime_keeper(
-        plan.uptime, components["uptime"], cluster=cluster, syncer=rt.syncer, book=rt.book,
-        alerts=rt.alerts, metrics=rt.metrics, cluster_lock=rt.cluster_lock,
-        record=rt.uptime_record.record,
-    )  # fmt: skip
-    # one profile of this node, which the registry stores and the worker matches jobs to
-    # (made only for them: a node with neither loads no database or queue client)
-    profile = None
-    if plan.registry.enabled or plan.worker.enabled:
-        version = cluster.client.server_version if cluster is not None else None
-        profile = local_profile(plan.profile, rt.node_id, version)
-    # the registry holds this instance's row: what PostgreSQL's ledger waits for
-    registered = asyncio.Event()
-    rt.heartbeat = await open_registry(
-        plan.registry, components["registry"], stack, database_url=database_url,
-        profile=profile, metrics=rt.metrics, on_registered=registered.set,
-    )  # fmt: skip
-    rt.registry = rt.heartbeat.registry if rt.heartbeat is not None else None
-    opened = await open_worker(
-        plan.worker, components["worker"], stack, nats_url=nats_url, auth=plan.nats_auth,
-        registry=rt.registry, registered=registered.wait, node_id=rt.node_id, profile=profile,
-        metrics=rt.metrics, alerts=rt.alerts, report=rt.supervisor.reporter(components["worker"]),
-        connection=_reporter(rt, components["nats"]),
-    )  # fmt: skip
-    if opened is not None:
-        rt.worker, rt.bus = opened
-    rt.updater = await open_self_updater(
-        plan.self_update, stack, cluster=cluster, metrics=rt.metrics, alerts=rt.alerts,
-        cluster_lock=rt.cluster_lock,
-    )  # fmt: skip
-
-    _add_loops(rt)
-    if rt.worker is not None:
-        rt.supervisor.start(
-            "job-worker", rt.worker.run, restart=True, component=components["worker"]
-        )
-    if rt.updater is not None:
-        # finish an update or rollback a previous process began, without waiting for the
-        # first scheduled check
-        updater = rt.updater
-
-        async def resume(_stopping: asyncio.Event) -> Outcome:
-            return await updater.resume()
-
-        rt.supervisor.start(
-            "self-update-resume", resume, restart=False, component=components["self_update"]
-        )
-    rt.supervisor.start("clock-watch", rt.supervisor.scheduler.watch_clock, restart=True)
+    if postgres is not None:  # after the probe: what the registry's heartbeat finds
+        postgres.watched_by = lambda: answered(deps.heartbeat.last) if deps.heartbeat else None
+    if nats is not None:  # after the probe: what the job bus's connection says
+        nats.watched_by = lambda: _connection(deps)
+    for feature in FEATURES:
+        if feature not in (POSTGRES, NATS):
+            await open_feature(rt, feature, deps)
+    _hand_over(rt)
     rt.supervisor.start_loops()
-    components["scheduler"].record(datetime.now(UTC), Outcome.ok())
+    rt.components["scheduler"].record(datetime.now(UTC), Outcome.ok())
+    settings = rt.settings
     log.info(
         "workload manager %s started as node %s (%s); components on: %s",
         __version__,
         rt.node_id,
         settings.app_env.value,
-        ", ".join(n for n, c in components.items() if c.enabled),
+        ", ".join(n for n, c in rt.components.items() if c.enabled),
     )
     if settings.worker_only:
         log.info(
@@ -306,93 +250,45 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
         )  # fmt: skip
 
 
-# a sync or heartbeats failing this many times in a row alert
-ALERT_AFTER_FAILURES = 3
+async def _nothing() -> None:
+    return None
 
 
-def _add_loops(rt: Runtime) -> None:
-    """Every periodic loop, with the component its outcomes are recorded on."""
-    plan, add, components = rt.plan, rt.supervisor.add_loop, rt.components
-    watch = rt.health_watch = HealthWatch(book=rt.book, alerts=rt.alerts)
-    every = plan.watch_every
-    add("health-watch", watch.check, every=every, first_after=every)
-    grace = plan.down_grace
-    outages = OutageWatch(list(components.values()), rt.alerts, grace=grace)
-    add("outage-watch", outages.check, every=min(5.0, grace / 2), first_after=min(5.0, grace / 2))
-    record, book = rt.uptime_record, rt.book
-    if record is not None:
-
-        async def observe() -> None:
-            record.observe(book.statuses())
-
-        add("uptime-record", observe, every=every, first_after=0.1)
-        add(
-            "uptime-save", record.save, every=SAVE_EVERY_SECONDS, first_after=SAVE_EVERY_SECONDS,
-            what="uptime record save", component=components["uptime_record"],
-        )  # fmt: skip
-    if rt.uptime is not None:
-        add(
-            "uptime", rt.uptime.check, every=every, first_after=every,
-            what="uptime management", component=components["uptime"],
-        )  # fmt: skip
-    if rt.reporter is not None and plan.report.enabled:
-        interval = plan.report.config.interval
-        add(
-            "report", rt.reporter.report_once, every=interval, first_after=min(5.0, interval),
-            what="node report", component=components["report"],
-        )  # fmt: skip
-    if rt.heartbeat is not None and plan.registry.enabled:
-        add(
-            "heartbeat", _beat(rt.heartbeat, _reporter(rt, components["postgres"])),
-            every=plan.registry.config.heartbeat_interval,
-            first_after=0.1, what="registry heartbeat", component=components["registry"],
-            alert_after=ALERT_AFTER_FAILURES,
-        )  # fmt: skip
-    if rt.bus is not None and plan.worker.enabled:
-        tier = plan.worker.config.worker.tier
-        add("consumer-stats", consumer_stats(rt.bus, rt.metrics, tier), every=15.0, first_after=5.0)
-    if rt.syncer is not None and plan.sync.enabled:
-        sync = plan.sync.config
-        add(
-            "sync", rt.syncer.run_scheduled, every=sync.interval,
-            first_after=min(10.0, sync.interval), what="deployment sync",
-            component=components["sync"], alert_after=ALERT_AFTER_FAILURES,
-        )  # fmt: skip
-        from app.adapters.kube import KubeError
-
-        add(
-            "cluster-view", rt.syncer.refresh_view, every=sync.refresh_interval,
-            first_after=sync.refresh_interval, what="cluster view", outage=(KubeError,),
-        )  # fmt: skip
-    if rt.updater is not None and plan.self_update.enabled:
-        interval = plan.self_update.config.interval
-        add(
-            "self-update", rt.updater.run_scheduled, every=interval,
-            first_after=min(60.0, interval), what="self-update check",
-            component=components["self_update"],
-        )  # fmt: skip
+def _connection(deps: Deps) -> Outcome | None:
+    bus = deps.bus
+    if bus is None:
+        return None
+    if bus.connected:
+        return Outcome.ok(connected=True)
+    trouble = bus.trouble
+    return Outcome.unavailable(trouble, connected=False) if trouble else None
 
 
-def _reporter(rt: Runtime, component: Component) -> Callable[[Outcome], None]:
-    """Where a state of `component` is reported; nowhere while it is off."""
-    if not component.enabled:
-        return lambda _outcome: None
-    return rt.supervisor.reporter(component)
-
-
-def _beat(
-    heartbeat: Heartbeat, postgres: Callable[[Outcome], None]
-) -> Callable[[], Awaitable[Outcome]]:
-    """The heartbeat, whose every run also says whether PostgreSQL answers: its record in
-    `/v1/status` and readiness is what it is now, not what the start's probe found."""
-
-    async def beat() -> Outcome:
-        outcome = await heartbeat.beat()
-        answered = outcome.result is not Result.UNAVAILABLE
-        postgres(Outcome.ok() if answered else Outcome.unavailable(outcome.error or "no answer"))
-        return outcome
-
-    return beat
+def _hand_over(rt: Runtime) -> None:
+    """Every timer and task of every running feature to the supervisor, with the
+    feature's component for their outcomes; and the root's own loops."""
+    supervisor = rt.supervisor
+    for spec, running in rt.running.items():
+        component = rt.components[spec.name]
+        for timer in running.timers:
+            supervisor.add_loop(
+                timer.name, timer.body, every=timer.every, first_after=timer.first_after,
+                what=timer.what, outage=timer.outage,
+                component=component if timer.recorded else None,
+            )  # fmt: skip
+        for task in running.tasks:
+            supervisor.start(
+                task.name, task.body, restart=task.restart,
+                component=component if task.recorded else None,
+            )  # fmt: skip
+    shared = rt.plan.shared
+    watch = HealthWatch(book=rt.book, alerts=rt.alerts)
+    every = shared.watch_every
+    supervisor.add_loop("health-watch", watch.check, every=every, first_after=every)
+    grace = shared.down_grace
+    outages = OutageWatch(list(rt.components.values()), rt.alerts, grace=grace)
+    look = min(5.0, grace / 2)
+    supervisor.add_loop("outage-watch", outages.check, every=look, first_after=look)
 
 
 # Of the grace period, this share (at most TAIL_CAP_SECONDS) is kept for what comes after
@@ -404,151 +300,54 @@ TAIL_CAP_SECONDS = 5.0
 async def stop_runtime(rt: Runtime) -> None:
     """The orderly shutdown, every step within what is left of the one deadline.
 
-    1. `draining` in the registry: the fleet routes around the node from now on.
-    2. At once, side by side: the loop in progress (a sync mid-write) finishes or is
-       cancelled; the jobs in flight finish or are handed back, nothing new starts.
-    3. The uptime record saved; one last report. 4. `offline` in the registry. 5. The
-       other supervised tasks (the alert sender's last messages). The exit stack then
-       closes the clients.
+    Phase by phase (`Phase`), the steps of one phase side by side: 1. the fleet is told
+    (`draining` in the registry), no new job starts. 2. The loop in progress (a sync
+    mid-write) finishes or is cancelled, and beside it the jobs in flight finish or are
+    handed back. 3. The uptime record saved, one last report. 4. `offline` in the
+    registry. 5. The last alerts. Then the supervised tasks still running; the exit stack
+    closes the clients after.
     """
     deadline = rt.shutdown
     deadline.begin()
     rt.stopping = True
-    if rt.worker is not None:
-        rt.worker.begin_stop()  # nothing new starts from here on
     tail = min(TAIL_CAP_SECONDS, deadline.grace * TAIL_SHARE)
     log.info("shutting down within %.1f s", deadline.remaining())
-    heartbeat = rt.heartbeat
-    if heartbeat is not None:
-        budget = deadline.budget(cap=2.0, reserve=tail)
-        await heartbeat.mark("draining", within=budget)
-    await asyncio.gather(
-        rt.supervisor.stop_loops(within=deadline.budget(reserve=tail)), _drain_worker(rt, tail)
-    )
-    if rt.uptime_record is not None:  # what was counted since the last save
-        await within(
-            "uptime record", deadline.budget(cap=2.0, reserve=tail),
-            functools.partial(rt.supervisor.run_now, "uptime-save"),
-        )  # fmt: skip
-    if rt.reporter is not None and rt.plan.report.enabled:
-        await within(
-            "final report", deadline.budget(cap=5.0, reserve=tail / 2),
-            functools.partial(rt.supervisor.run_now, "report"),
-        )  # fmt: skip
-    if heartbeat is not None:
-        await heartbeat.mark("offline", within=deadline.budget(cap=2.0, reserve=0.5))
-    await rt.alerts.flush(within=deadline.budget(cap=2.0, reserve=0.5))
+    reserve = {
+        Phase.ANNOUNCE: tail, Phase.QUIESCE: tail, Phase.FINAL: tail / 2,
+        Phase.DEPART: 0.5, Phase.FLUSH: 0.5,
+    }  # fmt: skip
+    for phase in Phase:
+        steps = [r.stops[phase] for r in rt.running.values() if phase in r.stops]
+        runs: list[Awaitable[object]] = [
+            within(step.name, deadline.budget(cap=step.cap, reserve=reserve[phase]),
+                   _given(step.run, deadline, step.cap, reserve[phase]))
+            for step in steps
+        ]  # fmt: skip
+        if phase is Phase.QUIESCE:
+            runs.append(rt.supervisor.stop_loops(within=deadline.budget(reserve=tail)))
+        await asyncio.gather(*runs)
     await rt.supervisor.stop_all(budget=deadline.budget(reserve=0.25))
     log.info("shutdown steps done with %.1f s to spare", deadline.remaining())
 
 
-async def _drain_worker(rt: Runtime, tail: float) -> None:
-    worker, bus, deadline = rt.worker, rt.bus, rt.shutdown
-    if worker is None or bus is None:
-        return
-    if bus.connected:
-        await within(
-            "node.draining event", deadline.budget(cap=1.0, reserve=tail), worker.announce_draining
-        )
-    # the jobs in flight; the consume loops end within one fetch wait meanwhile
-    await worker.drain(within=deadline.budget(reserve=tail + 1.0))
-    await rt.supervisor.stop("job-worker", budget=deadline.budget(cap=2.0, reserve=tail))
-    if bus.connected:
-        await within(
-            "node.offline event", deadline.budget(cap=1.0, reserve=tail), worker.announce_offline
-        )
-    await bus.drain(within=deadline.budget(cap=3.0, reserve=tail / 2))
+def _given(
+    run: Callable[[float], Any], deadline: Deadline, cap: float | None, reserve: float
+) -> Callable[[], Any]:
+    """The step, given the budget it has when it begins."""
+    return lambda: run(deadline.budget(cap=cap, reserve=reserve))
 
 
 async def open_sync_only(rt: Runtime, stack: AsyncExitStack) -> Syncer | None:
     """The syncer alone, as the one-shot CLI and the sync tests use it."""
-    plan = rt.plan
-    cluster = await open_cluster(plan.cluster, [rt.components["sync"]], stack)
-    return await open_syncer(
-        plan.sync, rt.components["sync"], backend=open_backend(plan.backend, rt.signer, stack),
-        cluster=cluster, book=rt.book, metrics=rt.metrics, cluster_lock=rt.cluster_lock,
-    )  # fmt: skip
+    from app.services.features.sync import SYNC
+
+    opened = await open_feature(rt, SYNC, deps_of(rt, stack))
+    return opened.syncer if opened is not None else None
 
 
 async def open_self_update_only(rt: Runtime, stack: AsyncExitStack) -> SelfUpdater | None:
     """The self-updater alone, as `workload-manager self-update` and its tests use it."""
-    plan = rt.plan
-    cluster = await open_cluster(plan.cluster, [rt.components["self_update"]], stack)
-    return await open_self_updater(
-        plan.self_update, stack, cluster=cluster, metrics=rt.metrics, alerts=rt.alerts,
-        cluster_lock=rt.cluster_lock,
-    )  # fmt: skip
+    from app.services.features.self_update import SELF_UPDATE
 
-
-async def _start_data_services(rt: Runtime, stack: AsyncExitStack) -> tuple[str | None, str | None]:
-    """PostgreSQL's and nats-server's URLs: the configured one, or the embedded server's,
-    started here (None: off, or it did not start); each probed once."""
-    plan, components = rt.plan, rt.components
-    database_url = await _data_service(
-        plan.postgres, components["postgres"], EmbeddedPostgres, "PostgreSQL", stack
-    )
-    nats_url = await _data_service(
-        plan.nats, components["nats"], EmbeddedNats, "nats-server", stack
-    )
-    await asyncio.gather(_probe_postgres(rt, database_url), _probe_nats(rt, nats_url))
-    return database_url, nats_url
-
-
-async def _data_service(
-    decision: Decision[DataServiceConfig],
-    component: Component,
-    server: Callable[[Path], EmbeddedPostgres | EmbeddedNats],
-    label: str,
-    stack: AsyncExitStack,
-) -> str | None:
-    if not decision.enabled:
-        return None
-    config = decision.config
-    if config.url is not None:
-        return config.url.get_secret_value()
-    assert config.embedded_dir is not None  # decided: a URL or an embedded server
-    embedded = server(config.embedded_dir.resolve())
-    try:
-        await asyncio.to_thread(embedded.start)
-    except (EmbeddedError, OSError) as exc:
-        component.failed(datetime.now(UTC), f"embedded {label}: {exc}")
-        return None
-    stack.callback(embedded.stop)
-    component.detail.update(embedded=True, pid=embedded.pid)
-    return embedded.url
-
-
-async def _probe_postgres(rt: Runtime, url: str | None) -> None:
-    if url is not None:
-        await _probe(rt.components["postgres"], url, _postgres_version(url))
-
-
-async def _postgres_version(url: str) -> dict[str, object]:
-    from app.adapters import registry
-
-    return {"server_version": await registry.server_version(url, connect_timeout=PROBE_TIMEOUT)}
-
-
-async def _probe_nats(rt: Runtime, url: str | None) -> None:
-    if url is not None:
-        from app.adapters import bus
-
-        auth = rt.plan.nats_auth
-        await _probe(
-            rt.components["nats"], url,
-            bus.server_info(url, connect_timeout=PROBE_TIMEOUT, auth=auth),
-        )  # fmt: skip
-
-
-async def _probe(component: Component, url: str, check: Awaitable[dict[str, object]]) -> None:
-    """Record whether a configured server answers; never raises."""
-    shown = component.detail["url"] = redact_url(url)
-    try:
-        info = await check
-    except Exception as exc:  # any failure to connect is reported, not raised
-        # drivers may quote the URL they were given in their errors
-        error = redact_text(f"{type(exc).__name__}: {exc}")
-        component.failed(datetime.now(UTC), error)
-        log.warning("%s at %s is not reachable: %s", component.name, shown, error)
-    else:
-        component.succeeded(datetime.now(UTC), **info)
+    opened = await open_feature(rt, SELF_UPDATE, deps_of(rt, stack))
+    return opened.updater if opened is not None else None

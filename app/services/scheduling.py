@@ -5,9 +5,11 @@ component, in the metrics and the alerts; an outage told apart from a crash) is 
 supervision module's: it hands each loop here as a run that never raises.
 
 APScheduler 3 keeps its next run times on the wall clock: set back ten minutes, every
-loop would wait ten minutes. `watch_clock` (a supervised task) compares the wall clock
-with the boot-time clock each second and moves every next run by a jump it sees, so the
-loops keep their cadence whatever the wall clock does.
+loop would wait ten minutes. While the scheduler runs, its clock watch compares the wall
+clock with the boot-time clock each second and moves every next run by a jump it sees, so
+the loops keep their cadence whatever the wall clock does (tests/services/test_scheduling.py
+sets the clock back and ahead). `run_again` moves one loop's next run: the supervisor's
+retry after a failure, or the time an outcome asked for.
 
 On shutdown no new run starts, a run in progress (a sync in the middle of its writes)
 gets a bounded time to finish, and what is still running after it is cancelled, awaited
@@ -54,6 +56,8 @@ class Scheduler:
         self._steady = steady
         self._running: dict[str, asyncio.Task[object]] = {}
         self._stopping = False
+        self._watch_stop = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
         self._scheduler = AsyncIOScheduler(
             timezone=UTC,
             job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None},
@@ -79,6 +83,12 @@ class Scheduler:
             next_run_time=self._now() + timedelta(seconds=first_after),
             replace_existing=True,
         )
+
+    def run_again(self, name: str, *, after: float) -> None:
+        """The loop `name` runs next `after` seconds from now (then at its interval)."""
+        job = self._scheduler.get_job(name)
+        if job is not None and not self._stopping:
+            job.modify(next_run_time=self._now() + timedelta(seconds=after))
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self._wall(), UTC)
@@ -114,7 +124,6 @@ class Scheduler:
         async def tracked() -> None:
             if self._is_stopping():
                 return
-            started = time.monotonic()
             task = asyncio.current_task()
             if task is not None:
                 self._running[name] = task
@@ -126,17 +135,22 @@ class Scheduler:
                 # cancelled by `stop`, which awaits it and has logged why
             finally:
                 self._running.pop(name, None)
-                log.debug("loop %s took %.3f s", name, time.monotonic() - started)
 
         tracked.__name__ = f"loop_{name}"
         return tracked
 
-    def start(self) -> None:
+    def start(self, *, watch_every: float = 1.0) -> None:
         self._scheduler.start()
+        self._watch = asyncio.create_task(
+            self.watch_clock(self._watch_stop, every=watch_every), name="clock-watch"
+        )
 
     async def stop(self, *, within: float) -> None:
         """Start no new run; give runs in progress `within` seconds, then cancel them."""
         self._stopping = True
+        self._watch_stop.set()
+        if self._watch is not None:
+            await self._watch
         if not self._scheduler.running:
             return
         # paused, not shut down yet: APScheduler's shutdown cancels running jobs at once

@@ -14,11 +14,15 @@ shutdown step may take:
   Its periodic loops are timed by APScheduler (`scheduling`), and each run goes through
   one guard: the body returns an `Outcome` (OK, FAILED, UNAVAILABLE, SKIPPED), or raises,
   and the guard records it — the loop's state under `/v1/status` `loops`, its component,
-  `scheduled_runs_total{loop,outcome}`, the alert once failures repeat, and one log line
-  in a shape shared by every loop. A loop may name the errors that mean a dependency is
+  `scheduled_runs_total{loop,outcome}`, `loop_duration_seconds{loop}`, the outcome's
+  alerts, and one log line in a shape shared by every loop — and decides the next run:
+  the time the outcome asks for (`retry_in`), else after a failure the same jittered
+  backoff as a task's restart (from `LOOP_BACKOFF_INITIAL`, capped at the loop's
+  interval), else the interval. A loop may name the errors that mean a dependency is
   down (`outage`): an outage is one WARNING when it begins and one INFO when it ends,
   not an ERROR with a traceback (a Sentry event) at every tick. Any other exception is a
-  crash: logged with its traceback, and the loop runs again at its next tick.
+  crash: logged with its traceback, and tried again like any failure. A failing
+  component alerts through the outage watch, once after a grace and once on recovery.
 
 The shape follows kopf's `aiotasks` (guarded tasks, stop with a timeout, then cancel)
 and controller-runtime's reconcile result (the reconciler says how it went; the
@@ -121,6 +125,15 @@ class Supervised:
 Body = Callable[[asyncio.Event], Awaitable[object]]
 LoopBody = Callable[[], Awaitable[object]]
 
+
+def _failing(outcome: Outcome) -> bool:
+    return outcome.result in (Result.FAILED, Result.UNAVAILABLE)
+
+
+# a failed loop's first retry comes after about this long, then twice as long each time,
+# up to the loop's interval
+LOOP_BACKOFF_INITIAL = 10.0
+
 _LOOP_STATE = {
     Result.OK: "ok",
     Result.FAILED: "failing",
@@ -137,7 +150,7 @@ class Loop:
     what: str  # how logs and alerts name it ("deployment sync")
     outage: tuple[type[Exception], ...]
     component: Component | None
-    alert_after: int | None  # failures in a row before the alert (None: never)
+    every: float  # its interval: a retry after a failure comes sooner, never later
     state: str = "waiting"  # waiting | ok | failing | unavailable (a skip keeps it)
     since: datetime | None = None  # when the state began
     failures_in_a_row: int = 0
@@ -163,6 +176,7 @@ class Supervisor:
         alerts: Alerter | None = None,
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
+        loop_backoff_initial: float = LOOP_BACKOFF_INITIAL,
         healthy_after: float = 60.0,
         clock: Clock = time.monotonic,
     ) -> None:
@@ -171,6 +185,7 @@ class Supervisor:
         self._alerts = alerts
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
+        self._loop_backoff_initial = loop_backoff_initial
         self._healthy_after = healthy_after
         self._clock = clock
         self._tasks: dict[str, Supervised] = {}
@@ -188,24 +203,27 @@ class Supervisor:
         what: str | None = None,
         outage: tuple[type[Exception], ...] = (),
         component: Component | None = None,
-        alert_after: int | None = None,
     ) -> None:
         """Run `body` every `every` seconds (first after `first_after`) through the guard.
 
         `body` returns an `Outcome` (anything else counts as OK). The guard records it on
-        `component`, and alerts once `alert_after` runs in a row have failed."""
-        loop = Loop(name, body, what or f"loop {name}", outage, component, alert_after)
+        `component` and decides the next run: the one the outcome asks for (`retry_in`),
+        else a jittered backoff after a failure (sooner than `every`, growing to it), else
+        the interval."""
+        loop = Loop(name, body, what or f"loop {name}", outage, component, every)
         self._loops[name] = loop
         self.scheduler.add(
-            name, functools.partial(self._run, loop), every=every, first_after=first_after
+            name, functools.partial(self._run, loop, True), every=every, first_after=first_after
         )
 
     async def run_now(self, name: str) -> Outcome:
         """One run of the loop `name` now, outside its schedule, recorded like any other
-        (the final report at shutdown)."""
+        (the final report at shutdown); its schedule stays as it was."""
         return await self._run(self._loops[name])
 
-    async def _run(self, loop: Loop) -> Outcome:
+    async def _run(self, loop: Loop, scheduled: bool = False) -> Outcome:
+        started = self._clock()
+        crashed = False
         try:
             returned = await loop.body()
         except asyncio.CancelledError:
@@ -214,14 +232,33 @@ class Supervisor:
         except loop.outage as exc:
             outcome = Outcome.unavailable(str(exc) or type(exc).__name__)
         except Exception as exc:
-            outcome = Outcome.failed(str(exc) or type(exc).__name__)
-            log.exception("%s crashed; it runs again at its next tick", loop.what)
-            self._record(loop, outcome, crashed=True)
-            return outcome
+            outcome, crashed = Outcome.failed(str(exc) or type(exc).__name__), True
+            log.exception("%s crashed", loop.what)
         else:
             outcome = returned if isinstance(returned, Outcome) else Outcome.ok()
-        self._record(loop, outcome)
+        took = self._clock() - started
+        if self._metrics is not None:
+            self._metrics.loop_duration.labels(loop.name).observe(took)
+        self._record(loop, outcome, crashed=crashed)
+        if scheduled:
+            self._schedule_next(loop, outcome, failed=crashed or _failing(outcome))
+        log.debug("%s: %s in %.3f s", loop.what, outcome.result.value, took)
         return outcome
+
+    def _schedule_next(self, loop: Loop, outcome: Outcome, *, failed: bool) -> None:
+        """The run after this one: when the outcome asks (a Retry-After), else after a
+        backoff when it failed, else at the loop's interval (the scheduler's own)."""
+        if outcome.retry_in is not None:
+            after = outcome.retry_in
+        elif failed:
+            after = self.backoff(
+                loop.failures_in_a_row, initial=self._loop_backoff_initial, cap=loop.every
+            )
+        else:
+            return
+        self.scheduler.run_again(loop.name, after=after)
+        if failed:
+            log.info("%s runs again in %.0f s", loop.what, after)
 
     def record(self, name: str, outcome: Outcome) -> None:
         """The outcome of a run made outside the schedule (an operator's sync)."""
@@ -232,7 +269,7 @@ class Supervisor:
         self._count(loop.name, "error" if crashed else outcome.result.value)
         if loop.component is not None:
             loop.component.record(now, outcome)
-        was, failing = loop.state, outcome.result in (Result.FAILED, Result.UNAVAILABLE)
+        was, failing = loop.state, _failing(outcome)
         if outcome.result is Result.SKIPPED:  # a normal turn (a sync held the lock)
             log.debug("%s skipped: %s", loop.what, outcome.error)
         elif failing:
@@ -240,13 +277,12 @@ class Supervisor:
             loop.last_error = outcome.error
             if outcome.result is Result.UNAVAILABLE and was != "unavailable":
                 log.warning(
-                    "%s: a dependency is unavailable: %s; it runs again at each tick, and "
-                    "says when it is back", loop.what, outcome.error,
+                    "%s: a dependency is unavailable: %s; it is tried again with backoff, "
+                    "and says when it is back", loop.what, outcome.error,
                 )  # fmt: skip
             elif outcome.result is Result.FAILED and not crashed:
                 n = loop.failures_in_a_row
                 log.warning("%s failed (%d in a row): %s", loop.what, n, outcome.error)
-            self._alert_repeated(loop, outcome)
         else:
             if was in ("unavailable", "failing"):
                 log.info("%s ran again after %d failed runs", loop.what, loop.failures_in_a_row)
@@ -259,24 +295,9 @@ class Supervisor:
             for key, text in outcome.alerts:
                 self._alerts.alert(key, text)
 
-    def _alert_repeated(self, loop: Loop, outcome: Outcome) -> None:
-        n, after = loop.failures_in_a_row, loop.alert_after
-        if self._alerts is not None and after is not None and n >= after:
-            text = f"{loop.what} failed {n} times in a row: {outcome.error}"
-            self._alerts.alert(f"{loop.name}:failing", text)
-
     def _count(self, loop: str, outcome: str) -> None:
         if self._metrics is not None:
             self._metrics.job_runs.labels(loop, outcome).inc()
-
-    def reporter(self, component: Component) -> Callable[[Outcome], None]:
-        """For a long-lived task with states of its own while it runs (the job worker,
-        connected or not): where it reports them, recorded like a loop's outcome."""
-
-        def report(outcome: Outcome) -> None:
-            component.record(datetime.now(UTC), outcome)
-
-        return report
 
     def loops(self) -> dict[str, dict[str, Any]]:
         return {name: loop.as_dict() for name, loop in sorted(self._loops.items())}
@@ -350,9 +371,14 @@ class Supervisor:
                     entry.component.record(datetime.now(UTC), returned)
                 return
 
-    def backoff(self, failures: int) -> float:
-        """Full jitter on an exponential step: spreads restarts of many nodes apart."""
-        step = min(self._backoff_max, self._backoff_initial * 2 ** min(failures - 1, 16))
+    def backoff(
+        self, failures: int, *, initial: float | None = None, cap: float | None = None
+    ) -> float:
+        """The one backoff of tasks and loops: an exponential step from `initial`, at most
+        `cap`, with jitter over its upper half, which spreads many nodes' retries apart."""
+        first = self._backoff_initial if initial is None else initial
+        top = self._backoff_max if cap is None else cap
+        step = min(top, first * 2 ** min(max(failures, 1) - 1, 16))
         return random.uniform(step / 2, step)
 
     async def stop(self, name: str, *, budget: float) -> None:

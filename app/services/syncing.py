@@ -146,6 +146,7 @@ class SyncOutcome:
     duration_seconds: float = 0.0
     revision: str | None = None
     aborted: str | None = None
+    retry_after: float | None = None  # what the backend's Retry-After asked for
     results: list[WorkloadResult] = field(default_factory=list)
 
     @property
@@ -243,7 +244,7 @@ class Syncer:
         if sync.dry_run:
             return Outcome.skipped("a dry run changes nothing", **owed)
         if sync.aborted is not None:
-            return Outcome.failed(sync.aborted, **owed)
+            return Outcome.failed(sync.aborted, **owed).retrying(sync.retry_after)
         failed = [r for r in sync.results if r.outcome == "failed"]
         if failed:
             return Outcome.failed(
@@ -306,6 +307,7 @@ class Syncer:
             desired = await self.source.desired()
         except SOURCE_ERRORS as exc:
             outcome.aborted = f"desired state unavailable, nothing changed: {exc}"
+            outcome.retry_after = getattr(exc, "retry_after", None)
             return
         outcome.revision = desired.revision
         self._learn_reported(desired)
@@ -557,13 +559,11 @@ class Syncer:
         self.last = outcome
         if not outcome.ok or any(r.outcome == "applied" for r in outcome.results):
             self.last_change = outcome
-        self._metrics.sync_duration.observe(outcome.duration_seconds)
         counts = outcome.counts()
         if outcome.aborted is not None:
             self._metrics.syncs.labels("aborted").inc()
-        elif not outcome.ok:
+        elif not outcome.ok:  # logged with its errors by the supervisor, which records it
             self._metrics.syncs.labels("partial").inc()
-            log.warning("sync finished with failures: %s", counts)
         else:
             self._metrics.syncs.labels("ok").inc()
             changed = any(r.outcome != "unchanged" for r in outcome.results)

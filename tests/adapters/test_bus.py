@@ -14,8 +14,8 @@ from app.adapters.bus import Delivery, JetStreamBus, server_info
 from app.adapters.embedded import EmbeddedNats, free_port
 from app.domain.jobs import STREAMS, consumer_name
 from app.metrics import Metrics
+from app.services.features.worker import _consumer_stats as consumer_stats
 from app.services.streams import consumer_specs, init_streams, new_job, publish_job
-from app.services.wiring import consumer_stats
 from app.settings import Settings
 from tests.support.jobs_world import own_nats
 

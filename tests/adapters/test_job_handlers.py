@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -17,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.adapters.embedded import free_port
 from app.adapters.workload_http import MAX_RESPONSE_BYTES, WorkloadHttp
 from app.domain.jobs import (
     FailureKind,
@@ -313,21 +313,13 @@ async def test_http_handler_retries_a_workload_that_is_not_there() -> None:
     client = WorkloadHttp(
         timeout=2.0,
         allowed_targets=("workloads",),
-        transport=ClusterDns("127.0.0.1", closed_port()),
+        transport=ClusterDns("127.0.0.1", free_port()),
     )
     try:
         with pytest.raises(RetryableJobFailure, match="ConnectError"):
             await handlers.http(http_job(f"{WORKLOAD}/answer/201"), context(client))
     finally:
         await client.aclose()
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 @pytest.mark.parametrize(

@@ -312,7 +312,7 @@ def test_the_object_url(url: str, endpoint: str | None, expected: str) -> None:
 def test_botocore_is_loaded_only_for_an_s3_url() -> None:
     code = (
         "import sys\n"
-        "import app.main, app.services.wiring\n"
+        "import app.main, app.services.features\n"
         "from app.adapters.versions import VersionFile\n"
         "VersionFile('https://example.invalid/version', timeout=1.0)\n"
         "VersionFile('s3://bucket/key', timeout=1.0)\n"

@@ -14,6 +14,7 @@ from app.api.page import SYNC_ROWS, render
 from app.api.schemas import NodeInfo, ReportInfo, Status, SyncInfo, WorkloadInfo
 from app.domain.uptime import DAY, HOUR, UptimeRecord
 from app.main import create_app
+from app.services.features.uptime import UPTIME_RECORD
 from app.services.runtime import Runtime
 from tests.conftest import SettingsFactory, running, runtime_of
 
@@ -236,10 +237,11 @@ async def test_the_page_shows_the_managers_own_uptime_record(
     app = create_app(make_settings(api_token="page-token-1", report_enabled=False))
     async with running(app) as client:
         rt = runtime_of(app)
-        assert rt.uptime_record is not None
+        recording = rt.get(UPTIME_RECORD)
+        assert recording is not None
         auth = {"authorization": "Bearer page-token-1"}
         await client.post("/v1/workloads/api/health", json={"status": "healthy"}, headers=auth)
         now = time.time()
-        rt.uptime_record.record.observe({"api": "healthy"}, start=now - 39, end=now)
+        recording.recorder.record.observe({"api": "healthy"}, start=now - 39, end=now)
         cell = uptime_cell((await client.get("/", headers=auth)).text, "api")
     assert cell.startswith('100.0% of 39 s / 100.0% of 39 s<span class="strip"')

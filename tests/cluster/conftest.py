@@ -69,6 +69,6 @@ async def world(
     )
     runtime = build_runtime(settings)
     async with AsyncExitStack() as stack:
-        syncer = runtime.syncer = await open_sync_only(runtime, stack)
+        syncer = await open_sync_only(runtime, stack)
         assert syncer is not None, runtime.components["sync"].reason
         yield ClusterWorld(backend, control_plane, runtime, syncer)

@@ -313,7 +313,9 @@ def run_manager(
             )  # fmt: skip
             surfaces: dict[str, str] = {}
             for path in ("/v1/status", "/", "/metrics", "/readyz", "/v1/workloads"):
-                shown = get(path)
+                # the 500 above may close the kept-alive connection as the next request
+                # goes out on it: that request is made again, on a new one
+                shown = get(path) or get(path)
                 assert shown is not None, path
                 surfaces[path] = shown.text
     finally:

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.main import create_app
-from tests.conftest import SettingsFactory, running, runtime_of
+from tests.conftest import SettingsFactory, bus_of, running, runtime_of
 from tests.support.jobs_world import at_least_completed, ledger, manager_env, publish, publisher
 from tests.support.polling import eventually
 from tests.support.process import ManagerProcess
@@ -154,7 +154,7 @@ async def test_a_thousand_jobs_survive_a_nats_server_restart(
     assert {r["status"] for r in rows.values()} == {"completed"}
     runs = {k: r["attempts"] for k, r in rows.items() if r["attempts"] != 1}
     assert runs == {}, f"jobs claimed more than once: {runs}"
-    connection = runtime_of(app).bus
+    connection = bus_of(app)
     assert connection is not None and connection.reconnects >= 1, "the restart was noticed"
 
 
@@ -163,10 +163,10 @@ async def _worker_ok(app: FastAPI) -> bool:
 
 
 async def _bus_lost(app: FastAPI) -> bool:
-    bus = runtime_of(app).bus
+    bus = bus_of(app)
     return bus is not None and not bus.connected
 
 
 async def _bus_reconnected(app: FastAPI) -> bool:
-    bus = runtime_of(app).bus
+    bus = bus_of(app)
     return bus is not None and bus.connected and bus.reconnects >= 1

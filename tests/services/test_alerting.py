@@ -10,8 +10,8 @@ import pytest
 from app.adapters.matrix import MatrixError, MatrixRoom
 from app.main import create_app
 from app.metrics import Metrics
-from app.services import runtime
 from app.services.alerting import PRUNE_AT, Alerter
+from app.services.features.uptime import UPTIME_RECORD
 from app.settings import Settings
 from tests.conftest import SettingsFactory, running, runtime_of
 from tests.support.matrix_receiver import ROOM, TOKEN, MatrixReceiver
@@ -108,15 +108,17 @@ async def test_a_workload_turning_unhealthy_and_recovering_reaches_the_room(
     async with running(app) as client:
         rt = runtime_of(app)
         assert rt.components["alerts"].enabled
-        watch = rt.health_watch
-        assert watch is not None
+
+        async def check() -> None:
+            await rt.supervisor.run_now("health-watch")
+
         await client.post("/v1/workloads/api/health", json={"status": "healthy"})
-        await watch.check()
+        await check()
         await client.post("/v1/workloads/api/health", json={"status": "unhealthy"})
-        await watch.check()
-        await watch.check()  # still unhealthy: no second alert
+        await check()
+        await check()  # still unhealthy: no second alert
         await client.post("/v1/workloads/api/health", json={"status": "healthy"})
-        await watch.check()
+        await check()
 
         async def two_messages() -> bool:
             return len(receiver.messages) == 2
@@ -164,8 +166,8 @@ async def test_a_start_up_failure_stops_the_alert_sender_it_started(
     async def refused(*args: object, **kwargs: object) -> None:
         raise RuntimeError("the registry could not be opened")
 
-    # a component that fails to open after the alert sender has started
-    monkeypatch.setattr(runtime, "open_registry", refused)
+    # a feature that fails to open after the alerts' has opened
+    monkeypatch.setattr(UPTIME_RECORD, "open", refused)
     app = create_app(alerting_settings(make_settings, matrix[1], "node-alerts-start"))
     with pytest.raises(RuntimeError, match="could not be opened"):
         async with running(app):

@@ -4,6 +4,7 @@ worker's ledger as the start decides it. Nothing is opened here."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from datetime import time
 from pathlib import Path
@@ -11,18 +12,11 @@ from typing import Any
 
 import pytest
 
-from app.services import wiring
-from app.services.components import (
-    BackendSourceConfig,
-    FolderSourceConfig,
-    Off,
-    On,
-    Plan,
-    WorkerPlan,
-    choose_ledger,
-    decide,
-    worker_reason,
-)
+from app.services.features import FEATURES, Plan, decide
+from app.services.features.base import Off, On
+from app.services.features.deps import Deps
+from app.services.features.sync import BackendSourceConfig, FolderSourceConfig
+from app.services.features.worker import WORKER, WorkerPlan, choose_ledger, worker_reason
 from app.settings import Settings
 from tests.conftest import SettingsFactory
 
@@ -203,9 +197,14 @@ CONFIGS: list[tuple[str, dict[str, Any], bool, str, Any]] = [
 ]  # fmt: skip
 
 
+BY_NAME = {spec.name: spec for spec in FEATURES}
+
+
 def _path(plan: Plan, path: str) -> Any:
-    value: Any = plan
-    for part in path.split("."):
+    """A feature's decision by its name, or what the features share, and a path in it."""
+    first, *rest = path.split(".")
+    value: Any = plan.of(BY_NAME[first]) if first in BY_NAME else getattr(plan.shared, first)
+    for part in rest:
         value = getattr(value, part)
     return value() if callable(value) else value
 
@@ -240,7 +239,7 @@ LEDGERS: list[tuple[str, str, bool, bool, str]] = [
 def test_the_worker_s_ledger_as_the_start_finds_the_registry(
     make_settings: SettingsFactory, home: str, fallback: bool, running: bool, chosen: str
 ) -> None:
-    decision = decide(make_settings(nats_url=NATS, database_url=DB), can_sign=False).worker
+    decision = decide(make_settings(nats_url=NATS, database_url=DB), can_sign=False).of(WORKER)
     assert isinstance(decision, On)
     plan: WorkerPlan = decision.config
     plan = WorkerPlan(**{**plan.__dict__, "ledger": home, "ledger_fallback": fallback})
@@ -250,18 +249,20 @@ def test_the_worker_s_ledger_as_the_start_finds_the_registry(
     )
 
 
-def test_no_opener_reads_the_settings() -> None:
-    """Each opener gets its decision and its dependencies; the settings are read once, by
-    `decide`, so no component can be switched on twice."""
-    openers = [f for n, f in vars(wiring).items() if n.startswith("open_") and callable(f)]
-    assert len(openers) >= 8
-    for opener in openers:
-        annotations = [str(p.annotation) for p in inspect.signature(opener).parameters.values()]
-        assert not [a for a in annotations if "Settings" in a], opener.__name__
+def test_no_feature_is_opened_with_the_settings() -> None:
+    """Each feature is opened with its config and what the others provide; the settings
+    are read once, by `decide`, so no component can be switched on twice."""
+    assert len(FEATURES) >= 10
+    for spec in FEATURES:
+        signature = inspect.signature(spec.open)
+        annotations = [str(p.annotation) for p in signature.parameters.values()]
+        assert not [a for a in annotations if "Settings" in a], spec.name
+    fields = [str(f.type) for f in dataclasses.fields(Deps)]
+    assert not [f for f in fields if "Settings" in f]
 
 
 def test_a_worker_that_fell_back_says_where_its_ledger_is(make_settings: SettingsFactory) -> None:
-    decision = decide(make_settings(nats_url=NATS, database_url=DB), can_sign=False).worker
+    decision = decide(make_settings(nats_url=NATS, database_url=DB), can_sign=False).of(WORKER)
     assert isinstance(decision, On)
     assert decision.reason.endswith("ledger in PostgreSQL")
     fell_back = worker_reason(decision.config, "jetstream")

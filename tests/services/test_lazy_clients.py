@@ -39,14 +39,18 @@ def test_the_fingerprint_without_a_cluster_does_not_import_the_cluster_client(
     modules = modules_after(
         f"""
         import asyncio
-        from app.services.components import decide
-        from app.services.wiring import local_profile
+        from contextlib import AsyncExitStack
+        from app.services.runtime import build_runtime, deps_of
         from app.settings import Settings
 
         settings = Settings(data_dir={str(tmp_path)!r}, embedded_services=False)
-        plan = decide(settings, can_sign=False)
-        profile = local_profile(plan.profile, "node-1", cluster_version=None)
-        hardware = asyncio.run(profile()).hardware
+        rt = build_runtime(settings)
+
+        async def fingerprint():
+            async with AsyncExitStack() as stack:
+                return (await deps_of(rt, stack).profile()()).hardware
+
+        hardware = asyncio.run(fingerprint())
         assert hardware and "k3s_version" not in hardware, hardware
         """,
         tmp_path,
@@ -60,11 +64,12 @@ def test_deciding_a_worker_imports_no_nats_client(tmp_path: Path) -> None:
     not load nats-py (and aiohttp) into a process that may never start it."""
     modules = modules_after(
         f"""
-        from app.services.components import decide
+        from app.services.features import decide
+        from app.services.features.worker import WORKER
         from app.settings import Settings
 
         settings = Settings(data_dir={str(tmp_path)!r}, nats_url="nats://127.0.0.1:1")
-        assert decide(settings, can_sign=False).worker.enabled
+        assert decide(settings, can_sign=False).of(WORKER).enabled
         """,
         tmp_path,
     )

@@ -2,7 +2,8 @@
 
 Each row is one run: what the body returns (or raises), after how many failed runs, and
 what the guard records of it — the component's state, the loop's state, the
-`scheduled_runs_total` label, the alert, and the log level. The runs are made with
+`scheduled_runs_total` label, the alerts the outcome carries, the log level, and the
+run's duration. The runs are made with
 `run_now`, so no schedule and no clock is involved."""
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ ROWS = [
         ComponentState.FAILING,
         "failing",
         "failed",
-        ("sync:failing",),
+        (),  # one policy: the outage watch alerts once the component has failed a grace
         logging.WARNING,
     ),
     Row(
@@ -136,7 +137,6 @@ async def test_the_guard_records_each_outcome(row: Row, caplog: pytest.LogCaptur
         what="deployment sync",
         outage=(Unreachable,),
         component=component,
-        alert_after=3,
     )
     for _ in range(row.failed_before):
         await supervisor.run_now("sync")
@@ -155,6 +155,10 @@ async def test_the_guard_records_each_outcome(row: Row, caplog: pytest.LogCaptur
     ]
     assert [r.levelno for r in lines] == ([row.log] if row.log is not None else [])
     assert any(r.exc_info for r in lines) is row.traceback
+    timed = metrics.registry.get_sample_value(
+        "workload_manager_loop_duration_seconds_count", {"loop": "sync"}
+    )
+    assert timed == 1 + row.failed_before  # every run measured once, by the guard
     if isinstance(row.run, Outcome):
         assert returned == row.run
         if row.run.detail:

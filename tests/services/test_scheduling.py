@@ -8,6 +8,7 @@ machine's: the loops run at their real cadence (every minute) in a fraction of a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,6 +18,7 @@ import apscheduler.executors.base
 import apscheduler.schedulers.base
 import pytest
 
+from app.domain.components import Outcome
 from app.metrics import Metrics
 from app.services.scheduling import Scheduler
 from app.services.supervision import Supervisor
@@ -89,21 +91,15 @@ async def test_a_wall_clock_jump_keeps_every_loop_on_its_cadence(
 ) -> None:
     body = Counting()
     scheduler.add_loop("beat", body, every=MINUTE, first_after=5.0)
-    stopping = asyncio.Event()
-    watch = asyncio.create_task(scheduler.scheduler.watch_clock(stopping, every=1.0))
-    scheduler.start_loops()
-    try:
-        await _until(lambda: _at_least(body, 2))
-        wall.offset += jump  # set back ten minutes, or an hour ahead
-        seen, jumped_at = body.runs, _loop_time()
-        await _until(lambda: _at_least(body, seen + 3))
-        # three more runs in about three minutes: not ten minutes late, and (ahead) not
-        # all the hour's sixty ticks at once
-        assert 2 * MINUTE <= _loop_time() - jumped_at <= 3 * MINUTE + 5
-        assert body.runs == seen + 3
-    finally:
-        stopping.set()
-        await watch
+    scheduler.start_loops()  # the scheduler's clock watch with it
+    await _until(lambda: _at_least(body, 2))
+    wall.offset += jump  # set back ten minutes, or an hour ahead
+    seen, jumped_at = body.runs, _loop_time()
+    await _until(lambda: _at_least(body, seen + 3))
+    # three more runs in about three minutes: not ten minutes late, and (ahead) not
+    # all the hour's sixty ticks at once
+    assert 2 * MINUTE <= _loop_time() - jumped_at <= 3 * MINUTE + 5
+    assert body.runs == seen + 3
 
 
 async def _at_least(body: Counting, runs: int) -> bool:
@@ -149,3 +145,49 @@ async def test_any_other_error_is_a_failure_with_its_traceback(
         await _until(lambda: _at_least(body, 2))
     assert scheduler.loops()["view"]["state"] == "failing"
     assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records)
+
+
+class Answers:
+    """A loop body that returns the outcomes it is given, one a run (then OK)."""
+
+    def __init__(self, *outcomes: Outcome) -> None:
+        self.left = list(outcomes)
+        self.at: list[float] = []
+
+    async def __call__(self) -> Outcome:
+        self.at.append(_loop_time())
+        return self.left.pop(0) if self.left else Outcome.ok()
+
+
+async def _runs(body: Answers, n: int) -> bool:
+    return len(body.at) >= n
+
+
+async def test_a_failed_run_is_tried_again_with_backoff_not_at_the_interval(
+    scheduler: Supervisor,
+) -> None:
+    """A sync that fails on a 502 runs again after a jittered backoff that grows (10 s,
+    20 s, 40 s: each in its upper half), not after its 10-minute interval; once it
+    succeeds it is back on its interval."""
+    failed = Outcome.failed("HTTP 502")
+    body = Answers(failed, failed, failed)
+    scheduler.add_loop("sync", body, every=10 * MINUTE, first_after=1.0)
+    scheduler.start_loops()
+    await _until(lambda: _runs(body, 5))
+    gaps = [b - a for a, b in itertools.pairwise(body.at)]
+    for gap, step in zip(gaps, (10.0, 20.0, 40.0), strict=False):
+        assert step / 2 - 1 <= gap <= step + 1, gaps
+    assert 10 * MINUTE - 1 <= gaps[3] <= 10 * MINUTE + 1, gaps  # back on its interval
+
+
+async def test_a_run_may_ask_for_its_next_time(scheduler: Supervisor) -> None:
+    """A backend's Retry-After (or an interval it asks for) sets the next run, sooner or
+    later than the interval; the one after is at the interval again."""
+    body = Answers(
+        Outcome.failed("HTTP 503").retrying(300.0), Outcome.ok().retrying(5.0), Outcome.ok()
+    )
+    scheduler.add_loop("report", body, every=MINUTE, first_after=1.0)
+    scheduler.start_loops()
+    await _until(lambda: _runs(body, 4))
+    gaps = [b - a for a, b in itertools.pairwise(body.at)]
+    assert [round(g) for g in gaps[:3]] == [300, 5, 60], gaps

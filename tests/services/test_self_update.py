@@ -30,6 +30,7 @@ from app.api.schemas import ComponentInfo
 from app.domain.components import Outcome
 from app.domain.health import RolloutPhase, rollout_of
 from app.domain.updates import MAX_VERSION_FILE_BYTES, UpdatePolicy
+from app.services.features.sync import SYNC
 from app.services.runtime import Runtime, build_runtime, open_self_update_only, open_sync_only
 from app.services.syncing import SyncBusy
 from app.services.updating import SelfUpdateBusy, SelfUpdater
@@ -113,14 +114,14 @@ async def runtime(
     )
     rt = build_runtime(settings)
     async with AsyncExitStack() as stack:
-        rt.updater = await open_self_update_only(rt, stack)
-        assert rt.updater is not None, rt.components["self_update"].reason
+        updater = await open_self_update_only(rt, stack)
+        assert updater is not None, rt.components["self_update"].reason
         # not started: `scheduled` runs it, recorded as the runtime's loop is
         rt.supervisor.add_loop(
-            "self-update", rt.updater.run_scheduled, every=3600,
+            "self-update", updater.run_scheduled, every=3600,
             component=rt.components["self_update"],
         )  # fmt: skip
-        rt.syncer = await open_sync_only(rt, stack)
+        await open_sync_only(rt, stack)
         yield rt
     # the own Deployment is this module's; other tests create theirs from scratch
     plane.kubectl("-n", OWN_NS, "delete", "deployment", "workload-manager",
@@ -449,9 +450,10 @@ async def test_sync_and_self_update_never_overlap(
     version_file[0].set(body=WORSE.encode())
     update = asyncio.create_task(scheduled(runtime))
     await update_applied(cluster, f"{REPO}:{WORSE}")
-    assert runtime.syncer is not None
+    syncing = runtime.get(SYNC)
+    assert syncing is not None
     with pytest.raises(SyncBusy):
-        await runtime.syncer.sync()
+        await syncing.syncer.sync()
     await update
     async with runtime.cluster_lock:
         decision = await updater(runtime).check()

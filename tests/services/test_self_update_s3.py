@@ -57,10 +57,10 @@ async def runtime(
     )
     rt = build_runtime(settings)
     async with AsyncExitStack() as stack:
-        rt.updater = await open_self_update_only(rt, stack)
-        assert rt.updater is not None, rt.components["self_update"].reason
+        updater = await open_self_update_only(rt, stack)
+        assert updater is not None, rt.components["self_update"].reason
         rt.supervisor.add_loop(
-            "self-update", rt.updater.run_scheduled, every=3600,
+            "self-update", updater.run_scheduled, every=3600,
             component=rt.components["self_update"],
         )  # fmt: skip
         yield rt

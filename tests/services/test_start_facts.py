@@ -13,7 +13,7 @@ import pytest
 from app.adapters.embedded import EmbeddedNats
 from app.main import create_app
 from app.settings import Settings
-from tests.conftest import SettingsFactory, running, runtime_of
+from tests.conftest import SettingsFactory, running, runtime_of, worker_of
 from tests.support.polling import eventually
 
 
@@ -67,4 +67,4 @@ async def test_with_job_ledger_postgres_the_worker_is_off_when_postgres_does_not
         assert (worker.enabled, worker.reason) == (
             False, "JOB_LEDGER=postgres but the registry is not running",
         )  # fmt: skip
-        assert runtime_of(app).worker is None
+        assert worker_of(app) is None

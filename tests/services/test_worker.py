@@ -24,7 +24,7 @@ from app.adapters.registry import AsyncpgRegistry
 from app.domain.requirements import NodeProfile
 from app.main import create_app
 from app.services.streams import init_streams, new_job
-from tests.conftest import SettingsFactory, running, runtime_of
+from tests.conftest import SettingsFactory, running, runtime_of, worker_of
 from tests.support.jobs_world import (
     EFFECT_URL,
     EventLog,
@@ -322,7 +322,7 @@ async def _worker_ready(app: FastAPI) -> None:
 
 
 async def _until_running(app: FastAPI) -> None:
-    worker = runtime_of(app).worker
+    worker = worker_of(app)
     assert worker is not None
     for _ in range(200):
         if worker.in_flight:
@@ -433,7 +433,7 @@ async def test_after_shutdown_begins_no_new_job_starts_and_nothing_is_left_unans
             await _worker_ready(app)
             for key in keys:
                 await publish(bus, idempotency_key=key, payload={"delay_seconds": 1.0})
-            worker = runtime_of(app).worker
+            worker = worker_of(app)
             assert worker is not None
 
             async def busy() -> bool:
@@ -554,7 +554,7 @@ async def test_shutdown_hands_back_the_jobs_waiting_in_the_queue_too(
             await _worker_ready(app)
             await publish(bus, payload={"delay_seconds": 60.0})
             await publish(bus, payload={"delay_seconds": 60.0})
-            worker = runtime_of(app).worker
+            worker = worker_of(app)
             assert worker is not None
 
             async def both_held() -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from typing import Any
 import botocore.session
 import httpx
 import pytest
+
+from app.adapters.embedded import free_port
 
 REGION = "eu-west-1"
 BUCKET = "wm-releases"
@@ -56,20 +57,13 @@ class S3World:
         self.admin.put_object(Bucket=BUCKET, Key=key, Body=body)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _policy(*statements: dict[str, Any]) -> str:
     return json.dumps({"Version": "2012-10-17", "Statement": list(statements)})
 
 
 class MotoS3:
     def __init__(self, log_file: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = log_file.open("wb")
         self._session = botocore.session.get_session()

@@ -101,5 +101,8 @@ def image_of(cluster: RealCluster) -> str:
 
 
 def updater(rt: Runtime) -> SelfUpdater:
-    assert rt.updater is not None
-    return rt.updater
+    from app.services.features.self_update import SELF_UPDATE
+
+    updating = rt.get(SELF_UPDATE)
+    assert updating is not None
+    return updating.updater

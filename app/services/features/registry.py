@@ -1,0 +1,121 @@
+"""The capability registry: the node's row in PostgreSQL (tier, region, trust zone,
+hardware, capabilities), written at the start and kept alive by a heartbeat every 30 s;
+`draining` when the shutdown begins, `offline` at its end."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from app.services.features.base import Decision, Off, On, Phase, Running, Spec, Step, Timer
+from app.services.features.deps import Decisions, Deps, Shared
+from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.adapters.registry import AsyncpgRegistry
+    from app.services.heartbeating import Heartbeat
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    timeout: float
+    pool_size: int
+    migrations_dir: Path | None  # None: no migrations at start (production's init container)
+    migrate_on_start: bool
+    heartbeat_interval: float
+
+
+@dataclass(kw_only=True)
+class Registering(Running):
+    registry: AsyncpgRegistry
+    heartbeat: Heartbeat
+
+
+class _Registry(Spec[RegistryConfig, Registering]):
+    name = "registry"
+    critical = True
+
+    def decide(
+        self, settings: Settings, shared: Shared, earlier: Decisions
+    ) -> Decision[RegistryConfig]:
+        if not settings.registry_enabled:
+            return Off("switched off by REGISTRY_ENABLED=false")
+        if settings.database_url is None and not shared.embedded:
+            return Off(
+                "no DATABASE_URL (or CAPABILITY_REGISTRY) set: capabilities are not "
+                "registered; jobs are matched against this node's own profile"
+            )
+        reason = f"tier {settings.tier.value} in worker_capabilities, heartbeat every "
+        reason += f"{settings.heartbeat_interval_seconds:g} s"
+        if settings.node_tier is None:
+            reason += " (NODE_TIER unset: tier C for development)"
+        config = RegistryConfig(
+            timeout=settings.database_timeout_seconds,
+            pool_size=settings.database_pool_size,
+            migrations_dir=settings.migrations_dir,
+            migrate_on_start=settings.migrates_on_start,
+            heartbeat_interval=settings.heartbeat_interval_seconds,
+        )
+        return On(config, reason)
+
+    async def open(self, config: RegistryConfig, deps: Deps) -> Registering | Off:
+        """The registry pool, pending migrations (development), and the heartbeat, which
+        sets `deps.registered` each time the registry has this instance's row (what
+        PostgreSQL's job ledger waits for)."""
+        if deps.database_url is None:
+            return Off("PostgreSQL is not running (see the postgres component)")
+        from app.adapters.registry import AsyncpgRegistry
+        from app.domain.migrations import MigrationError
+        from app.services import migrating
+        from app.services.heartbeating import Heartbeat
+
+        component = deps.component(self)
+        registry = AsyncpgRegistry(
+            deps.database_url, timeout=config.timeout, max_connections=config.pool_size
+        )
+        await registry.open()
+        deps.stack.push_async_callback(registry.close)
+        prepare = None
+        if config.migrate_on_start:
+            directory = migrating.migrations_dir(config.migrations_dir)
+
+            async def prepare() -> None:
+                try:
+                    applied = await migrating.migrate(registry, directory)
+                except MigrationError as exc:
+                    log.error("migrations from %s refused: %s", directory, exc)
+                    raise
+                component.facts["migrations_applied_at_start"] = [m.filename for m in applied]
+
+        every = config.heartbeat_interval
+        heartbeat = Heartbeat(
+            registry=registry,
+            profile=deps.profile(),
+            interval_seconds=every,
+            metrics=deps.metrics,
+            retry_max_wait=min(5.0, every / 4),
+            prepare=prepare,
+            on_registered=deps.registered.set,
+        )
+        deps.registry, deps.heartbeat = registry, heartbeat
+
+        async def mark(status: str, budget: float) -> None:
+            await heartbeat.mark(status, within=budget)
+
+        return Registering(
+            registry=registry,
+            heartbeat=heartbeat,
+            timers=[Timer("heartbeat", heartbeat.beat, every, 0.1, "registry heartbeat")],
+            stops={
+                # the fleet routes around the node from here on
+                Phase.ANNOUNCE: Step("registry draining", lambda b: mark("draining", b), 2.0),
+                Phase.DEPART: Step("registry offline", lambda b: mark("offline", b), 2.0),
+            },
+        )
+
+
+REGISTRY = _Registry()

@@ -1,0 +1,179 @@
+"""The deployment sync: every 10 minutes the cluster's Deployments are made what the desired
+state says (from the backend, or a folder in development), and every minute the view of
+the cluster that the pings and the report read is refreshed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import SecretStr
+
+from app.domain.redaction import redact_text, redact_url
+from app.services.features.base import Decision, Off, On, Running, Spec, Timer
+from app.services.features.deps import Cluster, Decisions, Deps, Shared, plain_http_note
+from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.domain.manifests import Injection, ManifestPolicy
+    from app.domain.planning import SyncPolicy
+    from app.services.syncing import Syncer
+
+
+@dataclass(frozen=True)
+class FolderSourceConfig:
+    directory: Path
+
+
+@dataclass(frozen=True)
+class BackendSourceConfig:
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    source: BackendSourceConfig | FolderSourceConfig
+    namespace: str
+    max_workloads: int
+    policy: SyncPolicy
+    manifest_policy: ManifestPolicy
+    manager_url: str
+    ping_token_secret: SecretStr | None
+    concurrency: int
+    deadline: float
+    interval: float
+    refresh_interval: float
+
+
+@dataclass(kw_only=True)
+class Syncing(Running):
+    syncer: Syncer
+    cluster: Cluster
+
+
+class _Sync(Spec[SyncConfig, Syncing]):
+    name = "sync"
+
+    def decide(
+        self, settings: Settings, shared: Shared, earlier: Decisions
+    ) -> Decision[SyncConfig]:
+        if not settings.sync_enabled:
+            return Off("switched off by SYNC_ENABLED=false")
+        source: BackendSourceConfig | FolderSourceConfig
+        backend = shared.backend
+        if backend is not None:
+            source = BackendSourceConfig(backend.base_url)
+            reason = f"desired state from {redact_url(backend.base_url)}"
+            reason += plain_http_note(settings, "NODE_SYSTEM_ENDPOINT")
+        elif settings.desired_state_dir is not None:
+            source = FolderSourceConfig(settings.desired_state_dir)
+            reason = f"desired state from folder {settings.desired_state_dir}"
+        else:
+            return Off("no NODE_SYSTEM_ENDPOINT (with a key) and no DESIRED_STATE_DIR to sync from")
+        from app.domain.manifests import MANAGER_POD_LABELS, ManifestPolicy
+        from app.domain.planning import SyncPolicy
+        from app.domain.pod_security import Level
+
+        # the manager's own Deployment, when it lives among the workloads it manages
+        own = settings.pod_namespace in (None, settings.managed_namespace)
+        config = SyncConfig(
+            source=source,
+            namespace=settings.managed_namespace,
+            max_workloads=settings.max_desired_workloads,
+            policy=SyncPolicy(
+                max_deletes=settings.sync_max_deletes,
+                max_delete_percent=settings.sync_max_delete_percent,
+                protected=frozenset({settings.self_deployment_name}) if own else frozenset(),
+            ),
+            manifest_policy=ManifestPolicy(
+                allow_privileged=settings.allow_privileged,
+                allow_host_namespaces=settings.allow_host_namespaces,
+                allow_host_path=settings.allow_host_path,
+                allow_host_ports=settings.allow_host_ports,
+                level=Level(settings.manifest_policy),
+                max_replicas=settings.manifest_max_replicas,
+                max_bytes=settings.manifest_max_bytes,
+                # in the manager's own namespace, its Service would send pods that carry
+                # its name the node's pings (with their tokens) and status calls
+                reserved_pod_labels=MANAGER_POD_LABELS if own else (),
+            ),
+            manager_url=settings.manager_url,
+            ping_token_secret=settings.ping_token_secret,
+            concurrency=settings.sync_concurrency,
+            deadline=settings.sync_deadline_seconds,
+            interval=settings.sync_interval_seconds,
+            refresh_interval=settings.cluster_refresh_seconds,
+        )
+        return On(config, reason)
+
+    async def open(self, config: SyncConfig, deps: Deps) -> Syncing | Off:
+        """The syncer on the shared cluster client; off when there is no cluster."""
+        cluster = await deps.cluster()
+        if isinstance(cluster, Off):
+            return cluster
+        from app.adapters.desired_files import DesiredFiles
+        from app.adapters.kube import KubeError
+        from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
+
+        source: DesiredSource
+        if isinstance(config.source, BackendSourceConfig):
+            backend = deps.backend()
+            # decided together: a backend source is planned only with a backend to sign for
+            assert backend is not None
+            source = BackendSource(
+                backend, config.source.endpoint, max_workloads=config.max_workloads
+            )
+        else:
+            source = FolderSource(
+                DesiredFiles(config.source.directory), max_workloads=config.max_workloads
+            )
+        deps.component(self).reason = redact_text(
+            f"{source.description} -> namespace {config.namespace} via {cluster.source}"
+        )
+        syncer = deps.syncer = Syncer(
+            source=source,
+            kube=cluster.client,
+            book=deps.book,
+            policy=config.policy,
+            manifest_policy=config.manifest_policy,
+            injection_for=_injection(config),
+            concurrency=config.concurrency,
+            metrics=deps.metrics,
+            cluster_lock=deps.cluster_lock,
+            deadline=config.deadline,
+        )
+        every, refresh = config.interval, config.refresh_interval
+        return Syncing(
+            syncer=syncer,
+            cluster=cluster,
+            timers=[
+                Timer("sync", syncer.run_scheduled, every, min(10.0, every), "deployment sync"),
+                Timer(
+                    "cluster-view",
+                    syncer.refresh_view,
+                    refresh,
+                    refresh,
+                    "cluster view",
+                    outage=(KubeError,),
+                    recorded=False,
+                ),
+            ],
+        )
+
+
+def _injection(config: SyncConfig) -> Callable[[str], Injection]:
+    from app.domain.manifests import Injection
+    from app.domain.tokens import ping_token
+
+    secret = config.ping_token_secret
+
+    def injection_for(name: str) -> Injection:
+        token = ping_token(secret.get_secret_value(), name) if secret else None
+        return Injection(manager_url=config.manager_url, ping_token=token)
+
+    return injection_for
+
+
+SYNC = _Sync()
