@@ -24,6 +24,8 @@ from pydantic import SecretStr
 
 from app.adapters.nats_auth import NatsAuth
 from app.domain.components import Component, ComponentState
+from app.domain.http_targets import AllowedTargets
+from app.domain.nats_servers import NatsServers
 from app.domain.redaction import redact_url
 from app.domain.requirements import Tier
 from app.domain.uptime import SAVE_EVERY_SECONDS
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from app.domain.uptime import RestartPolicy
 
 C = TypeVar("C")
+U = TypeVar("U")
 
 
 @dataclass(frozen=True)
@@ -76,10 +79,10 @@ class BackendConfig:
 
 
 @dataclass(frozen=True)
-class DataServiceConfig:
+class DataServiceConfig(Generic[U]):
     """A data server: the configured URL, or an embedded server in `embedded_dir`."""
 
-    url: SecretStr | None
+    url: U | None
     embedded_dir: Path | None
 
 
@@ -169,7 +172,7 @@ class WorkerPlan:
     auto_init_streams: bool
     timeout: float
     http_timeout: float
-    http_allowed_targets: tuple[str, ...]
+    http_allowed_targets: AllowedTargets
 
 
 @dataclass(frozen=True)
@@ -209,8 +212,8 @@ class Plan:
     """Every component, decided; `components()` gives the records `/v1/status` shows."""
 
     report: Decision[ReportConfig]
-    postgres: Decision[DataServiceConfig]
-    nats: Decision[DataServiceConfig]
+    postgres: Decision[DataServiceConfig[SecretStr]]
+    nats: Decision[DataServiceConfig[NatsServers]]
     sync: Decision[SyncConfig]
     registry: Decision[RegistryConfig]
     worker: Decision[WorkerPlan]
@@ -260,7 +263,7 @@ def decide(settings: Settings, *, can_sign: bool) -> Plan:
         report=_report(settings, can_sign),
         postgres=_data_service(database, embedded, data_dir / "postgres", "DATABASE_URL"),
         nats=_data_service(
-            SecretStr(settings.nats_url) if settings.nats_url else None,
+            settings.nats_url,
             embedded,
             data_dir / "nats",
             "NATS_URL",
@@ -348,8 +351,8 @@ def _report(settings: Settings, can_sign: bool) -> Decision[ReportConfig]:
 
 
 def _data_service(
-    configured: SecretStr | None, embedded: bool, directory: Path, variable: str
-) -> Decision[DataServiceConfig]:
+    configured: U | None, embedded: bool, directory: Path, variable: str
+) -> Decision[DataServiceConfig[U]]:
     if configured is not None:
         return On(DataServiceConfig(configured, None), f"{variable} is set")
     if embedded:
@@ -492,9 +495,8 @@ def _worker(settings: Settings, *, registry_on: bool, embedded: bool) -> Decisio
         auto_init_streams=settings.auto_init_streams,
         timeout=settings.backend_timeout_seconds,
         http_timeout=settings.http_job_timeout_seconds,
-        http_allowed_targets=tuple(
-            settings.http_job_allowed_targets or [settings.managed_namespace]
-        ),
+        http_allowed_targets=settings.http_job_allowed_targets
+        or AllowedTargets.namespace(settings.managed_namespace),
     )
     return On(plan, worker_reason(plan, ledger))
 

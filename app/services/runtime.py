@@ -21,12 +21,15 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
+
+from pydantic import SecretStr
 
 from app import __version__
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.adapters.signing import NodeSigner, load_config_file, load_private_key, node_id_for
 from app.domain.components import Component, Outcome, Result
+from app.domain.nats_servers import NatsServers
 from app.domain.redaction import redact_text, redact_url
 from app.domain.uptime import SAVE_EVERY_SECONDS
 from app.metrics import Metrics
@@ -480,32 +483,44 @@ async def open_self_update_only(rt: Runtime, stack: AsyncExitStack) -> SelfUpdat
     )  # fmt: skip
 
 
-async def _start_data_services(rt: Runtime, stack: AsyncExitStack) -> tuple[str | None, str | None]:
-    """PostgreSQL's and nats-server's URLs: the configured one, or the embedded server's,
-    started here (None: off, or it did not start); each probed once."""
+async def _start_data_services(
+    rt: Runtime, stack: AsyncExitStack
+) -> tuple[str | None, NatsServers | None]:
+    """PostgreSQL's URL and nats-server's servers: the configured ones, or the embedded
+    server's, started here (None: off, or it did not start); each probed once."""
     plan, components = rt.plan, rt.components
-    database_url = await _data_service(
-        plan.postgres, components["postgres"], EmbeddedPostgres, "PostgreSQL", stack
+    database = await _data_service(
+        plan.postgres, components["postgres"], EmbeddedPostgres, SecretStr, "PostgreSQL", stack
     )
+    database_url = None if database is None else database.get_secret_value()
     nats_url = await _data_service(
-        plan.nats, components["nats"], EmbeddedNats, "nats-server", stack
+        plan.nats, components["nats"], EmbeddedNats, _one_server, "nats-server", stack
     )
     await asyncio.gather(_probe_postgres(rt, database_url), _probe_nats(rt, nats_url))
     return database_url, nats_url
 
 
+A = TypeVar("A")
+
+
+def _one_server(url: str) -> NatsServers:
+    return NatsServers((url,))
+
+
 async def _data_service(
-    decision: Decision[DataServiceConfig],
+    decision: Decision[DataServiceConfig[A]],
     component: Component,
     server: Callable[[Path], EmbeddedPostgres | EmbeddedNats],
+    address: Callable[[str], A],
     label: str,
     stack: AsyncExitStack,
-) -> str | None:
+) -> A | None:
+    """The configured address as it is, or the embedded server's, started here."""
     if not decision.enabled:
         return None
     config = decision.config
     if config.url is not None:
-        return config.url.get_secret_value()
+        return config.url
     assert config.embedded_dir is not None  # decided: a URL or an embedded server
     embedded = server(config.embedded_dir.resolve())
     try:
@@ -515,7 +530,7 @@ async def _data_service(
         return None
     stack.callback(embedded.stop)
     component.detail.update(embedded=True, pid=embedded.pid)
-    return embedded.url
+    return address(embedded.url)
 
 
 async def _probe_postgres(rt: Runtime, url: str | None) -> None:
@@ -529,13 +544,13 @@ async def _postgres_version(url: str) -> dict[str, object]:
     return {"server_version": await registry.server_version(url, connect_timeout=PROBE_TIMEOUT)}
 
 
-async def _probe_nats(rt: Runtime, url: str | None) -> None:
+async def _probe_nats(rt: Runtime, url: NatsServers | None) -> None:
     if url is not None:
         from app.adapters import bus
 
         auth = rt.plan.nats_auth
         await _probe(
-            rt.components["nats"], url,
+            rt.components["nats"], str(url),
             bus.server_info(url, connect_timeout=PROBE_TIMEOUT, auth=auth),
         )  # fmt: skip
 

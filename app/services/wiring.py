@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from app.adapters.nats_auth import NatsAuth
     from app.adapters.registry import AsyncpgRegistry
     from app.adapters.signing import NodeSigner
+    from app.domain.nats_servers import NatsServers
     from app.domain.uptime import UptimeRecord
     from app.services.heartbeating import Heartbeat
     from app.services.profile import LocalProfile
@@ -288,7 +289,7 @@ async def open_worker(
     component: Component,
     stack: AsyncExitStack,
     *,
-    nats_url: str | None,
+    nats_url: NatsServers | None,
     auth: NatsAuth,
     registry: AsyncpgRegistry | None,
     registered: Callable[[], Awaitable[object]],
@@ -355,7 +356,7 @@ async def open_worker(
         nats_url, name=f"workload-manager/{node_id}", timeout=plan.timeout,
         auth=auth, inbox_prefix=inbox, on_change=connection_changed,
     )  # fmt: skip
-    http = WorkloadHttp(timeout=plan.http_timeout, allowed_targets=list(plan.http_allowed_targets))
+    http = WorkloadHttp(timeout=plan.http_timeout, allowed_targets=plan.http_allowed_targets)
     stack.push_async_callback(http.aclose)
 
     async def prepare() -> None:
