@@ -24,6 +24,7 @@ from pydantic import (
     InstanceOf,
     PlainSerializer,
     SecretStr,
+    TypeAdapter,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -64,6 +65,7 @@ ServersSetting = Annotated[InstanceOf[NatsServers], PlainSerializer(str, return_
 TargetsSetting = Annotated[
     InstanceOf[AllowedTargets], PlainSerializer(AllowedTargets.entries, return_type=list[str])
 ]
+_NAMES = TypeAdapter(list[str])
 
 
 class Settings(BaseSettings):
@@ -398,10 +400,9 @@ class Settings(BaseSettings):
         entries = _comma_values(value)
         if not isinstance(entries, list | tuple):
             return entries
-        if not all(isinstance(entry, str) for entry in entries):
-            raise ValueError("must be a JSON list or comma-separated values")
+        names = _NAMES.validate_python(entries)  # its errors name the entry's index
         # its ValueError names the entry and the form
-        return AllowedTargets.parse(entries) if entries else None
+        return AllowedTargets.parse(names) if names else None
 
     @model_validator(mode="before")
     @classmethod

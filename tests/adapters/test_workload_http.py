@@ -225,7 +225,6 @@ def test_the_setting_takes_namespaces_and_services(
         ("workloads,api.workloads.svc", r"'api\.workloads\.svc' is a host or a host suffix"),
         ("workloads,Other", r"'Other' is not <namespace> or <service>\.<namespace>"),
         ("127.0.0.1", r"'127\.0\.0\.1' is not"),
-        ('["workloads", 1]', "must be a JSON list or comma-separated values"),
         ('["workloads"', "must be a JSON list or comma-separated values"),
     ],
 )
@@ -235,6 +234,15 @@ def test_the_setting_refuses_other_entries(
     monkeypatch.setenv("HTTP_JOB_ALLOWED_TARGETS", value)
     with pytest.raises(SettingsError, match=f"^HTTP_JOB_ALLOWED_TARGETS: .*{why}"):
         load_settings(_env_file=None)
+
+
+def test_an_entry_that_is_not_a_string_is_refused_naming_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HTTP_JOB_ALLOWED_TARGETS", '["workloads", 1]')
+    with pytest.raises(SettingsError) as caught:
+        load_settings(_env_file=None)
+    assert str(caught.value) == "HTTP_JOB_ALLOWED_TARGETS.1: Input should be a valid string"
 
 
 @pytest.mark.parametrize("name", ["HTTP_JOB_ALLOWED_SUFFIXES", "http_job_allowed_suffixes"])
