@@ -34,7 +34,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from app.domain.http_targets import AllowedTargets
 from app.domain.nats_servers import NatsServers
 from app.domain.requirements import CAPABILITY_NAME, LOCATION_NAME, Tier
-from app.domain.updates import parse_public_key, signature_needs_own_url
+from app.domain.updates import VersionFileKey, signature_needs_own_url
 
 # Where the original (Express) service kept the node's key (`Settings.node_config_path`):
 # used when neither NODE_PRIVATE_KEY nor NODE_PRIVATE_KEY_FILE is set, NODE_CONFIG_FILE is
@@ -65,6 +65,7 @@ ServersSetting = Annotated[InstanceOf[NatsServers], PlainSerializer(str, return_
 TargetsSetting = Annotated[
     InstanceOf[AllowedTargets], PlainSerializer(AllowedTargets.entries, return_type=list[str])
 ]
+KeySetting = Annotated[InstanceOf[VersionFileKey], PlainSerializer(str, return_type=str)]
 _NAMES = TypeAdapter(list[str])
 
 
@@ -148,7 +149,7 @@ class Settings(BaseSettings):
     self_update_s3_endpoint: str | None = None
     # an Ed25519 public key (base64 of the 32 raw bytes, or PEM): when set, the version file
     # must carry a valid signature by it, checked before anything is decided
-    self_update_public_key: str | None = None
+    self_update_public_key: Annotated[KeySetting | None, NoDecode] = None
     # where the signature is, when not beside the file (a presigned SELF_UPDATE_URL)
     self_update_signature_url: str | None = None
     scheduler_jitter_fraction: float = _ranged(0.1, 0.0, 0.5)
@@ -276,11 +277,13 @@ class Settings(BaseSettings):
     def _http_url(cls, value: str | None) -> str | None:
         return None if value is None else _http_url(value)
 
-    @field_validator("self_update_public_key")
+    @field_validator("self_update_public_key", mode="before")
     @classmethod
-    def _version_file_key(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_public_key(value)  # its ValueError names what is expected, never the value
+    def _version_file_key(cls, value: Any) -> Any:
+        """Parsed once, into the key the version file is checked with (its ValueError
+        names what is expected, never the value); `SELF_UPDATE_PUBLIC_KEY=` is not set."""
+        if isinstance(value, str):
+            return VersionFileKey.parse(value) if value.strip() else None
         return value
 
     @field_validator("self_update_url", "self_update_signature_url")

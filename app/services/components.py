@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from app.domain.manifests import ManifestPolicy
     from app.domain.planning import SyncPolicy
     from app.domain.topology import Topology
-    from app.domain.updates import UpdatePolicy
+    from app.domain.updates import UpdatePolicy, VersionFileKey
     from app.domain.uptime import RestartPolicy
 
 C = TypeVar("C")
@@ -180,7 +180,7 @@ class SelfUpdateConfig:
     url: str
     timeout: float
     s3_endpoint: str | None
-    public_key: str | None
+    public_key: VersionFileKey | None
     signature_url: str | None
     namespace: str
     deployment: str
