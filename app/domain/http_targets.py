@@ -50,8 +50,8 @@ class AllowedTargets:
 
     @classmethod
     def namespace(cls, name: str) -> AllowedTargets:
-        """Every Service of one namespace (the default: MANAGED_NAMESPACE, a name the
-        settings have checked already)."""
+        """Every Service of one namespace (the default: MANAGED_NAMESPACE, whose form the
+        settings check)."""
         return cls(frozenset({name}), frozenset())
 
     def allows(self, service: str, namespace: str) -> bool:
