@@ -21,17 +21,20 @@ from urllib.parse import urlsplit
 from pydantic import (
     AliasChoices,
     Field,
+    InstanceOf,
+    PlainSerializer,
     SecretStr,
+    TypeAdapter,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.adapters.workload_http import AllowedTargets
-from app.domain.redaction import redact_url
+from app.domain.http_targets import AllowedTargets
+from app.domain.nats_servers import NatsServers
 from app.domain.requirements import CAPABILITY_NAME, LOCATION_NAME, Tier
-from app.domain.updates import parse_public_key, signature_needs_own_url
+from app.domain.updates import VersionFileKey, signature_needs_own_url
 
 # Where the original (Express) service kept the node's key (`Settings.node_config_path`):
 # used when neither NODE_PRIVATE_KEY nor NODE_PRIVATE_KEY_FILE is set, NODE_CONFIG_FILE is
@@ -54,6 +57,16 @@ class SettingsError(ValueError):
 
 def _ranged(default: float, low: float, high: float) -> Any:
     return Field(default=default, ge=low, le=high)
+
+
+# Values parsed once, into the domain's types, which the components take as they are;
+# dumped as the environment gives them (the servers redacted)
+ServersSetting = Annotated[InstanceOf[NatsServers], PlainSerializer(str, return_type=str)]
+TargetsSetting = Annotated[
+    InstanceOf[AllowedTargets], PlainSerializer(AllowedTargets.entries, return_type=list[str])
+]
+KeySetting = Annotated[InstanceOf[VersionFileKey], PlainSerializer(str, return_type=str)]
+_NAMES = TypeAdapter(list[str])
 
 
 class Settings(BaseSettings):
@@ -136,7 +149,7 @@ class Settings(BaseSettings):
     self_update_s3_endpoint: str | None = None
     # an Ed25519 public key (base64 of the 32 raw bytes, or PEM): when set, the version file
     # must carry a valid signature by it, checked before anything is decided
-    self_update_public_key: str | None = None
+    self_update_public_key: Annotated[KeySetting | None, NoDecode] = None
     # where the signature is, when not beside the file (a presigned SELF_UPDATE_URL)
     self_update_signature_url: str | None = None
     scheduler_jitter_fraction: float = _ranged(0.1, 0.0, 0.5)
@@ -179,7 +192,8 @@ class Settings(BaseSettings):
     database_pool_size: int = Field(default=4, ge=1, le=100)
     migrate_on_start: bool | None = None
     migrations_dir: Path | None = None
-    nats_url: str | None = None
+    # one server, or several comma-separated
+    nats_url: Annotated[ServersSetting | None, NoDecode] = None
     # NATS credentials besides a user:password or token in NATS_URL: a creds file (JWT and
     # nkey seed), an nkey seed file, and TLS (a CA to trust, a client certificate and key)
     nats_creds_file: Path | None = None
@@ -224,8 +238,8 @@ class Settings(BaseSettings):
     nats_duplicate_window_seconds: float = _ranged(120.0, 1.0, 86_400.0)
     nats_auto_init_streams: bool | None = None
     # what the `http` job handler may call: `<namespace>` (any Service in it) or
-    # `<service>.<namespace>` (that one), comma-separated; empty: MANAGED_NAMESPACE only
-    http_job_allowed_targets: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # `<service>.<namespace>` (that one), comma-separated; empty (None): MANAGED_NAMESPACE only
+    http_job_allowed_targets: Annotated[TargetsSetting | None, NoDecode] = None
     http_job_timeout_seconds: float = _ranged(30.0, 0.1, 3_600.0)
 
     # --- capability registry
@@ -263,11 +277,13 @@ class Settings(BaseSettings):
     def _http_url(cls, value: str | None) -> str | None:
         return None if value is None else _http_url(value)
 
-    @field_validator("self_update_public_key")
+    @field_validator("self_update_public_key", mode="before")
     @classmethod
-    def _version_file_key(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_public_key(value)  # its ValueError names what is expected, never the value
+    def _version_file_key(cls, value: Any) -> Any:
+        """Parsed once, into the key the version file is checked with (its ValueError
+        names what is expected, never the value); `SELF_UPDATE_PUBLIC_KEY=` is not set."""
+        if isinstance(value, str):
+            return VersionFileKey.parse(value) if value.strip() else None
         return value
 
     @field_validator("self_update_url", "self_update_signature_url")
@@ -375,28 +391,21 @@ class Settings(BaseSettings):
             raise ValueError("not a DSN: its path does not end in a project id (a number)")
         return value
 
-    @field_validator(
-        "job_backoff_seconds", "http_job_allowed_targets", "allow_plain_http", mode="before"
-    )
+    @field_validator("job_backoff_seconds", "allow_plain_http", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
-        """`5,30,120` or a JSON list."""
-        if not isinstance(value, str):
-            return value
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                return json.loads(text)
-            except ValueError:
-                raise ValueError("must be a JSON list or comma-separated values") from None
-        return [part.strip() for part in text.split(",") if part.strip()]
+        return _comma_values(value)
 
-    @field_validator("http_job_allowed_targets")
+    @field_validator("http_job_allowed_targets", mode="before")
     @classmethod
-    def _http_job_targets(cls, value: list[str]) -> list[str]:
-        if value:
-            AllowedTargets.parse(value)  # its ValueError names the entry and the form
-        return value
+    def _http_job_targets(cls, value: Any) -> Any:
+        """Parsed once, into what the `http` job may call; no entry: None."""
+        entries = _comma_values(value)
+        if not isinstance(entries, list | tuple):
+            return entries
+        names = _NAMES.validate_python(entries)  # its errors name the entry's index
+        # its ValueError names the entry and the form
+        return AllowedTargets.parse(names) if names else None
 
     @model_validator(mode="before")
     @classmethod
@@ -418,25 +427,13 @@ class Settings(BaseSettings):
             )
         return data
 
-    @field_validator("nats_url")
+    @field_validator("nats_url", mode="before")
     @classmethod
-    def _nats_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        servers = nats_servers(value)
-        if not servers:
-            raise ValueError("no server given (nats://host:port, comma-separated for several)")
-        for server in servers:
-            parts = urlsplit(server)
-            try:
-                parts.port  # noqa: B018 - parsing it is the check
-            except ValueError:
-                parts = parts._replace(netloc="")
-            if parts.scheme not in NATS_SCHEMES or not parts.hostname:
-                raise ValueError(
-                    f"{redact_url(server)!r} is not a NATS server URL "
-                    f"({'|'.join(NATS_SCHEMES)}://host:port, comma-separated for several)"
-                )
+    def _nats_url(cls, value: Any) -> Any:
+        """Parsed once, into the servers the bus takes (its ValueError names the server,
+        redacted); `NATS_URL=` is not set."""
+        if isinstance(value, str):
+            return NatsServers.parse(value) if value.strip() else None
         return value
 
     @field_validator("job_backoff_seconds")
@@ -617,14 +614,20 @@ def _reveal(secret: SecretStr | None) -> str | None:
     return None if secret is None else secret.get_secret_value()
 
 
-NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
-def nats_servers(url: str) -> list[str]:
-    """The servers of NATS_URL: one URL, or several comma-separated (as the nats CLI
-    takes them) so that the first connection survives one server being down."""
-    return [part.strip() for part in url.split(",") if part.strip()]
+def _comma_values(value: Any) -> Any:
+    """`5,30,120` or a JSON list, as a list; any other value as it is."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ValueError("must be a JSON list or comma-separated values") from None
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def load_settings(*, _check_production: bool = True, **overrides: Any) -> Settings:

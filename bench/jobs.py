@@ -34,6 +34,7 @@ import psutil
 from app.adapters.bus import JetStreamBus
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.domain.jobs import STREAMS, Job, consumer_name, job_subject
+from app.domain.nats_servers import NatsServers
 from app.main import create_app
 from app.services.features.worker import WORKER
 from app.services.runtime import Runtime
@@ -258,7 +259,7 @@ async def _floor(world: World, settings: Settings, n: int, batch: int, tag: str)
     body = json_bytes(_body(_jobs(1, f"floor-{tag}")[0]))
     payload = world.workdir / f"floor-{tag}.json"
     payload.write_bytes(body)
-    bus = JetStreamBus(world.nats_url, name="bench-floor-setup", timeout=10.0)
+    bus = JetStreamBus(NatsServers.parse(world.nats_url), name="bench-floor-setup", timeout=10.0)
     await bus.connect()
     try:
         await init_streams(bus, settings)  # what the worker's start-up does, idempotently
@@ -321,7 +322,7 @@ async def _events_floor(
     (stream,) = [s for s in stream_specs(settings) if s.name == JOB_STREAM]
     (consumer,) = [c for c in consumer_specs(settings, (TIER,)) if c.stream == JOB_STREAM]
     bodies = [_body(job) for job in _jobs(n, f"bare-{tag}")]
-    bus = JetStreamBus(world.nats_url, name="bench-bare-publisher", timeout=10.0)
+    bus = JetStreamBus(NatsServers.parse(world.nats_url), name="bench-bare-publisher", timeout=10.0)
     await bus.connect()
     nc = await nats.connect(world.nats_url, name="bench-bare-consumer")
     js = nc.jetstream(timeout=10.0)
@@ -467,7 +468,7 @@ async def _whole(
     jobs = _jobs(n, tag)
     async with fresh_database(world.pg_url) as database_url:
         settings = _settings(world, database_url, concurrency, tag)
-        bus = JetStreamBus(world.nats_url, name="bench-publisher", timeout=10.0)
+        bus = JetStreamBus(NatsServers.parse(world.nats_url), name="bench-publisher", timeout=10.0)
         await bus.connect()
         try:
             await init_streams(bus, settings)  # what the worker's start-up does, idempotently

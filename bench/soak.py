@@ -39,6 +39,7 @@ import asyncpg
 
 from app.adapters.bus import JetStreamBus
 from app.domain.jobs import STREAMS, consumer_name
+from app.domain.nats_servers import NatsServers
 from bench.__main__ import render_table
 from bench.checks import say
 from bench.machine import facts
@@ -344,7 +345,9 @@ async def _end(config: Config, load: Load, world: World, bus: JetStreamBus, prob
 
 async def _soak(config: Config, world: World) -> Outcome:
     probe = Probe(world.manager.pid, world.manager_url, world.peers())
-    bus = JetStreamBus(world.nats.url, name="soak-publisher", timeout=PUBLISH_TIMEOUT)
+    bus = JetStreamBus(
+        NatsServers.parse(world.nats.url), name="soak-publisher", timeout=PUBLISH_TIMEOUT
+    )
     await bus.connect()
     try:
         await _streams_ready(bus, config.tier)

@@ -30,8 +30,8 @@ from nats.aio.client import Client
 from nats.js import api
 
 from app.adapters.nats_auth import NatsAuth as NatsAuth  # the connection takes it
+from app.domain.nats_servers import NatsServers
 from app.domain.redaction import redact_url
-from app.settings import nats_servers
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +129,14 @@ async def _log_quietly(exc: Exception) -> None:
 
 
 async def server_info(
-    url: str, *, connect_timeout: float, auth: NatsAuth | None = None
+    servers: NatsServers, *, connect_timeout: float, auth: NatsAuth | None = None
 ) -> dict[str, object]:
     """Connect once, read the server's version, ask JetStream, close; raises on failure
     (NatsRefused when the server refused the credentials)."""
     nc: Any = Client()
     try:
         await nc.connect(
-            nats_servers(url),
+            list(servers.urls),
             connect_timeout=connect_timeout,
             allow_reconnect=False,
             max_reconnect_attempts=1,
@@ -249,7 +249,7 @@ class JetStreamBus:
 
     def __init__(
         self,
-        url: str,
+        servers: NatsServers,
         *,
         name: str,
         timeout: float,
@@ -257,7 +257,7 @@ class JetStreamBus:
         inbox_prefix: str | None = None,
         on_change: Callable[[str | None], None] | None = None,
     ) -> None:
-        self._url = url
+        self._configured = servers
         self._name = name
         self._timeout = timeout
         self._auth = auth or NatsAuth()
@@ -291,7 +291,7 @@ class JetStreamBus:
         url = getattr(self._nc, "connected_url", None) if self._nc is not None else None
         if url is not None and url.hostname:
             return f"{url.scheme}://{url.hostname}:{url.port}"
-        return ", ".join(redact_url(server) for server in nats_servers(self._url))
+        return ", ".join(redact_url(server) for server in self._configured.urls)
 
     async def _on_error(self, exc: Exception) -> None:
         self.last_error = str(exc).strip() or type(exc).__name__
@@ -339,7 +339,7 @@ class JetStreamBus:
         client: Any = Client()
         connecting = asyncio.create_task(
             client.connect(
-                nats_servers(self._url),
+                list(self._configured.urls),
                 name=self._name,
                 connect_timeout=self._timeout,
                 max_reconnect_attempts=-1,

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.domain.nats_servers import NatsServers
+
 log = logging.getLogger(__name__)
 
 PG_SYSTEM_USER = "embedded_postgres"
@@ -247,6 +249,11 @@ class EmbeddedNats(_ChildServer):
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
+
+    @property
+    def servers(self) -> NatsServers:
+        """The one server, as the bus takes it."""
+        return NatsServers((self.url,))
 
     @staticmethod
     def binary() -> str:

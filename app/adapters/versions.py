@@ -42,7 +42,7 @@ from app.domain.updates import (
     MAX_VERSION_FILE_BYTES,
     SIGNATURE_SUFFIX,
     SignatureError,
-    parse_public_key,
+    VersionFileKey,
     parse_signature,
     signature_location,
 )
@@ -93,7 +93,7 @@ class VersionFile:
         *,
         timeout: float,
         s3_endpoint: str | None = None,
-        public_key: str | None = None,
+        public_key: VersionFileKey | None = None,
         signature_url: str | None = None,
     ) -> None:
         self.url = url
@@ -112,9 +112,7 @@ class VersionFile:
         # a signed S3 request is not sent on to wherever a redirect points)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), follow_redirects=False)
         self._key = (
-            Ed25519PublicKey.from_public_bytes(parse_public_key(public_key))
-            if public_key is not None
-            else None
+            Ed25519PublicKey.from_public_bytes(public_key.raw) if public_key is not None else None
         )
         self._etag: str | None = None
         self._body: bytes | None = None

@@ -2,8 +2,8 @@
 
 A job says where to POST, so the URL is checked before anything is sent: only the
 Services of the allowed namespaces, or the Services allowed one by one, may be called
-(`AllowedTargets`; the managed namespace by default), named as Kubernetes names them —
-`<service>.<namespace>`, `<service>.<namespace>.svc` or
+(`AllowedTargets`, parsed once by the settings; the managed namespace by default), named
+as Kubernetes names them — `<service>.<namespace>`, `<service>.<namespace>.svc` or
 `<service>.<namespace>.svc.cluster.local`. A job must not make the node call the cluster's
 own Services (kube-dns, NATS, the manager) or anything outside. A URL that could never be
 sent (whitespace or control characters, userinfo, a bad port) is a permanent failure, as
@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import re
 import socket
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from app.domain.http_targets import DNS_LABEL, AllowedTargets
 from app.domain.redaction import redact_url
 
 if TYPE_CHECKING:
@@ -38,55 +37,11 @@ if TYPE_CHECKING:
 MAX_RESPONSE_BYTES = 64 * 1024
 _ERROR_EXCERPT_BYTES = 200
 
-# a DNS-1123 label: what Kubernetes allows as a namespace's (and a Service's) name
-_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_TARGET_FORM = (
-    "<namespace> or <service>.<namespace> (DNS-1123 labels: lowercase letters, digits and "
-    "'-', starting and ending with a letter or digit, at most 63 characters)"
-)
-
 
 class WorkloadHttpError(RuntimeError):
     def __init__(self, message: str, *, retryable: bool) -> None:
         super().__init__(message)
         self.retryable = retryable
-
-
-@dataclass(frozen=True, slots=True)
-class AllowedTargets:
-    """What the `http` job may call: every Service of `namespaces`, and the `services`
-    named one by one, as (service, namespace)."""
-
-    namespaces: frozenset[str]
-    services: frozenset[tuple[str, str]]
-
-    @classmethod
-    def parse(cls, entries: Iterable[str]) -> AllowedTargets:
-        """From HTTP_JOB_ALLOWED_TARGETS' entries: `<namespace>` or `<service>.<namespace>`.
-        Raises ValueError naming the first entry of another form."""
-        namespaces: set[str] = set()
-        services: set[tuple[str, str]] = set()
-        for entry in entries:
-            labels = entry.split(".")
-            if len(labels) > 2 or not all(_LABEL.fullmatch(label) for label in labels):
-                if entry.startswith(".") or entry.endswith((".svc", ".local")):
-                    raise ValueError(f"{entry!r} is a host or a host suffix: give {_TARGET_FORM}")
-                raise ValueError(f"{entry!r} is not {_TARGET_FORM}")
-            if len(labels) == 1:
-                namespaces.add(entry)
-            else:
-                services.add((labels[0], labels[1]))
-        if not namespaces and not services:
-            raise ValueError(f"no target allowed: give at least one {_TARGET_FORM}")
-        return cls(frozenset(namespaces), frozenset(services))
-
-    def allows(self, service: str, namespace: str) -> bool:
-        return namespace in self.namespaces or (service, namespace) in self.services
-
-    def describe(self) -> str:
-        parts = [f"the Services of namespace {name}" for name in sorted(self.namespaces)]
-        parts += [f"Service {svc}.{ns}" for svc, ns in sorted(self.services)]
-        return ", ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +69,7 @@ def cluster_service(host: str) -> tuple[str, str] | None:
     labels = name.split(".")
     if labels[2:] in ([], ["svc"], ["svc", "cluster", "local"]) and len(labels) >= 2:
         service, namespace = labels[:2]
-        if _LABEL.fullmatch(service) and _LABEL.fullmatch(namespace):
+        if DNS_LABEL.fullmatch(service) and DNS_LABEL.fullmatch(namespace):
             if not _is_ip_literal(name) and "localhost" not in (service, namespace):
                 return service, namespace
     return None
@@ -161,13 +116,13 @@ class WorkloadHttp:
         self,
         *,
         timeout: float,
-        allowed_targets: Iterable[str],
+        allowed_targets: AllowedTargets,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """`allowed_targets`: HTTP_JOB_ALLOWED_TARGETS' entries (ValueError for any other
-        form, or for none). `transport` is httpx's, for tests that route the cluster's
-        names to a local server."""
-        self._allowed = AllowedTargets.parse(allowed_targets)
+        """`allowed_targets`: what HTTP_JOB_ALLOWED_TARGETS allows, as the settings parsed
+        it. `transport` is httpx's, for tests that route the cluster's names to a local
+        server."""
+        self._allowed = allowed_targets
         self._timeout = timeout
         self._transport = transport
         self._client: httpx.AsyncClient | None = None

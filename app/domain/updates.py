@@ -170,6 +170,24 @@ def parse_public_key(text: str) -> bytes:
     return raw
 
 
+@dataclass(frozen=True, slots=True)
+class VersionFileKey:
+    """The Ed25519 public key the version file's signature is checked with
+    (SELF_UPDATE_PUBLIC_KEY): its 32 raw bytes, parsed once."""
+
+    raw: bytes
+
+    @classmethod
+    def parse(cls, text: str) -> VersionFileKey:
+        """From base64 of the 32 raw bytes, or a PEM; ValueError (`parse_public_key`'s,
+        never quoting the text) for anything else."""
+        return cls(parse_public_key(text))
+
+    def __str__(self) -> str:
+        """Base64 of the raw bytes, as SELF_UPDATE_PUBLIC_KEY takes it."""
+        return base64.b64encode(self.raw).decode()
+
+
 def parse_signature(content: bytes) -> bytes:
     """The 64 bytes of a detached Ed25519 signature file: base64, surrounding white space
     allowed, at most MAX_SIGNATURE_BYTES."""

@@ -216,8 +216,9 @@ async def _start(rt: Runtime, stack: AsyncExitStack) -> None:
     # both servers started before either is probed
     postgres = await open_feature(rt, POSTGRES, deps)
     nats = await open_feature(rt, NATS, deps)
-    deps.database_url = postgres.url if postgres is not None else None
-    deps.nats_url = nats.url if nats is not None else None
+    database = postgres.address if postgres is not None else None
+    deps.database_url = database.get_secret_value() if database is not None else None
+    deps.nats_url = nats.address if nats is not None else None
     await asyncio.gather(
         POSTGRES.probe(postgres, deps) if postgres is not None else _nothing(),
         NATS.probe(nats, deps) if nats is not None else _nothing(),

@@ -13,6 +13,7 @@ import pytest
 from app.adapters.bus import Delivery, JetStreamBus, server_info
 from app.adapters.embedded import EmbeddedNats, free_port
 from app.domain.jobs import STREAMS, consumer_name
+from app.domain.nats_servers import NatsServers
 from app.metrics import Metrics
 from app.services.features.worker import _consumer_stats as consumer_stats
 from app.services.streams import consumer_specs, init_streams, new_job, publish_job
@@ -25,13 +26,13 @@ async def test_a_url_with_several_servers_reaches_one_that_is_up(
 ) -> None:
     down = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     url = f"{down},{nats_server.url}"
-    bus = JetStreamBus(url, name="test-several", timeout=5)
+    bus = JetStreamBus(NatsServers.parse(url), name="test-several", timeout=5)
     await bus.connect()
     try:
         assert bus.connected
     finally:
         await bus.drain()
-    info = await server_info(url, connect_timeout=5)
+    info = await server_info(NatsServers.parse(url), connect_timeout=5)
     assert info["version"] and info["jetstream"] is True
 
 
@@ -40,7 +41,7 @@ async def test_consumer_stats_that_cannot_be_read_are_a_warning_not_a_failed_loo
 ) -> None:
     """A consumer the server does not know (or a leader election's timeout) is logged
     and left to the next tick; the loop itself does not fail with a traceback."""
-    bus = JetStreamBus(nats_server.url, name="test-stats", timeout=5)
+    bus = JetStreamBus(nats_server.servers, name="test-stats", timeout=5)
     await bus.connect()
     try:
         collect = consumer_stats(bus, Metrics(), "no-such-tier")
@@ -59,7 +60,7 @@ async def test_a_nak_delay_holds_on_every_delivery_of_the_job_consumers(tmp_path
     settings = Settings(_env_file=None, job_ack_wait_seconds=30, job_backoff_seconds=[1.0, 2.0])
     delay = 1.5
     with own_nats(tmp_path / "nats") as server:
-        bus = JetStreamBus(server.url, name="test-nak-delay", timeout=5)
+        bus = JetStreamBus(NatsServers.parse(server.url), name="test-nak-delay", timeout=5)
         await bus.connect()
         try:
             await init_streams(bus, settings, tiers=("free",))
@@ -87,7 +88,7 @@ async def test_a_job_consumer_made_with_a_backoff_loses_it_on_init(tmp_path: Pat
     """Consumers an earlier release made (with BackOff) are updated in place."""
     settings = Settings(_env_file=None)
     with own_nats(tmp_path / "nats") as server:
-        bus = JetStreamBus(server.url, name="test-backoff-update", timeout=5)
+        bus = JetStreamBus(NatsServers.parse(server.url), name="test-backoff-update", timeout=5)
         await bus.connect()
         try:
             await init_streams(bus, settings, tiers=("free",))

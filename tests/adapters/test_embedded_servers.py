@@ -10,6 +10,7 @@ import pytest
 
 from app.adapters import bus, registry
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
+from app.domain.nats_servers import NatsServers
 from app.main import create_app
 from tests.conftest import SettingsFactory, running
 from tests.support.ci_skips import cannot_run_here
@@ -34,7 +35,7 @@ async def test_postgres_answers_and_survives_a_restart(tmp_path: Path) -> None:
 
 
 async def test_nats_answers_with_jetstream(nats_server: EmbeddedNats) -> None:
-    info = await bus.server_info(nats_server.url, connect_timeout=5)
+    info = await bus.server_info(nats_server.servers, connect_timeout=5)
     assert info["jetstream"] is True
     assert str(info["version"]).startswith("2.")
 
@@ -45,7 +46,7 @@ async def test_unreachable_servers_raise_within_the_timeout() -> None:
             "postgresql://postgres@127.0.0.1:9/postgres", connect_timeout=1
         )
     with pytest.raises(Exception, match=r"(?i)connect|refused|no servers"):
-        await bus.server_info("nats://127.0.0.1:9", connect_timeout=1)
+        await bus.server_info(NatsServers.parse("nats://127.0.0.1:9"), connect_timeout=1)
 
 
 async def test_development_run_starts_and_stops_embedded_servers(

@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from app.adapters.embedded import free_port
 from app.adapters.workload_http import MAX_RESPONSE_BYTES, WorkloadHttp
+from app.domain.http_targets import AllowedTargets
 from app.domain.jobs import (
     FailureKind,
     Job,
@@ -32,6 +33,7 @@ from tests.support.polling import eventually
 from tests.support.servers import ThreadedServer, serve
 
 WORKLOAD = "http://api.workloads.svc:8080"  # routed to the local server by ClusterDns
+WORKLOADS = AllowedTargets.namespace("workloads")  # what the http job may call here
 
 received: list[tuple[dict[str, Any], str | None]] = []
 hosts: list[str | None] = []  # the Host header of every request the workload got
@@ -134,7 +136,7 @@ def dns(workload: ThreadedServer) -> ClusterDns:
 
 @pytest.fixture
 async def http(dns: ClusterDns) -> AsyncIterator[WorkloadHttp]:
-    client = WorkloadHttp(timeout=0.5, allowed_targets=("workloads",), transport=dns)
+    client = WorkloadHttp(timeout=0.5, allowed_targets=WORKLOADS, transport=dns)
     yield client
     await client.aclose()
 
@@ -312,7 +314,7 @@ async def test_http_handler_retries_a_workload_that_is_not_there() -> None:
     """A real connection refused (nothing listens on the port): retried."""
     client = WorkloadHttp(
         timeout=2.0,
-        allowed_targets=("workloads",),
+        allowed_targets=WORKLOADS,
         transport=ClusterDns("127.0.0.1", free_port()),
     )
     try:

@@ -13,6 +13,7 @@ import pytest
 
 from app.adapters.bus import JetStreamBus, NatsAuth, NatsRefused, inbox_prefix, server_info
 from app.adapters.embedded import EmbeddedNats
+from app.domain.nats_servers import NatsServers
 from app.domain.redaction import redact_url
 from app.main import create_app
 from app.services.streams import consumer_specs
@@ -32,7 +33,7 @@ async def tier_c(
     """A connected bus with tier C's nkey seed file and a node's inbox prefix."""
     auth = NatsAuth(nkey_seed_file=users["C"].seed_file)
     bus = JetStreamBus(
-        secured.url, name="tier-c", timeout=request_timeout, auth=auth,
+        NatsServers.parse(secured.url), name="tier-c", timeout=request_timeout, auth=auth,
         inbox_prefix=inbox_prefix("C", "node-c"),
     )  # fmt: skip
     await bus.connect()
@@ -49,7 +50,7 @@ async def test_without_its_inbox_prefix_a_node_is_refused_its_replies(
     """nats-py's default `_INBOX` is every node's: a tier user may not subscribe to it, so
     the manager connects with `_INBOX.wm-<tier>.<node>` (above) and nothing else works."""
     auth = NatsAuth(nkey_seed_file=users["C"].seed_file)
-    bus = JetStreamBus(secured.url, name="tier-c", timeout=2, auth=auth)
+    bus = JetStreamBus(NatsServers.parse(secured.url), name="tier-c", timeout=2, auth=auth)
     await bus.connect()
     try:
         (consumer, *_rest) = consumer_specs(settings(), ("C",))
@@ -120,19 +121,24 @@ async def test_unknown_credentials_are_refused_by_name(
 ) -> None:
     stranger = new_nkey_user(tmp_path, "stranger")
     bus = JetStreamBus(
-        secured.url, name="stranger", timeout=5, auth=NatsAuth(nkey_seed_file=stranger.seed_file)
+        NatsServers.parse(secured.url),
+        name="stranger",
+        timeout=5,
+        auth=NatsAuth(nkey_seed_file=stranger.seed_file),
     )
     with pytest.raises(NatsRefused, match=r"refused this node's credentials.*Authorization"):
         await bus.connect()
     with pytest.raises(NatsRefused, match="Authorization Violation"):
-        await server_info(secured.url, connect_timeout=5)  # no credentials at all
+        await server_info(
+            NatsServers.parse(secured.url), connect_timeout=5
+        )  # no credentials at all
 
 
 async def test_user_and_password_in_the_url_work_and_are_never_shown(
     secured: EmbeddedNats,
 ) -> None:
     url = operator_url(secured)
-    info = await server_info(url, connect_timeout=5)
+    info = await server_info(NatsServers.parse(url), connect_timeout=5)
     assert info["jetstream"] is True
     shown = redact_url(url)
     assert "operator-pass" not in shown and shown.endswith(f"@{secured.host}:{secured.port}")

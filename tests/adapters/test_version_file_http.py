@@ -23,6 +23,7 @@ from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from app.adapters.versions import VersionFile, VersionSourceError
+from app.domain.updates import VersionFileKey
 from tests.support.servers import ThreadedServer, serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +132,7 @@ def url(releases_server: tuple[Releases, ThreadedServer]) -> str:
 
 @pytest.fixture
 async def signed_source(url: str) -> AsyncIterator[VersionFile]:
-    source = VersionFile(url, timeout=5.0, public_key=public_base64(KEY))
+    source = VersionFile(url, timeout=5.0, public_key=VersionFileKey.parse(public_base64(KEY)))
     try:
         yield source
     finally:
@@ -147,8 +148,8 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 async def fetch_once(url: str, public_key: str | None = None) -> bytes:
-    keyed = {} if public_key is None else {"public_key": public_key}
-    source = VersionFile(url, timeout=5.0, **keyed)
+    key = None if public_key is None else VersionFileKey.parse(public_key)
+    source = VersionFile(url, timeout=5.0, public_key=key)
     try:
         return await asyncio.wait_for(source.fetch(), timeout=20)
     finally:
@@ -191,7 +192,7 @@ async def test_a_signed_file_is_read_and_its_etag_kept(
     releases: Releases, url: str, key: str
 ) -> None:
     releases.set(BODY, signature(KEY, BODY))
-    source = VersionFile(url, timeout=5.0, public_key=key)
+    source = VersionFile(url, timeout=5.0, public_key=VersionFileKey.parse(key))
     try:
         assert await source.fetch() == BODY
         assert await source.fetch() == BODY  # a 304: the copy verified before
@@ -305,7 +306,12 @@ async def test_a_presigned_file_is_verified_with_the_signature_url_given() -> No
     with serve(store.app) as server:
         url = presigned(server.url, "/bucket/version")
         sig_url = presigned(server.url, "/bucket/version.sig")
-        source = VersionFile(url, timeout=5.0, public_key=public_base64(KEY), signature_url=sig_url)
+        source = VersionFile(
+            url,
+            timeout=5.0,
+            public_key=VersionFileKey.parse(public_base64(KEY)),
+            signature_url=sig_url,
+        )
         try:
             assert await asyncio.wait_for(source.fetch(), timeout=20) == BODY
         finally:

@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from app.adapters.versions import S3Object, VersionFile, VersionSourceError, sign_version_file
+from app.domain.updates import VersionFileKey
 from tests.support.moto_s3 import (
     KEY,
     REGION,
@@ -174,7 +175,10 @@ async def test_with_a_public_key_the_signature_is_read_beside_the_object_with_th
     use_keys(monkeypatch, s3.reader)
     body = b'{"version": "0.2.0"}'
     source = VersionFile(
-        s3.version_file, timeout=5.0, s3_endpoint=s3.url, public_key=RELEASE_PUBLIC
+        s3.version_file,
+        timeout=5.0,
+        s3_endpoint=s3.url,
+        public_key=VersionFileKey.parse(RELEASE_PUBLIC),
     )
     try:
         with pytest.raises(VersionSourceError) as caught:  # no signature yet
@@ -203,7 +207,7 @@ async def test_a_signature_url_of_its_own_is_read_as_that_object_with_the_same_k
         s3.version_file,
         timeout=5.0,
         s3_endpoint=s3.url,
-        public_key=RELEASE_PUBLIC,
+        public_key=VersionFileKey.parse(RELEASE_PUBLIC),
         signature_url=own,
     )
     try:

@@ -1,5 +1,6 @@
 """What the `http` job may call (the URL check, table-driven: no request is made), how
-httpx's failures are classified, and HTTP_JOB_ALLOWED_TARGETS' validation."""
+httpx's failures are classified, and HTTP_JOB_ALLOWED_TARGETS' validation by the settings
+(the entries' own parser: tests/domain/test_http_targets.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.adapters.workload_http import AllowedTargets, WorkloadHttp, WorkloadHttpError, retryable
+from app.adapters.workload_http import WorkloadHttp, WorkloadHttpError, retryable
+from app.domain.http_targets import AllowedTargets
 from app.settings import SettingsError, load_settings
 
 DEFAULT = ("workloads",)  # MANAGED_NAMESPACE's default, what an empty setting allows
@@ -39,7 +41,7 @@ WITH_ONE_SERVICE = ("workloads", "api.other")
 def test_a_service_of_an_allowed_namespace_or_an_allowed_service_may_be_called(
     targets: tuple[str, ...], url: str, service: tuple[str, str, str]
 ) -> None:
-    target = WorkloadHttp(timeout=1.0, allowed_targets=targets).check_url(url)
+    target = WorkloadHttp(timeout=1.0, allowed_targets=AllowedTargets.parse(targets)).check_url(url)
     assert (target.service, target.namespace, target.connect_host) == service
 
 
@@ -78,7 +80,7 @@ def test_a_service_of_an_allowed_namespace_or_an_allowed_service_may_be_called(
 def test_any_other_host_is_refused_naming_it_and_what_is_allowed(
     targets: tuple[str, ...], url: str
 ) -> None:
-    http = WorkloadHttp(timeout=1.0, allowed_targets=targets)
+    http = WorkloadHttp(timeout=1.0, allowed_targets=AllowedTargets.parse(targets))
     with pytest.raises(WorkloadHttpError, match=r"is not allowed: the http job may call") as e:
         http.check_url(url)
     assert not e.value.retryable
@@ -99,7 +101,7 @@ def test_any_other_host_is_refused_naming_it_and_what_is_allowed(
     ],
 )
 def test_ip_literals_are_refused_as_such(targets: tuple[str, ...], url: str) -> None:
-    http = WorkloadHttp(timeout=1.0, allowed_targets=targets)
+    http = WorkloadHttp(timeout=1.0, allowed_targets=AllowedTargets.parse(targets))
     with pytest.raises(WorkloadHttpError, match=r"is an IP address: the http job may call"):
         http.check_url(url)
 
@@ -138,7 +140,7 @@ def test_ip_literals_are_refused_as_such(targets: tuple[str, ...], url: str) -> 
     ],
 )
 def test_a_url_that_cannot_be_sent_is_refused_permanently(url: str, why: str) -> None:
-    http = WorkloadHttp(timeout=1.0, allowed_targets=DEFAULT)
+    http = WorkloadHttp(timeout=1.0, allowed_targets=AllowedTargets.parse(DEFAULT))
     with pytest.raises(WorkloadHttpError, match=why) as caught:
         http.check_url(url)
     assert not caught.value.retryable
@@ -158,7 +160,9 @@ def test_the_host_checked_is_the_host_httpx_connects_to(before: str, form: str, 
     the same host and no userinfo: no parser difference takes a request elsewhere."""
     url = f"http://{before}api.workloads{form}{after}/x"
     try:
-        target = WorkloadHttp(timeout=1.0, allowed_targets=DEFAULT).check_url(url)
+        target = WorkloadHttp(timeout=1.0, allowed_targets=AllowedTargets.parse(DEFAULT)).check_url(
+            url
+        )
     except WorkloadHttpError:
         return
     parsed = httpx.URL(url)
@@ -167,7 +171,7 @@ def test_the_host_checked_is_the_host_httpx_connects_to(before: str, form: str, 
 
 
 def test_a_refusal_does_not_show_the_password_of_a_url() -> None:
-    http = WorkloadHttp(timeout=1.0, allowed_targets=DEFAULT)
+    http = WorkloadHttp(timeout=1.0, allowed_targets=AllowedTargets.parse(DEFAULT))
     with pytest.raises(WorkloadHttpError) as caught:
         http.check_url("http://user:s3cret@api.workloads.svc/")
     assert "s3cret" not in str(caught.value)
@@ -196,65 +200,22 @@ def test_httpx_failures_are_retried_unless_the_request_cannot_be_made(
 
 
 @pytest.mark.parametrize(
-    ("entries", "namespaces", "services"),
-    [
-        (["workloads"], {"workloads"}, set()),
-        (["workloads", "api.other", "api.other"], {"workloads"}, {("api", "other")}),
-        (["a" * 63, "1", "x-1.y-2"], {"a" * 63, "1"}, {("x-1", "y-2")}),
-    ],
-)
-def test_allowed_targets_are_namespaces_and_services(
-    entries: list[str], namespaces: set[str], services: set[tuple[str, str]]
-) -> None:
-    parsed = AllowedTargets.parse(entries)
-    assert (set(parsed.namespaces), set(parsed.services)) == (namespaces, services)
-
-
-@pytest.mark.parametrize(
-    ("entry", "why"),
-    [
-        (".svc", "is a host or a host suffix"),
-        (".svc.cluster.local", "is a host or a host suffix"),
-        ("api.workloads.svc", "is a host or a host suffix"),
-        ("svc.cluster.local", "is a host or a host suffix"),
-        ("a.b.c", "is not <namespace> or <service>.<namespace>"),
-        ("Workloads", "is not"),
-        ("work_loads", "is not"),
-        ("-workloads", "is not"),
-        ("workloads-", "is not"),
-        ("a" * 64, "is not"),
-        ("*.workloads", "is not"),
-        ("127.0.0.1", "is not"),
-        ("api.", "is not"),
-        ("", "is not"),
-    ],
-)
-def test_other_entries_are_refused_naming_the_form(entry: str, why: str) -> None:
-    with pytest.raises(ValueError, match=why):
-        AllowedTargets.parse([entry])
-    with pytest.raises(ValueError, match=why):
-        WorkloadHttp(timeout=1.0, allowed_targets=["workloads", entry])
-
-
-def test_no_targets_at_all_is_refused() -> None:
-    with pytest.raises(ValueError, match="no target allowed"):
-        WorkloadHttp(timeout=1.0, allowed_targets=[])
-
-
-@pytest.mark.parametrize(
     ("value", "loaded"),
     [
         ("", []),
         ("workloads", ["workloads"]),
         (" workloads , api.other ,", ["workloads", "api.other"]),
         ('["workloads", "api.other"]', ["workloads", "api.other"]),
+        ("[]", []),
     ],
 )
 def test_the_setting_takes_namespaces_and_services(
     monkeypatch: pytest.MonkeyPatch, value: str, loaded: list[str]
 ) -> None:
+    """Parsed once, by the settings; none given is None (MANAGED_NAMESPACE only)."""
     monkeypatch.setenv("HTTP_JOB_ALLOWED_TARGETS", value)
-    assert load_settings(_env_file=None).http_job_allowed_targets == loaded
+    targets = load_settings(_env_file=None).http_job_allowed_targets
+    assert (targets.entries() if targets is not None else []) == loaded
 
 
 @pytest.mark.parametrize(
@@ -264,6 +225,7 @@ def test_the_setting_takes_namespaces_and_services(
         ("workloads,api.workloads.svc", r"'api\.workloads\.svc' is a host or a host suffix"),
         ("workloads,Other", r"'Other' is not <namespace> or <service>\.<namespace>"),
         ("127.0.0.1", r"'127\.0\.0\.1' is not"),
+        ('["workloads"', "must be a JSON list or comma-separated values"),
     ],
 )
 def test_the_setting_refuses_other_entries(
@@ -272,6 +234,15 @@ def test_the_setting_refuses_other_entries(
     monkeypatch.setenv("HTTP_JOB_ALLOWED_TARGETS", value)
     with pytest.raises(SettingsError, match=f"^HTTP_JOB_ALLOWED_TARGETS: .*{why}"):
         load_settings(_env_file=None)
+
+
+def test_an_entry_that_is_not_a_string_is_refused_naming_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HTTP_JOB_ALLOWED_TARGETS", '["workloads", 1]')
+    with pytest.raises(SettingsError) as caught:
+        load_settings(_env_file=None)
+    assert str(caught.value) == "HTTP_JOB_ALLOWED_TARGETS.1: Input should be a valid string"
 
 
 @pytest.mark.parametrize("name", ["HTTP_JOB_ALLOWED_SUFFIXES", "http_job_allowed_suffixes"])
@@ -298,4 +269,4 @@ def test_the_former_setting_left_blank_is_unset(
     monkeypatch.setenv("HTTP_JOB_ALLOWED_SUFFIXES", "")
     env_file = tmp_path / ".env"
     env_file.write_text("HTTP_JOB_ALLOWED_SUFFIXES=\n")
-    assert load_settings(_env_file=env_file).http_job_allowed_targets == []
+    assert load_settings(_env_file=env_file).http_job_allowed_targets is None

@@ -7,6 +7,7 @@ import base64
 
 import pytest
 
+from app.domain.updates import VersionFileKey
 from app.settings import SettingsError, load_settings
 
 RAW = bytes(range(32))
@@ -18,9 +19,10 @@ PEM = (
 
 
 @pytest.mark.parametrize("value", [base64.b64encode(RAW).decode(), PEM])
-def test_a_usable_key_is_kept_as_given(value: str) -> None:
+def test_a_usable_key_is_parsed_once_into_its_raw_bytes(value: str) -> None:
     settings = load_settings(_check_production=False, self_update_public_key=value)
-    assert settings.self_update_public_key == value
+    assert settings.self_update_public_key == VersionFileKey(RAW)
+    assert settings.model_dump(mode="json")["self_update_public_key"] == str(VersionFileKey(RAW))
 
 
 def test_blank_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from app.domain.nats_servers import NatsServers
 from app.domain.redaction import redact_url
-from app.settings import Settings, SettingsError, load_settings, nats_servers
+from app.settings import Settings, SettingsError, load_settings
 
 PRODUCTION_OK = {
     "APP_ENV": "production",
@@ -217,8 +218,50 @@ def test_redact_url(url: str, expected: str) -> None:
 def test_nats_url_takes_several_servers(
     monkeypatch: pytest.MonkeyPatch, value: str, servers: list[str]
 ) -> None:
+    """Parsed once, by the settings, into the servers the bus takes as they are."""
     monkeypatch.setenv("NATS_URL", value)
-    assert nats_servers(load_settings(_env_file=None).nats_url or "") == servers
+    assert load_settings(_env_file=None).nats_url == NatsServers(tuple(servers))
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_a_blank_nats_url_is_unset(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("NATS_URL", value)
+    assert load_settings(_env_file=None).nats_url is None
+
+
+FORM = "nats|tls|ws|wss://host:port, comma-separated for several"
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (" , ", "no server given (nats://host:port, comma-separated for several)"),
+        ("nats://a:4222,http://b:4222", f"'http://b:4222' is not a NATS server URL ({FORM})"),
+        ("nats://a:port", f"'nats://a:port' is not a NATS server URL ({FORM})"),
+        ("nats://u:pw@a,ftp://u:pw@b", f"'ftp://u:***@b' is not a NATS server URL ({FORM})"),
+    ],
+)
+def test_nats_url_refusals_are_the_parsers_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, value: str, error: str
+) -> None:
+    monkeypatch.setenv("NATS_URL", value)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(_env_file=None)
+    assert str(caught.value) == f"NATS_URL: Value error, {error}"
+
+
+def test_parsed_values_are_dumped_as_given_with_secrets_redacted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_env(
+        monkeypatch,
+        {"NATS_URL": "nats://u:natsPw@a:4222,nats://b:4222", "HTTP_JOB_ALLOWED_TARGETS": "w,api.o"},
+    )
+    s = load_settings(_env_file=None)
+    dumped = s.model_dump(mode="json")
+    assert dumped["nats_url"] == "nats://u:***@a:4222,nats://b:4222"
+    assert dumped["http_job_allowed_targets"] == ["w", "api.o"]
+    assert "natsPw" not in repr(s) + str(s) + s.model_dump_json()
 
 
 def test_registry_can_be_switched_off_in_production(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,6 +28,7 @@ from app.domain.updates import (
     UpdateMarks,
     UpdatePolicy,
     VersionFileError,
+    VersionFileKey,
     confirmation,
     decide_update,
     in_window,
@@ -332,6 +333,45 @@ def test_public_keys(text: str) -> None:
 def test_unusable_public_keys_are_refused(text: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         parse_public_key(text)
+
+
+NOT_A_KEY = (
+    "expected an Ed25519 public key: base64 of its 32 raw bytes, or a PEM "
+    "(-----BEGIN PUBLIC KEY-----)"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        (base64.b64encode(RAW_KEY).decode(), VersionFileKey(RAW_KEY)),
+        (f"  {base64.b64encode(RAW_KEY).decode()}\n", VersionFileKey(RAW_KEY)),
+        (pem(SPKI), VersionFileKey(RAW_KEY)),
+    ],
+)
+def test_the_version_file_key_is_parsed_once_into_its_raw_bytes(
+    text: str, parsed: VersionFileKey
+) -> None:
+    key = VersionFileKey.parse(text)
+    assert key == parsed
+    assert str(key) == base64.b64encode(RAW_KEY).decode()  # as SELF_UPDATE_PUBLIC_KEY takes it
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("", NOT_A_KEY),
+        ("not base64!", NOT_A_KEY),
+        (base64.b64encode(RAW_KEY[:31]).decode(), NOT_A_KEY),
+        (RAW_KEY.hex(), NOT_A_KEY),
+        (pem(bytes.fromhex("302a300506032b6571032100") + RAW_KEY), "the PEM public key is not an "
+         "Ed25519 key"),
+    ],
+)  # fmt: skip
+def test_an_unusable_version_file_key_is_refused_without_quoting_it(text: str, error: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        VersionFileKey.parse(text)
+    assert str(caught.value) == error
 
 
 @pytest.mark.parametrize(

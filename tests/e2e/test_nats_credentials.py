@@ -16,6 +16,7 @@ import pytest
 
 from app.adapters.bus import JetStreamBus
 from app.adapters.embedded import EmbeddedNats
+from app.domain.nats_servers import NatsServers
 from app.services.streams import init_streams
 from app.settings import Settings
 from tests.support.jobs_world import consumer_bound, publish, watching_events
@@ -39,7 +40,7 @@ def secured(tmp_path: Path) -> Iterator[tuple[EmbeddedNats, dict[str, NkeyUser]]
 
 
 async def operator_bus(server: EmbeddedNats) -> JetStreamBus:
-    bus = JetStreamBus(operator_url(server), name="operator", timeout=5)
+    bus = JetStreamBus(NatsServers.parse(operator_url(server)), name="operator", timeout=5)
     await bus.connect()
     await init_streams(bus, Settings(_env_file=None))  # the operator's step
     return bus

@@ -240,7 +240,9 @@ async def test_a_worker_with_its_node_creds_runs_its_tiers_jobs(
             return int(info.num_waiting or 0) >= 1
 
         await eventually(bound, within=30, step=0.2)
-        bus = JetStreamBus(server.url, name="producer", timeout=5, auth=NatsAuth(creds_file=admin))
+        bus = JetStreamBus(
+            server.servers, name="producer", timeout=5, auth=NatsAuth(creds_file=admin)
+        )
         await bus.connect()
         try:
             job = new_job("noop", payload={}, idempotency_key="node-identity")

@@ -36,6 +36,7 @@ from app.adapters.bus import JetStreamBus, NatsAuth, inbox_prefix
 from app.adapters.embedded import EmbeddedNats
 from app.adapters.kv_ledger import bucket, key_name
 from app.domain.jobs import EVENTS_STREAM, STREAMS, consumer_name
+from app.domain.nats_servers import NatsServers
 from app.services.streams import consumer_specs
 from app.settings import Settings
 from tests.support.nats_auth import (
@@ -274,7 +275,7 @@ async def test_each_tier_runs_its_own_jobs_with_its_own_credentials(
     fetches it, its ledger keeps the claim, its event is stored, the ack removes the job."""
     node = f"node-{tier.lower()}"
     bus = JetStreamBus(
-        world.url, name=f"workload-manager/{node}", timeout=5,
+        NatsServers.parse(world.url), name=f"workload-manager/{node}", timeout=5,
         auth=world.tier(tier, node), inbox_prefix=inbox_prefix(tier, node),
     )  # fmt: skip
     await bus.connect()

@@ -24,6 +24,7 @@ from app.adapters.bus import BucketMissing, JetStreamBus, NatsAuth, inbox_prefix
 from app.adapters.embedded import EmbeddedNats
 from app.adapters.kv_ledger import JetStreamLedger, bucket, key_name
 from app.domain.ledger import Claim, job_fingerprint
+from app.domain.nats_servers import NatsServers
 from app.services.streams import consumer_specs, init_streams
 from app.settings import Settings
 from tests.support import nats_auth
@@ -248,7 +249,7 @@ async def test_the_manager_of_tier_c_does_its_work_with_tier_c_credentials(
     """Its consumers by name and filter, a fetch, its node's events, its tier's ledger
     keys (claim, renew, complete, read back), all without one refusal."""
     bus = JetStreamBus(
-        secured.url, name=f"workload-manager/{NODE_C}", timeout=5,
+        NatsServers.parse(secured.url), name=f"workload-manager/{NODE_C}", timeout=5,
         auth=NatsAuth(nkey_seed_file=users["C"].seed_file), inbox_prefix=inbox_prefix("C", NODE_C),
     )  # fmt: skip
     await bus.connect()
@@ -290,14 +291,14 @@ async def test_init_streams_makes_a_hand_made_bucket_safe_for_its_tier(
     direct gets on and rollups off (updated, once) and makes no other tier's bucket."""
     server = start_server(tmp_path / "nats", users)
     try:
-        operator = JetStreamBus(operator_url(server), name="operator", timeout=5)
+        operator = JetStreamBus(NatsServers.parse(operator_url(server)), name="operator", timeout=5)
         await operator.connect()
         by_hand = await nats.connect(operator_url(server))
         try:
             js = by_hand.jetstream(timeout=5)
             await js.create_key_value(api.KeyValueConfig(bucket=TIER_C, history=1))
             bus = JetStreamBus(
-                server.url, name=f"workload-manager/{NODE_C}", timeout=5,
+                NatsServers.parse(server.url), name=f"workload-manager/{NODE_C}", timeout=5,
                 auth=NatsAuth(nkey_seed_file=users["C"].seed_file),
                 inbox_prefix=inbox_prefix("C", NODE_C),
             )  # fmt: skip

@@ -11,6 +11,7 @@ import pytest
 
 from app.adapters.bus import JetStreamBus, Published
 from app.adapters.embedded import EmbeddedNats
+from app.domain.nats_servers import NatsServers
 from app.services.streams import init_streams, new_job, publish_job
 from app.settings import Settings
 from tests.e2e.test_jobs_flow import cli
@@ -31,7 +32,7 @@ def own_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]
 
 @pytest.fixture
 async def bus(own_nats: EmbeddedNats) -> AsyncIterator[JetStreamBus]:
-    bus = JetStreamBus(own_nats.url, name="test-publisher", timeout=5)
+    bus = JetStreamBus(NatsServers.parse(own_nats.url), name="test-publisher", timeout=5)
     await bus.connect()
     await init_streams(bus, Settings(_env_file=None))
     try:

@@ -22,6 +22,7 @@ import nats.errors
 from app.adapters.bus import JetStreamBus, NatsAuth
 from app.adapters.kv_ledger import bucket as ledger_bucket
 from app.domain.jobs import STREAMS
+from app.domain.nats_servers import NatsServers
 from app.services.streams import init_streams, new_job, publish_job
 from app.settings import Settings
 from tests.support.jobs_world import (
@@ -72,7 +73,7 @@ async def test_no_job_is_lost_or_run_twice_when_the_stream_leader_dies(tmp_path:
     ):
         operator = cluster.as_user(*OPERATOR)
         await eventually(functools.partial(has_meta_leader, operator), within=60)
-        topology = JetStreamBus(",".join(operator), name="operator", timeout=10)
+        topology = JetStreamBus(NatsServers.parse(",".join(operator)), name="operator", timeout=10)
         await topology.connect()
         try:
             await init_streams(topology, Settings(_env_file=None, nats_stream_replicas=3))

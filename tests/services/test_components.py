@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from app.domain.http_targets import AllowedTargets
 from app.services.features import FEATURES, Plan, decide
 from app.services.features.base import Off, On
 from app.services.features.deps import Deps
@@ -175,7 +176,7 @@ CONFIGS: list[tuple[str, dict[str, Any], bool, str, Any]] = [
     ("the worker's tier", {"nats_url": NATS, "node_tier": "A"}, False,
      "worker.config.worker.tier", "A"),
     ("HTTP jobs reach the managed namespace by default", {"nats_url": NATS}, False,
-     "worker.config.http_allowed_targets", ("workloads",)),
+     "worker.config.http_allowed_targets", AllowedTargets.namespace("workloads")),
     ("the topology's ledger TTL follows the stream's age", {"nats_url": NATS,
      "nats_stream_max_age_seconds": 3600}, False, "worker.config.topology.ledger_ttl_seconds",
      3600.0),

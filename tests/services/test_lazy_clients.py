@@ -111,9 +111,10 @@ def test_the_workload_http_client_is_made_on_the_first_call(tmp_path: Path) -> N
         """
         import asyncio
         from app.adapters.workload_http import WorkloadHttp, WorkloadHttpError
+        from app.domain.http_targets import AllowedTargets
 
         async def main() -> None:
-            http = WorkloadHttp(timeout=1.0, allowed_targets=("workloads",))
+            http = WorkloadHttp(timeout=1.0, allowed_targets=AllowedTargets.namespace("workloads"))
             http.check_url("http://api.workloads.svc/jobs")
             try:  # refused before any request, so before any client
                 await http.post("http://example.com/", {}, headers={})
@@ -132,8 +133,9 @@ def test_the_workload_http_client_is_made_on_the_first_call(tmp_path: Path) -> N
 
 async def test_a_closed_workload_http_refuses_calls_as_a_closed_client_does() -> None:
     from app.adapters.workload_http import WorkloadHttp
+    from app.domain.http_targets import AllowedTargets
 
-    http = WorkloadHttp(timeout=1.0, allowed_targets=("workloads",))
+    http = WorkloadHttp(timeout=1.0, allowed_targets=AllowedTargets.namespace("workloads"))
     await http.aclose()
     try:
         await http.post("http://127.0.0.1:9/", {}, headers={})

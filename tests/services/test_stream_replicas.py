@@ -14,6 +14,7 @@ from app.adapters.bus import JetStreamBus, ReplicasRefused
 from app.adapters.kv_ledger import bucket as ledger_bucket
 from app.cli import main
 from app.domain.jobs import EVENTS_STREAM, STREAMS
+from app.domain.nats_servers import NatsServers
 from app.services.streams import derive_replicas, init_streams
 from app.settings import Settings
 from tests.support.jobs_world import own_nats
@@ -55,7 +56,7 @@ async def _replicas(bus: JetStreamBus) -> dict[str, int]:
 async def test_production_settings_on_a_single_server_make_r1_streams(tmp_path: Path) -> None:
     settings = Settings(_env_file=None, app_env="production")
     with own_nats(tmp_path / "nats") as server:
-        bus = JetStreamBus(server.url, name="test-single-r1", timeout=5)
+        bus = JetStreamBus(NatsServers.parse(server.url), name="test-single-r1", timeout=5)
         await bus.connect()
         try:
             assert (bus.cluster_name, bus.advertised_servers) == (None, 0)
@@ -71,7 +72,7 @@ async def test_production_settings_on_a_single_server_make_r1_streams(tmp_path: 
 async def test_replicas_a_single_server_refuses_name_the_setting(tmp_path: Path) -> None:
     settings = Settings(_env_file=None, app_env="production", nats_stream_replicas=3)
     with own_nats(tmp_path / "nats") as server:
-        bus = JetStreamBus(server.url, name="test-single-r3", timeout=5)
+        bus = JetStreamBus(NatsServers.parse(server.url), name="test-single-r3", timeout=5)
         await bus.connect()
         try:
             with pytest.raises(ReplicasRefused) as refused:
@@ -104,7 +105,7 @@ async def test_a_three_server_cluster_gets_three_replicas_and_keeps_existing_one
 ) -> None:
     with running_cluster(tmp_path / "nats") as cluster:
         await eventually(functools.partial(has_meta_leader, cluster.urls), within=60)
-        bus = JetStreamBus(cluster.url, name="test-cluster-r3", timeout=10)
+        bus = JetStreamBus(NatsServers.parse(cluster.url), name="test-cluster-r3", timeout=10)
         await bus.connect()
         try:
             assert (bus.cluster_name, bus.advertised_servers) == ("wm-test", 3)

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from app.adapters.bus import JetStreamBus, NatsAuth
 from app.adapters.embedded import EmbeddedNats
 from app.domain.jobs import Job, job_subject
+from app.domain.nats_servers import NatsServers
 from app.services.streams import new_job, publish_job
 from tests.support import asyncapi
 from tests.support.polling import eventually
@@ -89,7 +90,7 @@ async def _subscribed(
 
 @asynccontextmanager
 async def publisher(url: str, auth: NatsAuth | None = None) -> AsyncIterator[JetStreamBus]:
-    bus = JetStreamBus(url, name="test-publisher", timeout=5, auth=auth)
+    bus = JetStreamBus(NatsServers.parse(url), name="test-publisher", timeout=5, auth=auth)
     await bus.connect()
     try:
         yield bus

@@ -21,6 +21,7 @@ from app.adapters.bus import JetStreamBus, NatsAuth
 from app.adapters.embedded import EmbeddedNats
 from app.adapters.kv_ledger import bucket
 from app.domain.jobs import STREAMS, consumer_filter, consumer_name
+from app.domain.nats_servers import NatsServers
 from app.services.streams import init_streams
 from app.settings import Settings
 
@@ -165,7 +166,7 @@ def secured(
 
 async def operators_step(url: str, auth: NatsAuth | None = None) -> None:
     """The operator's step: streams, consumers and the ledger buckets (idempotent)."""
-    bus = JetStreamBus(url, name="operator", timeout=5, auth=auth)
+    bus = JetStreamBus(NatsServers.parse(url), name="operator", timeout=5, auth=auth)
     await bus.connect()
     try:
         await init_streams(bus, Settings(_env_file=None))

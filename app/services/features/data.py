@@ -12,12 +12,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pydantic import SecretStr
 
 from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.domain.components import Outcome, Result
+from app.domain.nats_servers import NatsServers
 from app.domain.redaction import redact_text, redact_url
 from app.services.features.base import Decision, Off, On, Running, Spec
 from app.services.features.deps import Decisions, Deps, Shared
@@ -25,42 +26,54 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
+A = TypeVar("A")  # a service's address: a secret URL, or NATS's servers
+
 PROBE_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
-class DataServiceConfig:
-    """A data server: the configured URL, or an embedded server in `embedded_dir`."""
+class DataServiceConfig(Generic[A]):
+    """A data server: the configured address, or an embedded server in `embedded_dir`."""
 
-    url: SecretStr | None
+    address: A | None
     embedded_dir: Path | None
 
 
 @dataclass(kw_only=True)
-class DataService(Running):
-    """A data service's URL (None: its embedded server did not start), and who tells its
-    health after the start (None: the probe's record stands)."""
+class DataService(Running, Generic[A]):
+    """A data service's address (None: its embedded server did not start), and who tells
+    its health after the start (None: the probe's record stands)."""
 
-    url: str | None
+    address: A | None
     watched_by: Callable[[], Outcome | None] | None = None
 
     def health(self) -> Outcome | None:
         return self.watched_by() if self.watched_by is not None else None
 
 
-class _DataSpec(Spec[DataServiceConfig, DataService]):
+class _DataSpec(Spec[DataServiceConfig[A], DataService[A]]):
     critical = True
     variable: str
     directory: str
     label: str
-    server: Callable[[Path], EmbeddedPostgres | EmbeddedNats]
 
-    def configured(self, settings: Settings) -> SecretStr | None:
+    def server(self, directory: Path) -> EmbeddedPostgres | EmbeddedNats:
+        raise NotImplementedError
+
+    def configured(self, settings: Settings) -> A | None:
+        raise NotImplementedError
+
+    def address(self, url: str) -> A:
+        """An embedded server's URL as the configured address's type."""
+        raise NotImplementedError
+
+    def shown(self, address: A) -> str:
+        """The address as the status shows it: no password."""
         raise NotImplementedError
 
     def decide(
         self, settings: Settings, shared: Shared, earlier: Decisions
-    ) -> Decision[DataServiceConfig]:
+    ) -> Decision[DataServiceConfig[A]]:
         configured = self.configured(settings)
         if configured is not None:
             return On(DataServiceConfig(configured, None), f"{self.variable} is set")
@@ -71,31 +84,31 @@ class _DataSpec(Spec[DataServiceConfig, DataService]):
             )
         return Off(f"no {self.variable} set and embedded servers are off")
 
-    async def open(self, config: DataServiceConfig, deps: Deps) -> DataService:
-        """The URL, the embedded server's started here when none is configured; a server
-        that does not start fails the component and leaves the URL None."""
+    async def open(self, config: DataServiceConfig[A], deps: Deps) -> DataService[A]:
+        """The address, the embedded server's started here when none is configured; a
+        server that does not start fails the component and leaves the address None."""
         component = deps.component(self)
-        if config.url is not None:
-            return DataService(url=config.url.get_secret_value())
+        if config.address is not None:
+            return DataService(address=config.address)
         assert config.embedded_dir is not None  # decided: a URL or an embedded server
         embedded = self.server(config.embedded_dir.resolve())
         try:
             await asyncio.to_thread(embedded.start)
         except (EmbeddedError, OSError) as exc:
             component.failed(datetime.now(UTC), f"embedded {self.label}: {exc}")
-            return DataService(url=None)
+            return DataService(address=None)
         deps.stack.callback(embedded.stop)
         component.facts.update(embedded=True, pid=embedded.pid)
-        return DataService(url=embedded.url)
+        return DataService(address=self.address(embedded.url))
 
-    async def probe(self, running: DataService, deps: Deps) -> None:
+    async def probe(self, running: DataService[A], deps: Deps) -> None:
         """Record whether the server answers; never raises."""
-        if running.url is None:
+        if running.address is None:
             return
         component = deps.component(self)
-        shown = component.facts["url"] = redact_url(running.url)
+        shown = component.facts["url"] = self.shown(running.address)
         try:
-            info = await self.check(running.url, deps)
+            info = await self.check(running.address, deps)
         except Exception as exc:  # any failure to connect is reported, not raised
             # drivers may quote the URL they were given in their errors
             error = redact_text(f"{type(exc).__name__}: {exc}")
@@ -104,37 +117,54 @@ class _DataSpec(Spec[DataServiceConfig, DataService]):
         else:
             component.succeeded(datetime.now(UTC), **info)
 
-    def check(self, url: str, deps: Deps) -> Awaitable[dict[str, Any]]:
+    def check(self, address: A, deps: Deps) -> Awaitable[dict[str, Any]]:
         raise NotImplementedError
 
 
-class _Postgres(_DataSpec):
+class _Postgres(_DataSpec[SecretStr]):
     name = "postgres"
     variable, directory, label = "DATABASE_URL", "postgres", "PostgreSQL"
-    server = EmbeddedPostgres
+
+    def server(self, directory: Path) -> EmbeddedPostgres:
+        return EmbeddedPostgres(directory)
 
     def configured(self, settings: Settings) -> SecretStr | None:
         return settings.database_url
 
-    async def check(self, url: str, deps: Deps) -> dict[str, Any]:
+    def address(self, url: str) -> SecretStr:
+        return SecretStr(url)
+
+    def shown(self, address: SecretStr) -> str:
+        return redact_url(address.get_secret_value())
+
+    async def check(self, address: SecretStr, deps: Deps) -> dict[str, Any]:
         from app.adapters import registry
 
+        url = address.get_secret_value()
         return {"server_version": await registry.server_version(url, connect_timeout=PROBE_TIMEOUT)}
 
 
-class _Nats(_DataSpec):
+class _Nats(_DataSpec[NatsServers]):
     name = "nats"
     variable, directory, label = "NATS_URL", "nats", "nats-server"
-    server = EmbeddedNats
 
-    def configured(self, settings: Settings) -> SecretStr | None:
-        return SecretStr(settings.nats_url) if settings.nats_url else None
+    def server(self, directory: Path) -> EmbeddedNats:
+        return EmbeddedNats(directory)
 
-    async def check(self, url: str, deps: Deps) -> dict[str, Any]:
+    def configured(self, settings: Settings) -> NatsServers | None:
+        return settings.nats_url
+
+    def address(self, url: str) -> NatsServers:
+        return NatsServers((url,))
+
+    def shown(self, address: NatsServers) -> str:
+        return str(address)  # each server redacted
+
+    async def check(self, address: NatsServers, deps: Deps) -> dict[str, Any]:
         from app.adapters import bus
 
         auth = deps.shared.nats_auth
-        return await bus.server_info(url, connect_timeout=PROBE_TIMEOUT, auth=auth)
+        return await bus.server_info(address, connect_timeout=PROBE_TIMEOUT, auth=auth)
 
 
 POSTGRES = _Postgres()

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from app.adapters.kube import KubeDeployments
     from app.adapters.registry import AsyncpgRegistry
     from app.adapters.signing import NodeSigner
+    from app.domain.nats_servers import NatsServers
     from app.services.heartbeating import Heartbeat
     from app.services.profile import LocalProfile
     from app.services.syncing import Syncer
@@ -170,7 +171,7 @@ class Deps:
     cluster_lock: asyncio.Lock
     # the data services' URLs (embedded or configured; None: off or not started)
     database_url: str | None = None
-    nats_url: str | None = None
+    nats_url: NatsServers | None = None
     # handed on: the registry to the worker, the sync and the uptime record to uptime
     registry: AsyncpgRegistry | None = None
     heartbeat: Heartbeat | None = None  # PostgreSQL's health is its last beat's answer

@@ -15,7 +15,7 @@ from app.services.features.deps import Decisions, Deps, Shared, plain_http_note
 from app.settings import Settings
 
 if TYPE_CHECKING:
-    from app.domain.updates import UpdatePolicy
+    from app.domain.updates import UpdatePolicy, VersionFileKey
     from app.services.updating import SelfUpdater
 
 
@@ -24,7 +24,7 @@ class SelfUpdateConfig:
     url: str
     timeout: float
     s3_endpoint: str | None
-    public_key: str | None
+    public_key: VersionFileKey | None
     signature_url: str | None
     namespace: str
     deployment: str

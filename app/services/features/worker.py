@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Literal
 
 from app.domain.components import Outcome
+from app.domain.http_targets import AllowedTargets
 from app.services.features.base import Decision, Off, On, Phase, Running, Spec, Step, Task, Timer
 from app.services.features.deps import Decisions, Deps, Shared
 from app.services.supervision import Deadline, within
@@ -40,7 +41,7 @@ class WorkerPlan:
     auto_init_streams: bool
     timeout: float
     http_timeout: float
-    http_allowed_targets: tuple[str, ...]
+    http_allowed_targets: AllowedTargets
 
 
 @dataclass(kw_only=True)
@@ -134,9 +135,8 @@ class _Worker(Spec[WorkerPlan, Working]):
             auto_init_streams=settings.auto_init_streams,
             timeout=settings.backend_timeout_seconds,
             http_timeout=settings.http_job_timeout_seconds,
-            http_allowed_targets=tuple(
-                settings.http_job_allowed_targets or [settings.managed_namespace]
-            ),
+            http_allowed_targets=settings.http_job_allowed_targets
+            or AllowedTargets.namespace(settings.managed_namespace),
         )
         return On(plan, worker_reason(plan, ledger))
 
@@ -172,9 +172,7 @@ class _Worker(Spec[WorkerPlan, Working]):
             deps.nats_url, name=f"workload-manager/{deps.node_id}", timeout=plan.timeout,
             auth=deps.shared.nats_auth, inbox_prefix=inbox,
         )  # fmt: skip
-        http = WorkloadHttp(
-            timeout=plan.http_timeout, allowed_targets=list(plan.http_allowed_targets)
-        )
+        http = WorkloadHttp(timeout=plan.http_timeout, allowed_targets=plan.http_allowed_targets)
         deps.stack.push_async_callback(http.aclose)
         claimant = uuid.uuid4().hex
         ledger: Ledger
