@@ -269,7 +269,7 @@ class JetStreamBus:
         self._closing = False
         self._on_change = on_change
         self.last_error: str | None = None  # the client's last error, for the reasons above
-        self._told: str | None = ""  # what on_change last heard ("": nothing yet)
+        self._told: str | None = ""  # the last change told ("": none yet)
         # the server's last refusal (credentials or a subject), for a clear error instead of
         # the bare timeout a denied request ends in
         self.refusal: str | None = None
@@ -281,9 +281,10 @@ class JetStreamBus:
         return None if self.connected else (self._told or None)
 
     def _change(self, why: str | None) -> None:
-        if self._on_change is not None and why != self._told:
+        if why != self._told:
             self._told = why
-            self._on_change(why)
+            if self._on_change is not None:
+                self._on_change(why)
 
     def _servers(self) -> str:
         """The server connected to (last connected to), or the configured ones; never a

@@ -51,12 +51,15 @@ class Working(Running):
     prepared: bool = False  # connected, the topology there, the registration awaited
 
     def health(self) -> Outcome | None:
-        """Connected, and prepared (until then, its task's record stands)."""
-        if not self.prepared:
-            return None
+        """Unavailable while the bus is not connected, naming the server and the error
+        (from the first attempt on); ok once connected and prepared. Until either is
+        known, its task's record stands."""
         if not self.bus.connected:
-            return Outcome.unavailable(self.bus.trouble or "not connected", connected=False)
-        return Outcome.ok(connected=True)
+            trouble = self.bus.trouble
+            if trouble is None and not self.prepared:
+                return None
+            return Outcome.unavailable(trouble or "not connected", connected=False)
+        return Outcome.ok(connected=True) if self.prepared else None
 
 
 def choose_ledger(plan: WorkerPlan, *, registry_running: bool) -> LedgerHome | Off:
