@@ -16,8 +16,9 @@ The shape, in one place, three parts joined by one bounded queue:
   one answer and event `app.domain.job_flow.plan` gives for it.
 
 The stop has one path. `begin_stop` (the supervisor's `stopping` leads to it too): no
-job starts from then on; the fetchers end within one fetch wait; the runners hand back
-(NAK without delay) whatever they take from the queue; the jobs running finish. When
+job starts from then on; the fetchers end within one fetch wait; the runners, and one
+more started for this, hand back (NAK without delay) whatever they take from the queue;
+the jobs running finish. When
 `drain` runs out of time it cuts the leases: the jobs still running are withdrawn,
 released in the ledger and handed back. `run` returns once every delivery held here is
 answered.
@@ -153,8 +154,11 @@ class Worker:
                 ]
                 relay = group.create_task(self._relay(stopping), name="worker-stop-relay")
                 await self._stop.wait()
+                # one runner more, which only hands back (nothing starts now): what waits
+                # in the queue goes back at once, not once a running job is done
+                runners.append(group.create_task(self._runner.serve(queue), name="job-hand-back"))
                 # a fetch in flight ends within one fetch wait; what it brings is queued,
-                # and the runners hand it back
+                # and handed back
                 await asyncio.wait(fetchers)
                 await queue.join()
                 for task in (*runners, relay):
