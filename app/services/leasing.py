@@ -23,7 +23,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.adapters.bus import BusError
@@ -50,10 +50,16 @@ def request_timeout(ack_wait: float) -> float:
     return lease_seconds(ack_wait) / LEASE_TRIES
 
 
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
 class Clock(Protocol):
     """The worker's time: how long to wait, and for what."""
 
     def now(self) -> float: ...
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> Cancellable: ...
 
     async def wait(self, event: asyncio.Event, seconds: float) -> bool:
         """Until `event` is set (True) or `seconds` have passed (False)."""
@@ -67,6 +73,9 @@ class LoopClock:
 
     def now(self) -> float:
         return asyncio.get_running_loop().time()
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> Cancellable:
+        return asyncio.get_running_loop().call_later(seconds, callback)
 
     async def wait(self, event: asyncio.Event, seconds: float) -> bool:
         if event.is_set():
@@ -123,34 +132,45 @@ class Terms:
     ledger: Renewals
     ack_wait: float
     clock: Clock
-    # set once the stop has run out of time: running handlers are withdrawn
-    cut: asyncio.Event
     # starts a lease's keeper as a task of the worker's task group
     spawn: Spawn
+    # set once the stop has run out of time (`Leases.cut`): running handlers are withdrawn
+    cut: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def interval(self) -> float:
+        """How often a lease tells JetStream and the ledger: every third of the ack wait."""
+        return max(self.ack_wait / 3, 0.1)
 
 
 class Leases:
-    """The leases of one worker run: taken at fetch, counted until they end."""
+    """The leases of one worker run: taken at fetch, held until they end."""
 
     def __init__(self, terms: Terms) -> None:
         self._terms = terms
-        self._held = 0
+        self._held: set[Lease] = set()
         self.none_held = asyncio.Event()  # set while no delivery is held here
         self.none_held.set()
 
     def __len__(self) -> int:
-        return self._held
+        return len(self._held)
 
     def take(self, delivery: Message) -> Lease:
         """A lease on a delivery just fetched; it is kept ours from now until it ends."""
         lease = Lease(delivery, self._terms, self._ended)
-        self._held += 1
+        self._held.add(lease)
         self.none_held.clear()
-        lease._keeper = self._terms.spawn(lease._keep())
+        lease._timer = self._terms.clock.call_later(self._terms.interval, lease._wake)
         return lease
 
-    def _ended(self) -> None:
-        self._held -= 1
+    def cut(self) -> None:
+        """The stop ran out of time: each lease held withdraws its running job."""
+        self._terms.cut.set()
+        for lease in list(self._held):
+            lease._wake()
+
+    def _ended(self, lease: Lease) -> None:
+        self._held.discard(lease)
         if not self._held:
             self.none_held.set()
 
@@ -160,14 +180,17 @@ class Lease:
 
     __slots__ = (
         "_answered", "_ended", "_keeper", "_lost", "_on_end", "_renewing", "_scope",
-        "_terms", "_withdrawn", "delivery", "key",
+        "_terms", "_timer", "_withdrawn", "delivery", "key",
     )  # fmt: skip
 
-    def __init__(self, delivery: Message, terms: Terms, on_end: Callable[[], None]) -> None:
+    def __init__(self, delivery: Message, terms: Terms, on_end: Callable[[Lease], None]) -> None:
         self.delivery = delivery
         self.key: str | None = None  # the idempotency key, once claimed here
         self._terms = terms
         self._on_end = on_end
+        # the keeper starts at the first tick (most jobs are answered long before) or at
+        # the cut: a job answered within a third of the ack wait costs no task
+        self._timer: Cancellable | None = None
         self._keeper: asyncio.Task[None] | None = None
         self._scope: asyncio.Timeout | None = None  # the running handler's time limit
         self._lost = False  # the ledger gave the claim to another process
@@ -199,9 +222,11 @@ class Lease:
         if self._ended:
             return
         self._ended = True
+        if self._timer is not None:
+            self._timer.cancel()
         if self._keeper is not None:
             self._keeper.cancel()
-        self._on_end()
+        self._on_end(self)
 
     def claimed(self, key: str) -> None:
         """The ledger gave this process the key: its lease is renewed from now on."""
@@ -232,29 +257,37 @@ class Lease:
         self._answered = True
         await self.delivery.term()
 
+    def _wake(self) -> None:
+        """Start the keeper (its first tick, or the cut), once."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._keeper is None and not self._ended:
+            self._keeper = self._terms.spawn(self._keep())
+
     async def _keep(self) -> None:
-        """Every ack_wait/3 until the lease ends: `in_progress`, and a renewal once claimed.
-        The renewals run beside the loop, one at a time and each within a request
-        timeout: a ledger that stalls must not hold the next `in_progress` back past the
-        ack wait (JetStream would hand the running job out again)."""
+        """Every ack_wait/3 until the lease ends: `in_progress`, and a renewal once claimed;
+        at the cut, the running job withdrawn. The renewals run beside the loop, one at a
+        time and each within a request timeout: a ledger that stalls must not hold the
+        next `in_progress` back past the ack wait (JetStream would hand the running job
+        out again)."""
         terms = self._terms
-        interval = max(terms.ack_wait / 3, 0.1)
         # the renewals are this loop's children: ending the lease stops them, and one that
         # fails unexpectedly fails the worker's task group, as any of its tasks would
         async with asyncio.TaskGroup() as renewals:
             while True:
-                if self._withdrawn:
-                    await terms.clock.sleep(interval)
-                elif await terms.clock.wait(terms.cut, interval):
+                if terms.cut.is_set() and not self._withdrawn:
                     self._withdraw()
-                    continue
-                if self._answered:
-                    continue
-                await self._touch()
-                key = self.key
-                if key is not None and not self._lost and not self._renewing:
-                    self._renewing = True
-                    renewals.create_task(self._renew(key), name="job-lease-renewal")
+                if not self._answered:
+                    await self._touch()
+                    key = self.key
+                    if key is not None and not self._lost and not self._renewing:
+                        self._renewing = True
+                        renewals.create_task(self._renew(key), name="job-lease-renewal")
+                if self._withdrawn:
+                    await terms.clock.sleep(terms.interval)
+                else:
+                    await terms.clock.wait(terms.cut, terms.interval)
 
     async def _touch(self) -> None:
         try:

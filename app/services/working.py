@@ -106,7 +106,6 @@ class Worker:
         self._prepare = prepare
         self._clock = clock or LoopClock()
         self._stop = asyncio.Event()  # no job starts here once it is set
-        self._cut = asyncio.Event()  # the stop ran out of time: running jobs are handed back
         self._leases: Leases | None = None  # the running `run`'s
         self._runner = Runner(
             bus=bus, ledger=ledger, registry=registry, node=node, handlers=handlers,
@@ -139,7 +138,7 @@ class Worker:
             async with asyncio.TaskGroup() as group:
                 terms = Terms(
                     ledger=self._ledger, ack_wait=self._config.ack_wait, clock=self._clock,
-                    cut=self._cut, spawn=group.create_task,
+                    spawn=group.create_task,
                 )  # fmt: skip
                 leases = self._leases = Leases(terms)
                 runners = [
@@ -191,7 +190,7 @@ class Worker:
         log.info("waiting up to %.1f s for %d job(s) in flight", wait, self._runner.busy)
         if await clock.wait(leases.none_held, wait):
             return
-        self._cut.set()  # each running job's lease withdraws it: released, handed back
+        leases.cut()  # each running job's lease withdraws it: released, handed back
         await clock.wait(leases.none_held, max(0.1, ends - clock.now()))
 
     async def announce_draining(self) -> None:

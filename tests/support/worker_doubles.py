@@ -29,8 +29,8 @@ from app.services.leasing import Message
 
 
 class FakeClock:
-    """Time that moves only when the test advances it; every wait is one on an event with
-    a deadline, which `advance` fires."""
+    """Time that moves only when the test advances it: `advance` fires every timer (a
+    wait's deadline, a `call_later`) whose time has come."""
 
     def __init__(self) -> None:
         self._now = 0.0
@@ -43,10 +43,15 @@ class FakeClock:
         if event.is_set():
             return True
         loop = asyncio.get_running_loop()
-        timer = _Timer(self._now + max(seconds, 0.0))
+        timer = _Timer(self, self._now + max(seconds, 0.0))
         try:
             async with asyncio.timeout(None) as scope:
-                timer.fire = lambda: scope.reschedule(loop.time())
+
+                def fire() -> None:
+                    timer.cancel()  # once
+                    scope.reschedule(loop.time())
+
+                timer.fire = fire
                 self._timers.append(timer)
                 if timer.due <= self._now:
                     timer.fire()
@@ -54,9 +59,19 @@ class FakeClock:
         except TimeoutError:
             return event.is_set()
         finally:
-            if timer in self._timers:
-                self._timers.remove(timer)
+            timer.cancel()
         return True
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> _Timer:
+        timer = _Timer(self, self._now + max(seconds, 0.0))
+
+        def fire() -> None:
+            timer.cancel()
+            callback()
+
+        timer.fire = fire
+        self._timers.append(timer)
+        return timer
 
     async def sleep(self, seconds: float) -> None:
         await self.wait(asyncio.Event(), seconds)
@@ -69,14 +84,19 @@ class FakeClock:
                 timer.fire()
 
     def waits(self) -> list[float]:
-        """The seconds left on every wait in progress."""
+        """The seconds left on every timer set."""
         return sorted(timer.due - self._now for timer in self._timers)
 
 
 @dataclass(eq=False)
 class _Timer:
+    clock: FakeClock
     due: float
     fire: Callable[[], None] = lambda: None
+
+    def cancel(self) -> None:
+        if self in self.clock._timers:
+            self.clock._timers.remove(self)
 
 
 @dataclass(eq=False)
