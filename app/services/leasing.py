@@ -11,7 +11,9 @@ the lease claims it (`claimed`), runs the handler inside it (`running`) and answ
 through it (`ack`, `nak`, `term`); leaving its `async with` block ends the keeping.
 
 The fetcher takes a lease the moment a delivery arrives (`Leases.take`), so a job that
-waits in the queue for a runner is kept ours too, not handed out again meanwhile.
+waits in the queue for a runner is kept ours too, not handed out again meanwhile. A
+lease's keeper is a task of the worker's task group, started at the lease's first tick
+(a job answered sooner costs a timer, not a task) or at the cut.
 
 Time comes from a `Clock`: the event loop's in the manager, a hand-driven one in the
 worker's branch tests.
@@ -160,7 +162,7 @@ class Leases:
         lease = Lease(delivery, self._terms, self._ended)
         self._held.add(lease)
         self.none_held.clear()
-        lease._timer = self._terms.clock.call_later(self._terms.interval, lease._wake)
+        lease._arm()
         return lease
 
     def cut(self) -> None:
@@ -256,6 +258,9 @@ class Lease:
     async def term(self) -> None:
         self._answered = True
         await self.delivery.term()
+
+    def _arm(self) -> None:
+        self._timer = self._terms.clock.call_later(self._terms.interval, self._wake)
 
     def _wake(self) -> None:
         """Start the keeper (its first tick, or the cut), once."""
