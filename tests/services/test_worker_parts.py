@@ -134,17 +134,8 @@ async def world(
         gate.open.set()
         worker.begin_stop()
         await w.stopped()
-    assert not [d for m in bus_messages(bus) for d in m.deliveries if d.touched_after_answer], (
-        "an in_progress went out after an answer"
-    )
-
-
-def bus_messages(bus: FakeBus) -> list[FakeMessage]:
-    seen: dict[int, FakeMessage] = {}
-    for subscription_messages in bus._pending.values():
-        for _, _, message in subscription_messages:
-            seen[id(message)] = message
-    return list(seen.values())
+    late = [d for m in bus.messages for d in m.deliveries if d.touched_after_answer]
+    assert not late, "an in_progress went out after an answer"
 
 
 def past() -> datetime:
@@ -352,10 +343,14 @@ async def test_a_lease_keeps_a_running_job_and_a_queued_one_while_the_ledger_sta
         w.ledger.stall_renewals = asyncio.Event()
         running, queued = w.bus.add(new_job("gate")), w.bus.add(new_job("gate"))
         await until(lambda: w.gate.started == 1 and w.worker.in_flight == 2)
-        for keeps in (1, 2):
-            w.clock.advance(KEEP)
-            await until(lambda k=keeps: running.deliveries[0].touches == k)  # type: ignore[misc]
-            await until(lambda k=keeps: queued.deliveries[0].touches == k)  # type: ignore[misc]
+
+        def touches() -> list[int]:
+            return [running.deliveries[0].touches, queued.deliveries[0].touches]
+
+        w.clock.advance(KEEP)
+        await until(lambda: touches() == [1, 1])
+        w.clock.advance(KEEP)
+        await until(lambda: touches() == [2, 2])
         # one renewal, still waiting for the ledger; the next in_progress went out anyway
         assert w.ledger.renewals == 1
         w.ledger.stall_renewals.set()
@@ -410,6 +405,7 @@ async def test_the_stop_lets_a_running_job_finish_and_hands_back_what_waits() ->
         w.gate.open.set()
         await drain
         assert w.worker.in_flight == 0
+        assert w.gate.cancelled == 0
     assert running.answers() == [("ack", None)]
     _handed_back(queued)
 
@@ -462,8 +458,7 @@ async def test_a_failed_subscribe_waits_out_a_pause_that_the_stop_cuts_short() -
     async with world(subscribe_failures=3) as w:  # one for each stream
         await until(lambda: len(w.reports) == 3)
         assert all(r.result is components.Result.FAILED for r in w.reports)
-        pauses = [left for left in w.clock.waits() if left > CONFIG.fetch_wait / 2]
-        assert len(pauses) == 3, w.clock.waits()
+        assert len(w.clock.waits()) == 3  # each fetcher pauses; nothing else waits
         w.worker.begin_stop()  # the clock does not move: the stop ends the pauses
         await asyncio.wait_for(w.task, timeout=5)
     assert w.bus.subscriptions == []
