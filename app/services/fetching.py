@@ -1,0 +1,130 @@
+"""The job worker's fetcher: the tier's job streams into the runners' bounded queue.
+
+One loop per stream (MM_ONLINE, MM_OFFLINE, MM_WRITE) pulls from the tier's shared
+durable consumer. It subscribes again after every reconnect of the bus, and after a
+failed subscribe or fetch it waits out a growing, jittered pause that the stop cuts
+short. Each delivery gets its lease the moment it arrives, then waits for a place in the
+queue.
+
+The queue has room for WORKER_CONCURRENCY jobs beyond those running. An idle stream
+long-polls for one message; once it delivers, it fetches what the queue has room for, up
+to a batch (JOB_FETCH_BATCH), and waits for room when there is none. So idle streams
+cannot keep a small WORKER_CONCURRENCY from the busy one, and the jobs delivered and
+unanswered here stay bounded: those running, at most WORKER_CONCURRENCY queued, and at
+most one fetch per stream waiting for room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from app.adapters.bus import BusError
+from app.domain import components
+from app.domain.job_flow import WorkerConfig
+from app.domain.jobs import consumer_name
+from app.services.leasing import Clock, Lease, Leases, Message
+
+log = logging.getLogger(__name__)
+
+# how often a fetcher looks again while the bus is not connected
+OFFLINE_LOOK_SECONDS = 0.2
+
+
+class Subscription(Protocol):
+    """A pull subscription to a durable consumer (`app.adapters.bus.PullSubscription`)."""
+
+    async def fetch(self, batch: int, *, wait: float) -> Sequence[Message]: ...
+
+    async def unsubscribe(self) -> None: ...
+
+
+class Source(Protocol):
+    """What the fetcher asks of the bus (`app.adapters.bus.JetStreamBus`)."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def reconnects(self) -> int: ...
+
+    async def subscribe(self, *, stream: str, durable: str) -> Subscription: ...
+
+
+def pause_seconds(failures: int) -> float:
+    """The pause after `failures` failed subscribes or fetches in a row: growing up to
+    30 s, jittered so that many nodes do not come back at once."""
+    return min(30.0, 0.5 * 2.0 ** min(failures, 6)) * random.uniform(0.5, 1.0)
+
+
+class Fetcher:
+    """Fetches every job stream of the tier into one queue until the stop."""
+
+    def __init__(
+        self,
+        *,
+        bus: Source,
+        config: WorkerConfig,
+        clock: Clock,
+        stop: asyncio.Event,
+        report: Callable[[components.Outcome], None],
+    ) -> None:
+        self._bus = bus
+        self._config = config
+        self._clock = clock
+        self._stop = stop
+        self._report = report
+
+    async def fetch(self, stream: str, queue: asyncio.Queue[Lease], leases: Leases) -> None:
+        """Fetch from `stream` into `queue` until the stop; what a fetch brings after the
+        stop began is queued too, and the runners hand it back."""
+        bus = self._bus
+        durable = consumer_name(self._config.tier)
+        subscription: Subscription | None = None
+        seen_reconnects = -1
+        failures = 0
+        active = False
+        while not self._stop.is_set():
+            if not bus.connected:
+                await self._clock.wait(self._stop, OFFLINE_LOOK_SECONDS)
+                continue
+            if subscription is None or seen_reconnects != bus.reconnects:
+                if subscription is not None:
+                    await subscription.unsubscribe()
+                    subscription = None
+                try:
+                    subscription = await bus.subscribe(stream=stream, durable=durable)
+                except BusError as exc:
+                    failures += 1
+                    await self._pause(f"subscribe to {stream}/{durable}", exc, failures)
+                    continue
+                seen_reconnects = bus.reconnects
+            # an active stream takes what the queue has room for (one, to wait for room,
+            # when it is full); an idle one long-polls for one
+            room = queue.maxsize - queue.qsize()
+            size = max(1, min(self._config.batch, room)) if active else 1
+            try:
+                deliveries = await subscription.fetch(size, wait=self._config.fetch_wait)
+            except BusError as exc:
+                failures += 1
+                await subscription.unsubscribe()
+                subscription = None
+                await self._pause(f"fetch from {stream}", exc, failures)
+                continue
+            failures = 0
+            active = bool(deliveries)
+            leased = [leases.take(delivery) for delivery in deliveries]
+            for lease in leased:
+                await queue.put(lease)
+        if subscription is not None:
+            await subscription.unsubscribe()
+
+    async def _pause(self, what: str, exc: BaseException, failures: int) -> None:
+        """A pause after a failure, reported; the stop ends it."""
+        delay = pause_seconds(failures)
+        log.warning("%s failed (%d in a row): %s; retrying in %.1f s", what, failures, exc, delay)
+        self._report(components.Outcome.failed(f"{what}: {exc}"))
+        await self._clock.wait(self._stop, delay)
