@@ -14,7 +14,7 @@ from app.api.schemas import Liveness, Readiness
 router = APIRouter(tags=["probes"])
 
 
-def _not_ready(request: Request) -> list[str]:
+async def _not_ready(request: Request) -> list[str]:
     return runtime(request).not_ready_because()
 
 

@@ -87,7 +87,8 @@ def build_status(rt: Runtime) -> Status:
     )
 
 
-def _snapshot(request: Request) -> Status:
+async def _snapshot(request: Request) -> Status:
+    """On the event loop (an async dependency): the live states are read there."""
     return build_status(runtime(request))
 
 

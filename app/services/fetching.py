@@ -19,11 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from app.adapters.bus import BusError
-from app.domain import components
 from app.domain.job_flow import WorkerConfig
 from app.domain.jobs import consumer_name
 from app.services.leasing import Clock, Lease, Leases, Message
@@ -70,13 +69,16 @@ class Fetcher:
         config: WorkerConfig,
         clock: Clock,
         stop: asyncio.Event,
-        report: Callable[[components.Outcome], None],
     ) -> None:
         self._bus = bus
         self._config = config
         self._clock = clock
         self._stop = stop
-        self._report = report
+        # by stream: the failure of its last subscribe or fetch (until one succeeds), when
+        # its last fetch returned, and whether it waits for room in the queue
+        self.troubles: dict[str, str] = {}
+        self.fetched_at: dict[str, float] = {}
+        self.waiting: set[str] = set()
 
     async def fetch(self, stream: str, queue: asyncio.Queue[Lease], leases: Leases) -> None:
         """Fetch from `stream` into `queue` until the stop; what a fetch brings after the
@@ -99,7 +101,7 @@ class Fetcher:
                     subscription = await bus.subscribe(stream=stream, durable=durable)
                 except BusError as exc:
                     failures += 1
-                    await self._pause(f"subscribe to {stream}/{durable}", exc, failures)
+                    await self._pause(stream, f"subscribe to {stream}/{durable}", exc, failures)
                     continue
                 seen_reconnects = bus.reconnects
             # an active stream takes what the queue has room for (one, to wait for room,
@@ -112,19 +114,25 @@ class Fetcher:
                 failures += 1
                 await subscription.unsubscribe()
                 subscription = None
-                await self._pause(f"fetch from {stream}", exc, failures)
+                await self._pause(stream, f"fetch from {stream}", exc, failures)
                 continue
             failures = 0
+            self.troubles.pop(stream, None)
+            self.fetched_at[stream] = self._clock.now()
             active = bool(deliveries)
             leased = [leases.take(delivery) for delivery in deliveries]
-            for lease in leased:
-                await queue.put(lease)
+            self.waiting.add(stream)
+            try:
+                for lease in leased:
+                    await queue.put(lease)
+            finally:
+                self.waiting.discard(stream)
         if subscription is not None:
             await subscription.unsubscribe()
 
-    async def _pause(self, what: str, exc: BaseException, failures: int) -> None:
-        """A pause after a failure, reported; the stop ends it."""
+    async def _pause(self, stream: str, what: str, exc: BaseException, failures: int) -> None:
+        """A pause after a failure, kept as the stream's trouble; the stop ends it."""
         delay = pause_seconds(failures)
         log.warning("%s failed (%d in a row): %s; retrying in %.1f s", what, failures, exc, delay)
-        self._report(components.Outcome.failed(f"{what}: {exc}"))
+        self.troubles[stream] = f"{what}: {exc}"
         await self._clock.wait(self._stop, delay)

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from app.adapters.bus import BusError
 from app.adapters.registry import RegistryUnavailable
-from app.domain import components
 from app.domain.job_flow import (
     DEAD_LETTERS,
     Delays,
@@ -151,7 +150,6 @@ class Runner:
         handlers: JobHandlers,
         config: WorkerConfig,
         metrics: Metrics,
-        report: Callable[[components.Outcome], None],
         alerts: Alerter | None,
         clock: Clock,
         stop: asyncio.Event,
@@ -164,7 +162,6 @@ class Runner:
         self._http = handlers.http
         self._config = config
         self._metrics = metrics
-        self._report = report  # connected or not, recorded by the supervisor
         self._alerts = alerts
         self._clock = clock
         self._stop = stop
@@ -213,8 +210,6 @@ class Runner:
         kind = job_type if job_type in self._handlers or job_type == "invalid" else "unknown"
         self._count(kind, label)
         self._metrics.job_duration.labels(kind).observe(time.monotonic() - started)
-        if label not in ("bus-error", Outcome.LEDGER_UNAVAILABLE.value, "event-unsent"):
-            self._report(components.Outcome.ok())
 
     def _count(self, kind: str, label: str) -> None:
         counter = self._counters.get((kind, label))

@@ -74,6 +74,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# a stream whose fetch has not returned for this long (and that does not wait for room in
+# the queue) is stuck: a long poll returns every fetch wait
+STALE_FETCH_SECONDS = 30.0
+
 
 class Bus(Source, Events, Protocol):
     """What the worker asks of the bus (`app.adapters.bus.JetStreamBus`): job streams to
@@ -94,7 +98,6 @@ class Worker:
         handlers: JobHandlers,
         config: WorkerConfig,
         metrics: Metrics,
-        report: Callable[[components.Outcome], None],
         alerts: Alerter | None = None,
         prepare: Callable[[], Awaitable[None]] | None = None,
         clock: Clock | None = None,
@@ -109,16 +112,33 @@ class Worker:
         self._leases: Leases | None = None  # the running `run`'s
         self._runner = Runner(
             bus=bus, ledger=ledger, registry=registry, node=node, handlers=handlers,
-            config=config, metrics=metrics, report=report, alerts=alerts, clock=self._clock,
+            config=config, metrics=metrics, alerts=alerts, clock=self._clock,
             stop=self._stop,
         )  # fmt: skip
-        self._fetcher = Fetcher(
-            bus=bus, config=config, clock=self._clock, stop=self._stop, report=report
-        )
+        self._fetcher = Fetcher(bus=bus, config=config, clock=self._clock, stop=self._stop)
 
     @property
     def node_id(self) -> str:
         return self._runner.node_id
+
+    def state(self) -> components.Outcome | None:
+        """What the worker is doing now, read from its fetchers: failing while a stream's
+        subscribe or fetch fails (naming each), unavailable when a stream has not returned
+        from a fetch for `STALE_FETCH_SECONDS` (a long poll returns every fetch wait) and
+        does not wait for room in the queue, else ok; None until it runs."""
+        if self._leases is None:
+            return None
+        fetcher = self._fetcher
+        if fetcher.troubles:
+            return components.Outcome.failed("; ".join(sorted(fetcher.troubles.values())))
+        now = self._clock.now()
+        stale = max(STALE_FETCH_SECONDS, 3 * self._config.fetch_wait)
+        for stream, at in sorted(fetcher.fetched_at.items()):
+            if now - at > stale and stream not in fetcher.waiting:
+                return components.Outcome.unavailable(
+                    f"no fetch from {stream} for {now - at:.0f} s"
+                )
+        return components.Outcome.ok(in_flight=self.in_flight)
 
     @property
     def in_flight(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -26,7 +26,7 @@ from app.domain.requirements import NodeProfile, Requirements
 from app.metrics import Metrics
 from app.services.handlers import HandlerContext, JobHandlers, noop
 from app.services.streams import new_job
-from app.services.working import HAND_BACK_SECONDS, Worker, lease_seconds
+from app.services.working import HAND_BACK_SECONDS, STALE_FETCH_SECONDS, Worker, lease_seconds
 from tests.support.worker_doubles import FakeBus, FakeClock, FakeLedger, FakeMessage
 
 NODE = NodeProfile(
@@ -87,7 +87,6 @@ class World:
     stopping: asyncio.Event
     task: asyncio.Task[None]
     gate: Gate
-    reports: list[components.Outcome] = field(default_factory=list)
 
     def counted(self, kind: str, label: str) -> float:
         return float(self.metrics.jobs.labels(kind, label)._value.get())
@@ -112,7 +111,6 @@ async def world(
     bus.subscribe_failures = subscribe_failures
     settings = replace(CONFIG, **config)
     gate = Gate()
-    reports: list[components.Outcome] = []
 
     async def node() -> NodeProfile:
         return NODE
@@ -120,11 +118,11 @@ async def world(
     worker = Worker(
         bus=bus, ledger=ledger, registry=registry, node=node,
         handlers=JobHandlers({"noop": noop, "gate": gate}, cast(WorkloadHttp, None)),
-        config=settings, metrics=metrics, report=reports.append, clock=clock,
+        config=settings, metrics=metrics, clock=clock,
     )  # fmt: skip
     stopping = asyncio.Event()
     task = asyncio.create_task(worker.run(stopping), name="worker-under-test")
-    w = World(clock, bus, ledger, worker, metrics, settings, stopping, task, gate, reports)
+    w = World(clock, bus, ledger, worker, metrics, settings, stopping, task, gate)
     try:
         await until(lambda: bus.kinds() == ["node.online"])
         if not subscribe_failures:
@@ -286,12 +284,13 @@ async def test_a_ledger_out_of_reach_hands_the_job_back_for_a_while() -> None:
         w.ledger.unavailable = True
         message = w.bus.add(new_job("noop"))
         await w.answered(message)
+        state = w.worker.state()  # fetching works: the ledger's outage is the registry's
+        assert state is not None and state.succeeded, state
     ((verb, delay),) = message.answers()
     assert verb == "nak" and delay is not None
     assert 0.8 * CONFIG.held_delay <= delay <= CONFIG.held_delay  # spread by jitter
     assert w.bus.kinds() == ["node.online"]
     assert w.counted("noop", "ledger-error") == 1
-    assert w.reports == []  # not reported as working
 
 
 async def test_a_failure_is_retried_after_its_backoff_step_then_completes() -> None:
@@ -456,9 +455,10 @@ async def test_the_supervisors_stopping_is_the_same_stop() -> None:
 
 async def test_a_failed_subscribe_waits_out_a_pause_that_the_stop_cuts_short() -> None:
     async with world(subscribe_failures=3) as w:  # one for each stream
-        await until(lambda: len(w.reports) == 3)
-        assert all(r.result is components.Result.FAILED for r in w.reports)
-        assert len(w.clock.waits()) == 3  # each fetcher pauses; nothing else waits
+        await until(lambda: len(w.clock.waits()) == 3)  # each fetcher pauses; nothing else
+        state = w.worker.state()
+        assert state is not None and state.result is components.Result.FAILED
+        assert (state.error or "").count("subscribe to") == 3, state
         w.worker.begin_stop()  # the clock does not move: the stop ends the pauses
         await asyncio.wait_for(w.task, timeout=5)
     assert w.bus.subscriptions == []
@@ -467,7 +467,7 @@ async def test_a_failed_subscribe_waits_out_a_pause_that_the_stop_cuts_short() -
 async def test_after_a_pause_the_fetcher_subscribes_again_and_after_a_reconnect_too() -> None:
     clock_pause = 1.0  # the longest first pause (0.5 s x 2, jittered down)
     async with world(subscribe_failures=3) as w:
-        await until(lambda: len(w.reports) == 3)
+        await until(lambda: len(w.clock.waits()) == 3)
         assert len(w.bus.subscriptions) == 0
         w.clock.advance(clock_pause)
         await until(lambda: len(w.bus.subscriptions) == 3)
@@ -493,3 +493,23 @@ async def test_a_fetch_brings_what_the_queue_has_room_for() -> None:
         for message in messages:
             await w.answered(message)
     assert all(m.answers() == [("ack", None)] for m in messages)
+
+
+async def test_the_worker_s_state_is_read_from_its_fetchers() -> None:
+    """Ok while every stream's long poll comes back; unavailable, naming the stream, once
+    one has not come back for the stale time; ok again when it does."""
+    async with world() as w:
+        w.clock.advance(CONFIG.fetch_wait)  # the first long polls return empty
+        await until(lambda: len(w.worker._fetcher.fetched_at) == 3)
+        state = w.worker.state()
+        assert state is not None and state.succeeded, state
+        w.bus.stuck = released = asyncio.Event()
+        w.clock.advance(CONFIG.fetch_wait)  # the polls in flight return; the next hang
+        w.clock.advance(STALE_FETCH_SECONDS + 1)
+        state = w.worker.state()
+        assert state is not None and state.result is components.Result.UNAVAILABLE, state
+        assert (state.error or "").startswith("no fetch from "), state
+        w.bus.stuck = None
+        released.set()
+        w.clock.advance(CONFIG.fetch_wait)
+        await until(lambda: bool((s := w.worker.state()) and s.succeeded))

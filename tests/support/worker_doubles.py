@@ -167,6 +167,8 @@ class FakeSubscription:
         """What is due in the stream, up to `batch`, as soon as something is; else nothing
         once `wait` seconds have passed on the clock."""
         bus, clock = self._bus, self._bus.clock
+        if bus.stuck is not None:  # a fetch that does not come back until released
+            await bus.stuck.wait()
         ends = clock.now() + wait
         while True:
             due = bus._take(self._stream, batch)
@@ -197,6 +199,7 @@ class FakeBus:
         self.refuse_events = False  # the events stream answers nothing (its leader is gone)
         self.event_tries = 0
         self.subscribe_failures = 0  # subscribes refused before the next one succeeds
+        self.stuck: asyncio.Event | None = None  # set: fetches wait for it before anything
         self.subscriptions: list[FakeSubscription] = []
         self.messages: list[FakeMessage] = []  # every message published to a job stream
         self._pending: dict[str, list[tuple[float, int, FakeMessage]]] = {}

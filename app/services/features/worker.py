@@ -8,7 +8,6 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Literal
 
 from app.domain.components import Outcome
@@ -52,14 +51,15 @@ class Working(Running):
 
     def health(self) -> Outcome | None:
         """Unavailable while the bus is not connected, naming the server and the error
-        (from the first attempt on); ok once connected and prepared. Until either is
-        known, its task's record stands."""
+        (from the first attempt on); once connected and prepared, what its fetchers say
+        (`Worker.state`: fetching, failing, or stuck). Until either is known, its task's
+        record stands."""
         if not self.bus.connected:
             trouble = self.bus.trouble
             if trouble is None and not self.prepared:
                 return None
             return Outcome.unavailable(trouble or "not connected", connected=False)
-        return Outcome.ok(connected=True) if self.prepared else None
+        return self.worker.state() if self.prepared else None
 
 
 def choose_ledger(plan: WorkerPlan, *, registry_running: bool) -> LedgerHome | Off:
@@ -217,13 +217,10 @@ class _Worker(Spec[WorkerPlan, Working]):
                 await registered.wait()  # a JetStream ledger waits for no PostgreSQL
             running.prepared = True
 
-        def report(outcome: Outcome) -> None:
-            component.record(datetime.now(UTC), outcome)
-
         worker = Worker(
             bus=bus, ledger=ledger, node=deps.profile(), registry=deps.registry,
             handlers=JobHandlers(load_handlers(), http), config=plan.worker,
-            metrics=deps.metrics, report=report, alerts=deps.alerts, prepare=prepare,
+            metrics=deps.metrics, alerts=deps.alerts, prepare=prepare,
         )  # fmt: skip
         deps.metrics.jobs_in_flight.set_function(lambda: worker.in_flight)
         running = Working(
