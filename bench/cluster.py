@@ -1,7 +1,7 @@
 """The benchmarks' Kubernetes: a real control plane, and the manager's requests to it as
 the API server itself counts them.
 
-`start(workdir)` starts the tests' control plane (tests/support/control_plane.py: etcd,
+`start(workdir)` starts the tests' control plane (standins/control_plane.py: etcd,
 kube-apiserver, kube-controller-manager, kube-scheduler and kwok with one fake node, from
 the binaries `make control-plane` builds) and applies the repo's namespaces, ServiceAccount
 and RBAC (k8s/), as the tests' `control_plane` fixture does; `write_manager_kubeconfig`
@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.support.control_plane import ControlPlane
+from standins.control_plane import ControlPlane
 from tests.support.real_cluster import MANAGER_ACCOUNT
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"

@@ -13,7 +13,7 @@ changes nothing) in these configurations:
 - production: APP_ENV=production with every component that can run here on: PostgreSQL
   and nats-server (embedded servers started by this benchmark), the registry, the job
   worker, signed reports to and the desired state from the local backend
-  (tests/support/backend.py), the sync and self-update against the tests' Kubernetes
+  (standins/backend.py), the sync and self-update against the tests' Kubernetes
   control plane (when `make control-plane` has built it; otherwise they are off with
   their reason, and the table says so), alerts to a local Matrix stand-in and errors to
   a local Sentry receiver.
@@ -201,10 +201,10 @@ class World:
 def _production_world(workdir: Path) -> Iterator[World]:
     """The local backend, version file, Matrix and Sentry stand-ins, and (when built) the
     control plane with the repo's namespaces, ServiceAccount and RBAC."""
-    from tests.support.backend import LocalBackend
+    from standins.backend import LocalBackend
     from tests.support.sentry_receiver import SentryReceiver
-    from tests.support.servers import serve
-    from tests.support.sync_world import KEY, NODE, key_seed, manifest
+    from standins.servers import serve
+    from standins.sync_world import KEY, NODE, key_seed, manifest
     from tests.support.version_file import REPO as IMAGE_REPO
     from tests.support.version_file import VersionFileServer, own_deployment
 
@@ -234,7 +234,7 @@ def _control_plane(workdir: Path, world: World) -> Any:
     """The tests' control plane, or None (with the reason in `world.cluster_note`) when its
     binaries are not built: building them takes minutes, `make control-plane` does it."""
     from bench.cluster import start, write_manager_kubeconfig
-    from tests.support.control_plane import ControlPlaneUnavailable
+    from standins.control_plane import ControlPlaneUnavailable
 
     _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
     with _environment(CONTROL_PLANE_NO_BUILD="1"):

@@ -28,9 +28,9 @@ from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
 from bench.checks import say
 from bench.cluster import ApiserverRequests, Requests, Snapshot, start, write_manager_kubeconfig
 from bench.servers import HOST, ServerProcess, ServerSpec, free_port
-from tests.support.backend import LocalBackend
-from tests.support.control_plane import ControlPlane
-from tests.support.sync_world import manifest
+from standins.backend import LocalBackend
+from standins.control_plane import ControlPlane
+from standins.sync_world import manifest
 
 NODE = "soak-node"
 TIER = "A"

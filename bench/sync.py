@@ -42,9 +42,9 @@ from bench.cluster import (
     start,
     write_manager_kubeconfig,
 )
-from tests.support.backend import LocalBackend
-from tests.support.control_plane import ControlPlane
-from tests.support.sync_world import KEY, NAMESPACE, NODE, key_seed, manifest
+from standins.backend import LocalBackend
+from standins.control_plane import ControlPlane
+from standins.sync_world import KEY, NAMESPACE, NODE, key_seed, manifest
 
 NAME = "sync"
 DESCRIPTION = (
@@ -626,7 +626,7 @@ def _notes(
 ) -> list[str]:
     n = setup["workloads"]
     notes = [
-        f"{n} workloads, one plain Deployment manifest each (tests/support/sync_world.py); the "
+        f"{n} workloads, one plain Deployment manifest each (standins/sync_world.py); the "
         "Syncer is built as the app builds it (build_runtime + open_sync_only), with "
         "PING_TOKEN_SECRET set so every manifest gets its ping token injected. Before the numbers "
         "are reported, the cluster's managed Deployments and the versions reported to the "

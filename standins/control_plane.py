@@ -71,6 +71,8 @@ _NODE = {
     },
 }
 
+MANAGER_ACCOUNT = ("workload-manager", "workload-manager")  # namespace, ServiceAccount
+
 
 # A pod whose first container's image tag ends with `never-ready` or `rc666` (a version the
 # self-update accepts, such as `0.3.0rc666`) is never made Ready by kwok: a rollout of it
