@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
-from standins.control_plane import ControlPlane
-from tests.support.real_cluster import MANAGER_ACCOUNT
+from bench import proc
+from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"
 K8S_FILES = ("namespace.yaml", "workloads-namespace.yaml", "serviceaccount.yaml", "rbac.yaml")
@@ -191,11 +190,4 @@ class ApiserverRequests:
 
 def cpu_seconds(plane: ControlPlane) -> float:
     """User + system CPU seconds of every control-plane process so far."""
-    total = 0.0
-    for process in plane.processes.values():
-        try:
-            times = psutil.Process(process.pid).cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
+    return sum(proc.cpu_seconds(p.pid) for p in plane.processes.values())

@@ -29,7 +29,6 @@ import asyncpg
 import nats
 import nats.errors
 import nats.js.errors
-import psutil
 
 from app.adapters.bus import JetStreamBus
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
@@ -38,9 +37,9 @@ from app.main import create_app
 from app.services.runtime import Runtime
 from app.services.streams import consumer_specs, init_streams, new_job, publish_job, stream_specs
 from app.settings import Settings
-from bench import Options, sampling, tools
-from bench.checks import CheckFailed, check, say
-from tests.support.databases import fresh_database
+from bench import Options, proc, sampling, tools
+from bench.report import CheckFailed, check, say
+from standins.databases import fresh_database
 
 NAME = "jobs"
 DESCRIPTION = (
@@ -89,44 +88,23 @@ EXPLICIT = frozenset(
 # --- measuring ---------------------------------------------------------------------------
 
 
-Snapshot = Mapping[str, Mapping[int, float]]  # what -> pid -> CPU seconds
+Snapshot = Mapping[str, float]  # what -> CPU seconds
 
 
 class CpuMeter:
-    """CPU seconds (user + system) of this process, nats-server and PostgreSQL's processes."""
+    """CPU seconds (user + system, bench.proc) of this process, nats-server and PostgreSQL's
+    processes (the backends that exited included)."""
 
     def __init__(self, nats_pid: int, pg_pid: int) -> None:
-        self._nats = psutil.Process(nats_pid)
-        self._pg = psutil.Process(pg_pid)
-        self._self = psutil.Process()
-
-    @staticmethod
-    def _seconds(process: psutil.Process) -> float:
-        try:
-            times = process.cpu_times()
-        except psutil.Error:
-            return 0.0
-        return float(times.user + times.system)
+        self._pids = {"python": (os.getpid(), False), "nats": (nats_pid, False),
+                      "postgres": (pg_pid, True)}  # fmt: skip
 
     def snapshot(self) -> Snapshot:
-        pg = [self._pg]
-        try:
-            pg += self._pg.children(recursive=True)
-        except psutil.Error:
-            pass
-        return {
-            "python": {self._self.pid: self._seconds(self._self)},
-            "nats": {self._nats.pid: self._seconds(self._nats)},
-            # a backend that started during the phase counts from zero: all of it is in it
-            "postgres": {p.pid: self._seconds(p) for p in pg},
-        }
+        return {name: proc.cpu_seconds(pid, tree) for name, (pid, tree) in self._pids.items()}
 
     @staticmethod
     def spent(before: Snapshot, after: Snapshot) -> dict[str, float]:
-        return {
-            name: round(sum(t - before[name].get(pid, 0.0) for pid, t in pids.items()), 3)
-            for name, pids in after.items()
-        }
+        return {name: round(after[name] - before[name], 3) for name in after}
 
 
 @dataclass(frozen=True)
@@ -648,7 +626,7 @@ def run(options: Options) -> dict[str, Any]:
         "default_concurrency": DEFAULT_CONCURRENCY,
         "job_fetch_batch": FETCH_BATCH,
         "nats_cli": nats_cli,
-        "cpu_count": psutil.cpu_count(),
+        "cpu_count": os.cpu_count(),
         "load_average_1m_before": round(os.getloadavg()[0], 2),
         "settings_from_environment": overridden,
     }

@@ -44,15 +44,19 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app import __version__
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
-from bench import Options
-from bench.checks import say
+from bench import Options, proc
 from bench.imports import rss_after
+from bench.report import MIB, mib, say
 from bench.servers import stop_process
+from standins.backend import LocalBackend
+from standins.control_plane import ControlPlaneUnavailable
+from standins.servers import serve
+from standins.sync_world import KEY, NODE, key_seed, manifest
 
 NAME = "memory"
 DESCRIPTION = (
@@ -62,7 +66,7 @@ DESCRIPTION = (
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
-MIB = 1024 * 1024
+IMAGE_REPO = "ghcr.io/node-system/workload-manager"
 RUNS, QUICK_RUNS = 2, 1
 IDLE_SECONDS, QUICK_IDLE_SECONDS = 10.0, 5.0
 READINGS = 3  # a second apart, once idle; the median is reported
@@ -199,42 +203,44 @@ class World:
 
 @contextmanager
 def _production_world(workdir: Path) -> Iterator[World]:
-    """The local backend, version file, Matrix and Sentry stand-ins, and (when built) the
-    control plane with the repo's namespaces, ServiceAccount and RBAC."""
-    from standins.backend import LocalBackend
-    from tests.support.sentry_receiver import SentryReceiver
-    from standins.servers import serve
-    from standins.sync_world import KEY, NODE, key_seed, manifest
-    from tests.support.version_file import REPO as IMAGE_REPO
-    from tests.support.version_file import VersionFileServer, own_deployment
-
+    """The local backend, the version file, Matrix and Sentry stand-ins, and (when built)
+    the control plane with the repo's namespaces, ServiceAccount and RBAC."""
     world = World(private_key=key_seed(), node_id=NODE, settle=("report",))
     backend = LocalBackend(NODE, KEY.public_key())
     names = [f"bench-memory-{i}" for i in range(DESIRED_WORKLOADS)]
     for name in names:
         backend.set_manifest(name, "1.0.0", manifest(name, "1.0.0"))
     backend.set_desired([{"name": name, "version": "1.0.0"} for name in names])
-    versions = VersionFileServer()
-    versions.set(body=__version__.encode())  # the running version: nothing to update
     with ExitStack() as stack:
         world.backend_url = stack.enter_context(backend.serve()).url
-        world.version_url = stack.enter_context(serve(versions.app)).url + "/version"
-        world.matrix_url = stack.enter_context(serve(_matrix_app())).url
-        sentry = stack.enter_context(serve(SentryReceiver().app))
-        world.sentry_dsn = f"http://publickey@{HOST}:{sentry.port}/1"
+        peers = stack.enter_context(serve(_peers_app())).url
+        world.version_url, world.matrix_url = f"{peers}/version", peers
+        world.sentry_dsn = peers.replace("http://", "http://publickey@") + "/1"
         plane = _control_plane(workdir, world)
         if plane is not None:
             stack.callback(plane.stop)
-            plane.apply(own_deployment(f"{IMAGE_REPO}:{__version__}"))
+            plane.apply(_own_deployment())
             world.settle = ("report", "sync")
         yield world
+
+
+def _own_deployment() -> dict[str, Any]:
+    """The manager's own Deployment, as the self-update finds it, at the running version."""
+    labels = {"app": "wm"}
+    containers = [{"name": "manager", "image": f"{IMAGE_REPO}:{__version__}"}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "workload-manager", "namespace": "workload-manager"},
+        "spec": {"selector": {"matchLabels": labels},
+                 "template": {"metadata": {"labels": labels}, "spec": {"containers": containers}}},
+    }  # fmt: skip
 
 
 def _control_plane(workdir: Path, world: World) -> Any:
     """The tests' control plane, or None (with the reason in `world.cluster_note`) when its
     binaries are not built: building them takes minutes, `make control-plane` does it."""
     from bench.cluster import start, write_manager_kubeconfig
-    from standins.control_plane import ControlPlaneUnavailable
 
     _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
     with _environment(CONTROL_PLANE_NO_BUILD="1"):
@@ -270,20 +276,29 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _matrix_app() -> Starlette:
-    """A Matrix homeserver's one route the manager uses: send a message to a room."""
+def _peers_app() -> Starlette:
+    """What else the production manager talks to: the version file (the running version:
+    nothing to update), a Matrix homeserver's send route and Sentry's envelope endpoint."""
+
+    async def version(request: Request) -> Response:
+        return Response(__version__.encode())
 
     async def send(request: Request) -> JSONResponse:
         await request.body()
         return JSONResponse({"event_id": f"$bench-{request.path_params['txn']}"})
 
+    async def envelope(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse({})
+
     return Starlette(
         routes=[
-            Route(
-                "/_matrix/client/v3/rooms/{room}/send/m.room.message/{txn}", send, methods=["PUT"]
-            )
+            Route("/version", version),
+            Route("/_matrix/client/v3/rooms/{room}/send/m.room.message/{txn}", send,
+                  methods=["PUT"]),
+            Route("/api/{project}/envelope/", envelope, methods=["POST"]),
         ]
-    )
+    )  # fmt: skip
 
 
 # --- configurations ----------------------------------------------------------------------
@@ -380,18 +395,6 @@ def _get(port: int, path: str) -> tuple[int, bytes]:
         conn.close()
 
 
-def _status(pid: int) -> dict[str, int]:
-    """VmRSS, RssAnon, RssFile (bytes) and Threads from /proc/<pid>/status."""
-    values: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile"):
-            values[key] = int(value.split()[0]) * 1024
-        elif key == "Threads":
-            values[key] = int(value)
-    return values
-
-
 def _measure(
     env: Mapping[str, str], workdir: Path, idle: float, settle: Sequence[str]
 ) -> dict[str, Any]:
@@ -400,7 +403,7 @@ def _measure(
     env = {**env, "PORT": str(port), "DATA_DIR": str(workdir / "data")}
     log_path = workdir / "manager.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
+        child = subprocess.Popen(
             [sys.executable, "-m", "app", "serve"],
             env={**env, "PYTHONPATH": str(REPO)},
             cwd=workdir,  # not the repo: a developer's .env must not change what is measured
@@ -410,20 +413,20 @@ def _measure(
         )
     try:
         started = time.monotonic()
-        _until_ready(proc, port, log_path)
+        _until_ready(child, port, log_path)
         ready = time.monotonic() - started
-        components = _until_settled(proc, port, settle, log_path)
+        components = _until_settled(child, port, settle, log_path)
         settled = time.monotonic() - started
         time.sleep(idle)
         readings = []
         for i in range(READINGS):
             if i:
                 time.sleep(1.0)
-            readings.append(_status(proc.pid))
+            readings.append(proc.status(child.pid))
         components = _components(port) or components
-        alive = proc.poll() is None
+        alive = child.poll() is None
     finally:
-        code = stop_process(proc)
+        code = stop_process(child)
     if not alive:
         raise RuntimeError(f"the manager exited while measured:\n{_tail(log_path)}")
     median = {k: int(statistics.median(r[k] for r in readings)) for k in readings[0]}
@@ -440,11 +443,11 @@ def _measure(
     }
 
 
-def _until_ready(proc: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
+def _until_ready(child: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the manager exited with {proc.returncode}:\n{_tail(log_path)}")
+        if child.poll() is not None:
+            raise RuntimeError(f"the manager exited with {child.returncode}:\n{_tail(log_path)}")
         with contextlib.suppress(OSError):
             if _get(port, "/healthz")[0] == 200:
                 return
@@ -471,15 +474,15 @@ def _components(port: int) -> dict[str, dict[str, Any]]:
 
 
 def _until_settled(
-    proc: subprocess.Popen[bytes], port: int, settle: Sequence[str], log_path: Path
+    child: subprocess.Popen[bytes], port: int, settle: Sequence[str], log_path: Path
 ) -> dict[str, dict[str, Any]]:
     """Until no enabled component is starting and those in `settle` (when enabled) have
     done their first run; at SETTLE_TIMEOUT, the components as they are."""
     deadline = time.monotonic() + SETTLE_TIMEOUT
     components: dict[str, dict[str, Any]] = {}
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the manager exited with {proc.returncode}:\n{_tail(log_path)}")
+        if child.poll() is not None:
+            raise RuntimeError(f"the manager exited with {child.returncode}:\n{_tail(log_path)}")
         components = _components(port) or components
         if components and _settled(components, settle):
             return components
@@ -520,22 +523,18 @@ def _summary(label: str, floor: str, samples: Sequence[Mapping[str, Any]]) -> di
 # --- report ------------------------------------------------------------------------------
 
 
-def _mib(value: int) -> str:
-    return f"{value / MIB:.1f}"
-
-
 def _tables(floors: Mapping[str, Any], managers: Mapping[str, Any]) -> list[dict[str, Any]]:
     rows: list[list[str]] = []
     python = floors["python"]["rss_bytes"]
     for key, floor in floors.items():
         over = "-" if key == "python" else f"{(floor['rss_bytes'] - python) / MIB:+.1f}"
-        rows.append([floor["label"], _mib(floor["rss_bytes"]), "-", "-", "-", "-", over])
+        rows.append([floor["label"], mib(floor["rss_bytes"]), "-", "-", "-", "-", over])
     for manager in managers.values():
         base = floors[manager["floor"]]["rss_bytes"]
-        spread = f"{_mib(manager['rss_min_bytes'])}-{_mib(manager['rss_max_bytes'])}"
+        spread = f"{mib(manager['rss_min_bytes'])}-{mib(manager['rss_max_bytes'])}"
         rows.append([
-            manager["label"], _mib(manager["rss_bytes"]), spread,
-            _mib(manager["rss_anon_bytes"]), _mib(manager["rss_file_bytes"]),
+            manager["label"], mib(manager["rss_bytes"]), spread,
+            mib(manager["rss_anon_bytes"]), mib(manager["rss_file_bytes"]),
             str(manager["threads"]), f"{(manager['rss_bytes'] - base) / MIB:+.1f}",
         ])  # fmt: skip
     main = {

@@ -22,11 +22,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from bench import Options, sampling, tools
-from bench.checks import say
+from bench import Options, proc, sampling, tools
 from bench.imports import ImportEntry, importtime, package_costs, rss_after, top_modules
+from bench.report import MIB, mib, mib_over, percent, say, yes
 from bench.servers import HOST, ServerProcess, ServerSpec, free_port, running
 
 NAME = "pings"
@@ -45,7 +43,6 @@ PING_TOKEN_SECRET = "bench-ping-token-secret"  # only ever sent to 127.0.0.1
 SETTLE_SECONDS = 1.0  # quiet time before an RSS reading
 TARGET_THROUGHPUT_RATIO = 0.8
 TARGET_P99_MS = 20.0
-MIB = 1024 * 1024
 NOISY_OUTSIDE_CPU_PERCENT = 15.0  # above this, say the phase ran on a busy machine
 TOOL_TIMEOUT = 60.0  # seconds a load tool may run past its phase
 
@@ -254,21 +251,25 @@ def _measure(
     _say(f"{spec.label}: starting on port {port}")
     with running(spec, port=port, cpus=cpus, log=workdir / f"{spec.label}.log") as server:
         time.sleep(SETTLE_SECONDS)
-        idle = {"rss_bytes": server.rss_bytes(), "uss_bytes": server.uss_bytes()}
+        idle = _memory(server.pid)
         info = {
             "pid": server.pid,
-            "threads": server.threads(),
-            "affinity": server.affinity(),
+            "threads": proc.status(server.pid)["Threads"],
+            "affinity": sorted(os.sched_getaffinity(server.pid)),
             "loaded": server.loaded_extensions("uvloop", "httptools"),
         }
         phases = _drive(server, options)
         time.sleep(SETTLE_SECONDS)
-        after = {"rss_bytes": server.rss_bytes(), "uss_bytes": server.uss_bytes()}
+        after = _memory(server.pid)
         if with_profile:
             _say(f"{spec.label}: profiling under load with py-spy")
             phases["profile"] = _profile(server, options, workdir)
         log_tail = server.log()
     return {"process": info, "idle": idle, "after_load": after, **phases, "log_tail": log_tail}
+
+
+def _memory(pid: int) -> dict[str, int]:
+    return {"rss_bytes": proc.status(pid)["VmRSS"], "uss_bytes": proc.uss(pid)}
 
 
 def _profile(server: ServerProcess, options: Options, workdir: Path) -> dict[str, Any]:
@@ -307,21 +308,16 @@ def _drive(server: ServerProcess, options: Options) -> dict[str, Any]:
 
 def _with_server_cpu(server: ServerProcess, phase: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """The phase's summary, with the server's CPU and the CPU spent outside server and client."""
-    cpu0, busy0 = server.cpu_seconds(), _busy_cpu_seconds()
+    cpu0, (busy0, _) = proc.cpu_seconds(server.pid), proc.machine_busy()
     summary = phase()
-    cpu1, busy1 = server.cpu_seconds(), _busy_cpu_seconds()
+    cpu1, (busy1, _) = proc.cpu_seconds(server.pid), proc.machine_busy()
     wall = summary["wall_seconds"]
-    summary["server_cpu_percent"] = round(100.0 * (cpu1 - cpu0) / wall, 1)
+    summary["server_cpu_percent"] = percent(cpu1 - cpu0, wall)
     client = summary["client_cpu_percent"] * wall / 100.0
-    outside = (busy1 - busy0) - (cpu1 - cpu0) - client
-    summary["outside_cpu_percent"] = round(100.0 * max(0.0, outside) / wall, 1)
+    summary["outside_cpu_percent"] = percent(
+        max(0.0, (busy1 - busy0) - (cpu1 - cpu0) - client), wall
+    )
     return summary
-
-
-def _busy_cpu_seconds() -> float:
-    """CPU time spent by the whole machine so far, idle and I/O wait excluded."""
-    t = psutil.cpu_times()
-    return float(t.user + t.nice + t.system + t.irq + t.softirq + t.steal)
 
 
 # --- imports -----------------------------------------------------------------------------
@@ -414,14 +410,6 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / MIB:.1f}"
-
-
-def _over(value: int, base: int) -> str:
-    return f"{(value - base) / MIB:+.1f}"
-
-
 def _rate(value: float) -> str:
     return f"{value:,.0f}"
 
@@ -460,9 +448,9 @@ _MAIN_ROWS: tuple[tuple[str, str, Callable[[Any], str], bool, str | None], ...] 
     ("{rate}: server CPU (% of its core)", "fixed_rate.server_cpu_percent", _pct, False, None),
     ("{rate}: CPU outside both (% of a core)", "fixed_rate.outside_cpu_percent", _pct, False,
      None),
-    ("RSS, idle after start (MiB)", "idle.rss_bytes", _mib, True, "idle_rss_mib"),
-    ("USS, idle after start (MiB)", "idle.uss_bytes", _mib, True, None),
-    ("RSS after the load (MiB)", "after_load.rss_bytes", _mib, True, None),
+    ("RSS, idle after start (MiB)", "idle.rss_bytes", mib, True, "idle_rss_mib"),
+    ("USS, idle after start (MiB)", "idle.uss_bytes", mib, True, None),
+    ("RSS after the load (MiB)", "after_load.rss_bytes", mib, True, None),
     ("threads", "process.threads", str, False, None),
 )  # fmt: skip
 
@@ -485,7 +473,7 @@ def _tables(
                 fmt(m),
                 f"{m / f:.2f}x" if ratio and m is not None and f else "",
                 target["target"] if target else "",
-                {True: "yes", False: "NO", None: "-"}[target["met"]] if target else "",
+                yes(target["met"]) if target else "",
             ]
         )
     tables = [
@@ -522,7 +510,7 @@ def _import_tables(
                     "RSS alone, MiB over bare python"],
         "rows": [
             [p["package"], f"{p['cumulative_ms']:.1f}", f"{p['self_ms']:.1f}", str(p["modules"]),
-             p["via"] or "-", _over(alone[p["package"]], bare) if p["package"] in alone else ""]
+             p["via"] or "-", mib_over(alone[p["package"]], bare) if p["package"] in alone else ""]
             for p in imports["top_packages"]
         ],
     }  # fmt: skip
@@ -533,7 +521,7 @@ def _import_tables(
     rss = {
         "title": "RSS: a fresh interpreter after each step, and the servers",
         "columns": ["step", "RSS MiB", "MiB over bare python"],
-        "rows": [[label, _mib(value), _over(value, bare)] for label, value in steps],
+        "rows": [[label, mib(value), mib_over(value, bare)] for label, value in steps],
     }
     return [modules, packages, rss]
 
@@ -597,9 +585,10 @@ def _notes(
     )
     manager_rss = manager["idle"]["rss_bytes"]
     notes.append(
-        f"idle RSS: manager {_mib(manager_rss)} MiB, {_over(manager_rss, uvicorn_rss)} MiB over a "
-        f"bare `python -c 'import uvicorn'` ({_mib(uvicorn_rss)} MiB); the floor "
-        f"{_mib(floor['idle']['rss_bytes'])} MiB."
+        f"idle RSS: manager {mib(manager_rss)} MiB, {mib_over(manager_rss, uvicorn_rss)} MiB "
+        "over a "
+        f"bare `python -c 'import uvicorn'` ({mib(uvicorn_rss)} MiB); the floor "
+        f"{mib(floor['idle']['rss_bytes'])} MiB."
     )
     notes.append(
         "CPU outside both = the whole machine's busy CPU minus the server's and the load "

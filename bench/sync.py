@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -26,14 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
 from app.services.runtime import build_runtime, open_sync_only
 from app.services.syncing import Syncer, SyncOutcome
 from app.settings import Settings
-from bench import Options
-from bench.checks import CheckFailed, check, say
+from bench import Options, proc
 from bench.cluster import (
     ApiserverRequests,
     Key,
@@ -42,6 +38,7 @@ from bench.cluster import (
     start,
     write_manager_kubeconfig,
 )
+from bench.report import CheckFailed, check, say
 from standins.backend import LocalBackend
 from standins.control_plane import ControlPlane
 from standins.sync_world import KEY, NAMESPACE, NODE, key_seed, manifest
@@ -75,7 +72,6 @@ STEADY_LIST = Key("LIST", "namespace", 200)  # a LIST of the Deployments of one 
 ROLLOUT_TIMEOUT = 900.0  # seconds for the deployment controller and kwok to roll all out
 RESET_TIMEOUT = 900.0  # seconds for the Deployments, ReplicaSets and Pods to be gone
 POLL = 0.5
-RSS_INTERVAL = 0.01  # seconds between RSS samples
 MIB = 1024 * 1024
 CPU_BOUND = 0.8  # process CPU seconds per wall second above which a phase is CPU-bound
 # Settings passed explicitly below; any other field set in the environment changes the run.
@@ -88,51 +84,29 @@ EXPLICIT = frozenset(
 # --- measuring ---------------------------------------------------------------------------
 
 
-class RssSampler:
-    """This process's RSS every 10 ms in a thread: the peak overall and per phase."""
+class RssPeak:
+    """This process's RSS peak, as the kernel keeps it (VmHWM): overall, and per phase
+    (the peak since the previous call, which starts it over)."""
 
     def __init__(self) -> None:
-        self._process = psutil.Process()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.baseline = self._rss()
-        self._peak = self._phase_peak = self.baseline
-        self._thread = threading.Thread(target=self._loop, name="bench-sync-rss", daemon=True)
-
-    def _rss(self) -> int:
-        rss: int = self._process.memory_info().rss
-        return rss
-
-    def _loop(self) -> None:
-        while not self._stop.wait(RSS_INTERVAL):
-            self.sample()
+        self.baseline = proc.status(os.getpid())["VmRSS"]
+        self._peak = self.baseline
 
     def sample(self) -> int:
-        rss = self._rss()
-        with self._lock:
-            self._peak = max(self._peak, rss)
-            self._phase_peak = max(self._phase_peak, rss)
+        rss = proc.status(os.getpid())["VmRSS"]
+        self._peak = max(self._peak, rss)
         return rss
 
     def phase_peak(self) -> int:
-        """The peak since the previous call (a sample taken now included)."""
-        current = self.sample()
-        with self._lock:
-            peak, self._phase_peak = self._phase_peak, current
+        peak = proc.status(os.getpid())["VmHWM"]
+        self._peak = max(self._peak, peak)
+        proc.reset_peak(os.getpid())
         return peak
 
     @property
     def peak(self) -> int:
-        self.sample()
-        with self._lock:
-            return self._peak
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._peak = max(self._peak, proc.status(os.getpid())["VmHWM"])
+        return self._peak
 
 
 @dataclass(frozen=True)
@@ -220,8 +194,7 @@ def _by_scope(requests: Requests) -> dict[str, int]:
 
 
 def _cpu_seconds() -> float:
-    times = psutil.Process().cpu_times()
-    return float(times.user + times.system)
+    return proc.cpu_seconds(os.getpid())
 
 
 async def _until(unmet: Callable[[], str | None], limit: float) -> None:
@@ -241,7 +214,7 @@ class World:
     requests: ApiserverRequests
     kubeconfig: Path
     workdir: Path
-    rss: RssSampler
+    rss: RssPeak
     names: tuple[str, ...]
     rollouts: dict[str, float]  # phase -> seconds the cluster took to roll out after it
 
@@ -458,34 +431,31 @@ def run(options: Options) -> dict[str, Any]:
     overridden = sorted(
         k for k in os.environ if k.lower() in Settings.model_fields and k.lower() not in EXPLICIT
     )
-    rss = RssSampler()
-    rss.start()
+    rss = RssPeak()
+    proc.reset_peak(os.getpid())
     rollouts: dict[str, float] = {}
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
-            workdir = Path(tmp)
-            (workdir / "data").mkdir()
-            _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
-            plane_started = time.monotonic()
-            plane = start(workdir / "control-plane")
-            plane_seconds = round(time.monotonic() - plane_started, 1)
-            requests = ApiserverRequests(plane)
-            try:
-                kubeconfig = write_manager_kubeconfig(plane, workdir / "kubeconfig", NAMESPACE)
-                backend = LocalBackend(NODE, KEY.public_key())
-                with backend.serve() as server:
-                    world = World(
-                        backend, server.url, plane, requests, kubeconfig, workdir, rss, names,
-                        rollouts,
-                    )  # fmt: skip
-                    started = rss.sample()
-                    runs = asyncio.run(_measure_all(world, repeats))
-                    versions = plane.kubectl("version", "-o", "json").stdout
-            finally:
-                requests.close()
-                plane.stop()
-    finally:
-        rss.stop()
+    with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "data").mkdir()
+        _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
+        plane_started = time.monotonic()
+        plane = start(workdir / "control-plane")
+        plane_seconds = round(time.monotonic() - plane_started, 1)
+        requests = ApiserverRequests(plane)
+        try:
+            kubeconfig = write_manager_kubeconfig(plane, workdir / "kubeconfig", NAMESPACE)
+            backend = LocalBackend(NODE, KEY.public_key())
+            with backend.serve() as server:
+                world = World(
+                    backend, server.url, plane, requests, kubeconfig, workdir, rss, names,
+                    rollouts,
+                )  # fmt: skip
+                started = rss.sample()
+                runs = asyncio.run(_measure_all(world, repeats))
+                versions = plane.kubectl("version", "-o", "json").stdout
+        finally:
+            requests.close()
+            plane.stop()
     setup = {
         "workloads": n,
         "steady_repeats": repeats,
@@ -689,8 +659,8 @@ def _notes(
             )
         )
     notes.append(
-        f"RSS of this process (the backend included, the control plane not; sampled every "
-        f"{RSS_INTERVAL * 1000:.0f} ms): "
+        "RSS of this process (the backend included, the control plane not; the peak is the "
+        "kernel's VmHWM): "
         f"{_mib(memory['baseline_rss_bytes'])} MiB before, "
         f"{_mib(memory['servers_started_rss_bytes'])} MiB with the backend and the control plane "
         "up, peak "

@@ -25,7 +25,7 @@ from typing import Any
 
 from app.adapters.embedded import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "tools" / "control-plane" / "build.sh"
 SERVICE_CIDR = "10.96.0.0/16"
 FAKE_NODE = "kwok-node-0"
