@@ -27,12 +27,8 @@ READINGS readings a second apart). Every configuration runs RUNS times to show t
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -52,7 +49,7 @@ from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from bench import Options, proc
 from bench.imports import rss_after
 from bench.report import MIB, mib, say
-from bench.servers import stop_process
+from bench.servers import HOST, ServerProcess, ServerSpec, free_port
 from standins.backend import LocalBackend
 from standins.control_plane import ControlPlaneUnavailable
 from standins.servers import serve
@@ -65,7 +62,6 @@ DESCRIPTION = (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
 IMAGE_REPO = "ghcr.io/node-system/workload-manager"
 RUNS, QUICK_RUNS = 2, 1
 IDLE_SECONDS, QUICK_IDLE_SECONDS = 10.0, 5.0
@@ -378,112 +374,62 @@ def _redacted(env: Mapping[str, str]) -> dict[str, str]:
 # --- one manager -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _get(port: int, path: str) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection(HOST, port, timeout=5)
-    try:
-        conn.request("GET", path, headers={"Authorization": f"Bearer {API_TOKEN}"})
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
-
-
 def _measure(
     env: Mapping[str, str], workdir: Path, idle: float, settle: Sequence[str]
 ) -> dict[str, Any]:
     (workdir / "data").mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     env = {**env, "PORT": str(port), "DATA_DIR": str(workdir / "data")}
-    log_path = workdir / "manager.log"
-    with open(log_path, "wb") as log:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve"],
-            env={**env, "PYTHONPATH": str(REPO)},
-            cwd=workdir,  # not the repo: a developer's .env must not change what is measured
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    # not in the repo: a developer's .env must not change what is measured
+    spec = ServerSpec("manager", (sys.executable, "-m", "app", "serve"), env, workdir, "/healthz")
+    started = time.monotonic()
+    server = ServerProcess(spec, port=port, cpus=None, log=workdir / "manager.log")
     try:
-        started = time.monotonic()
-        _until_ready(child, port, log_path)
+        server.start()
         ready = time.monotonic() - started
-        components = _until_settled(child, port, settle, log_path)
+        components = _until_settled(server, settle)
         settled = time.monotonic() - started
         time.sleep(idle)
         readings = []
         for i in range(READINGS):
-            if i:
-                time.sleep(1.0)
-            readings.append(proc.status(child.pid))
+            time.sleep(1.0 if i else 0.0)
+            readings.append(proc.status(server.pid))
         components = _components(port) or components
-        alive = child.poll() is None
+        alive = server.poll() is None
     finally:
-        code = stop_process(child)
+        code = server.stop()
+    log = server.log()
     if not alive:
-        raise RuntimeError(f"the manager exited while measured:\n{_tail(log_path)}")
+        raise RuntimeError(f"the manager exited while measured:\n{log}")
     median = {k: int(statistics.median(r[k] for r in readings)) for k in readings[0]}
     return {
-        "rss_bytes": median["VmRSS"],
-        "rss_anon_bytes": median["RssAnon"],
-        "rss_file_bytes": median["RssFile"],
-        "threads": median["Threads"],
-        "readings": readings,
-        "ready_seconds": round(ready, 1),
-        "settled_seconds": round(settled, 1),
-        "components": components,
-        "exit_code": code,
-    }
-
-
-def _until_ready(child: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise RuntimeError(f"the manager exited with {child.returncode}:\n{_tail(log_path)}")
-        with contextlib.suppress(OSError):
-            if _get(port, "/healthz")[0] == 200:
-                return
-        time.sleep(POLL)
-    raise TimeoutError(f"/healthz did not answer in {READY_TIMEOUT:g} s:\n{_tail(log_path)}")
+        "rss_bytes": median["VmRSS"], "rss_anon_bytes": median["RssAnon"],
+        "rss_file_bytes": median["RssFile"], "threads": median["Threads"],
+        "readings": readings, "ready_seconds": round(ready, 1),
+        "settled_seconds": round(settled, 1), "components": components, "exit_code": code,
+    }  # fmt: skip
 
 
 def _components(port: int) -> dict[str, dict[str, Any]]:
-    with contextlib.suppress(OSError, ValueError):
-        status, body = _get(port, "/v1/status")
-        if status == 200:
-            raw = json.loads(body).get("components", {})
-            return {
-                name: {
-                    "enabled": c.get("enabled"),
-                    "state": c.get("state"),
-                    "reason": c.get("reason"),
-                    "last_success_at": c.get("last_success_at"),
-                    "last_error": c.get("last_error"),
-                }
-                for name, c in raw.items()
-            }
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        response = httpx.get(f"http://{HOST}:{port}/v1/status", timeout=5.0,
+                             headers={"Authorization": f"Bearer {API_TOKEN}"})  # fmt: skip
+        if response.status_code == 200:
+            keys = ("enabled", "state", "reason", "last_success_at", "last_error")
+            raw = response.json().get("components", {})
+            return {name: {k: c.get(k) for k in keys} for name, c in raw.items()}
     return {}
 
 
-def _until_settled(
-    child: subprocess.Popen[bytes], port: int, settle: Sequence[str], log_path: Path
-) -> dict[str, dict[str, Any]]:
+def _until_settled(server: ServerProcess, settle: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Until no enabled component is starting and those in `settle` (when enabled) have
     done their first run; at SETTLE_TIMEOUT, the components as they are."""
     deadline = time.monotonic() + SETTLE_TIMEOUT
     components: dict[str, dict[str, Any]] = {}
     while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise RuntimeError(f"the manager exited with {child.returncode}:\n{_tail(log_path)}")
-        components = _components(port) or components
+        if server.poll() is not None:
+            raise RuntimeError(f"the manager exited with {server.poll()}:\n{server.log()}")
+        components = _components(server.port) or components
         if components and _settled(components, settle):
             return components
         time.sleep(POLL)
@@ -499,10 +445,6 @@ def _settled(components: Mapping[str, Mapping[str, Any]], settle: Sequence[str])
             if c["last_error"] is None:
                 return False
     return True
-
-
-def _tail(path: Path) -> str:
-    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
 def _summary(label: str, floor: str, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -99,6 +99,9 @@ class ServerProcess:
             f"{self.spec.label} not ready in {READY_TIMEOUT} s ({last}):\n{self.log()}"
         )
 
+    def poll(self) -> int | None:
+        return None if self._popen is None else self._popen.poll()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 

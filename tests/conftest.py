@@ -22,9 +22,9 @@ from app.services.runtime import Runtime
 from app.settings import Settings
 from standins.backend import LocalBackend
 from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
+from standins.databases import fresh_database
 from standins.servers import ThreadedServer
 from standins.sync_world import KEY, NODE
-from tests.support.databases import fresh_database
 from tests.support.kube.proxy import FaultProxy
 from tests.support.moto_s3 import MotoS3, moto_s3_server
 from tests.support.real_cluster import RealCluster

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from app.adapters.embedded import free_port
+from standins.sentry_receiver import SentryReceiver
 from standins.servers import serve
-from tests.support.sentry_receiver import SentryReceiver
 
 pytestmark = pytest.mark.e2e
 

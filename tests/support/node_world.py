@@ -20,11 +20,11 @@ from typing import Any
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from standins.backend import LocalBackend
 from standins.control_plane import ROOT
+from standins.sentry_receiver import SentryReceiver
 from standins.servers import serve
 from standins.sync_world import KEY, NODE, key_seed
 from tests.support.matrix_receiver import ROOM, TOKEN, MatrixReceiver
 from tests.support.node import NODE_IP, Node
-from tests.support.sentry_receiver import SentryReceiver
 from tests.support.version_file import REPO, VersionFileServer
 
 IMAGE_BUILD = ROOT / "tools" / "image" / "build.sh"
