@@ -107,7 +107,8 @@ fmt: $(STAMP)
 bench: $(STAMP) control-plane
 	PATH="$$(tools/bench-tools/install.sh | tail -n1):$$PATH" $(BIN)/python -m bench
 
-# SOAK_SECONDS (600), SOAK_WARMUP_SECONDS (60), SOAK_WORKLOADS (100), SOAK_JOB_RATE (10/s)
+# SOAK_SECONDS (600), SOAK_WARMUP_SECONDS (60), SOAK_WORKLOADS (100), SOAK_JOB_RATE (10/s);
+# the pings come from wrk (Debian's package: tools/debian-packages.sh wrk)
 soak: $(STAMP) control-plane
 	$(BIN)/python -m bench.soak
 

@@ -1,7 +1,7 @@
 """The benchmarks' Kubernetes: a real control plane, and the manager's requests to it as
 the API server itself counts them.
 
-`start(workdir)` starts the tests' control plane (standins/control_plane.py: etcd,
+`start(workdir)` starts the control plane (standins/control_plane.py: etcd,
 kube-apiserver, kube-controller-manager, kube-scheduler and kwok with one fake node, from
 the binaries `make control-plane` builds) and applies the repo's namespaces, ServiceAccount
 and RBAC (k8s/), as the tests' `control_plane` fixture does; `write_manager_kubeconfig`

@@ -13,10 +13,10 @@ changes nothing) in these configurations:
 - production: APP_ENV=production with every component that can run here on: PostgreSQL
   and nats-server (embedded servers started by this benchmark), the registry, the job
   worker, signed reports to and the desired state from the local backend
-  (standins/backend.py), the sync and self-update against the tests' Kubernetes
+  (standins/backend.py), the sync and self-update against the Kubernetes
   control plane (when `make control-plane` has built it; otherwise they are off with
   their reason, and the table says so), alerts to a local Matrix stand-in and errors to
-  a local Sentry receiver.
+  a Sentry stand-in (one app serves the version file, Matrix and Sentry).
 
 A manager is measured once idle: /healthz answers, no enabled component is still
 starting (in production: the first sync and report are done), then IDLE_SECONDS of
@@ -234,7 +234,7 @@ def _own_deployment() -> dict[str, Any]:
 
 
 def _control_plane(workdir: Path, world: World) -> Any:
-    """The tests' control plane, or None (with the reason in `world.cluster_note`) when its
+    """The control plane (standins/), or None (with the reason in `world.cluster_note`) when its
     binaries are not built: building them takes minutes, `make control-plane` does it."""
     from bench.cluster import start, write_manager_kubeconfig
 
@@ -254,7 +254,7 @@ def _control_plane(workdir: Path, world: World) -> Any:
     except BaseException:
         plane.stop()
         raise
-    world.cluster_note = f"tests' control plane at {plane.url} (kwok node, no kubelet)"
+    world.cluster_note = f"the control plane (standins/) at {plane.url} (kwok node, no kubelet)"
     return plane
 
 
