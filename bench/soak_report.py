@@ -33,7 +33,12 @@ def _is(*bad: str) -> Callable[[Labels], bool]:
 
 # Server-side error counters: (what, counter, which samples). Every one must stay at 0.
 ERROR_COUNTERS: tuple[tuple[str, str, Callable[[Labels], bool] | None], ...] = (
-    ("scheduled loop runs that raised", f"{PREFIX}_scheduled_runs_total", _not("ok")),
+    # skipped (the cluster lock held elsewhere) and cancelled (shutdown) attempted nothing
+    (
+        "scheduled loop runs failed, raised or unavailable",
+        f"{PREFIX}_scheduled_runs_total",
+        _is("failed", "error", "unavailable"),
+    ),
     ("job deliveries not completed", f"{PREFIX}_jobs_total", _not("completed")),
     ("syncs not ok (partial, aborted)", f"{PREFIX}_syncs_total", _not("ok")),
     ("sync actions failed", f"{PREFIX}_sync_actions_total", _is("failed")),
