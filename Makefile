@@ -90,16 +90,16 @@ SHELL_SCRIPTS = $(shell git ls-files --cached --others --exclude-standard '*.sh'
 lint: $(STAMP) $(CHECKOV_STAMP)
 	tools/debian-packages.sh shellcheck $(KUBECTL_PACKAGE)
 	shellcheck $(SHELL_SCRIPTS)
-	$(BIN)/ruff check app tests bench
-	$(BIN)/ruff format --check app tests bench
-	$(BIN)/mypy app tests bench
+	$(BIN)/ruff check app tests bench standins
+	$(BIN)/ruff format --check app tests bench standins
+	$(BIN)/mypy app tests bench standins
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile
 	CHECKOV=$(CHECKOV_VENV)/bin/checkov bash tools/checkov/scan.sh
 
 fmt: $(STAMP)
-	$(BIN)/ruff check --fix app tests bench
-	$(BIN)/ruff format app tests bench
+	$(BIN)/ruff check --fix app tests bench standins
+	$(BIN)/ruff format app tests bench standins
 
 # The load tools (wrk from Debian, oha built with cargo into ~/.cache/workload-manager/oha/,
 # nats with go install into ~/.cache/workload-manager/natscli/, reused):
@@ -107,7 +107,8 @@ fmt: $(STAMP)
 bench: $(STAMP) control-plane
 	PATH="$$(tools/bench-tools/install.sh | tail -n1):$$PATH" $(BIN)/python -m bench
 
-# SOAK_SECONDS (600), SOAK_WARMUP_SECONDS (60), SOAK_WORKLOADS (100), SOAK_JOB_RATE (10/s)
+# SOAK_SECONDS (600), SOAK_WARMUP_SECONDS (60), SOAK_WORKLOADS (100), SOAK_JOB_RATE (10/s);
+# the pings come from wrk (Debian's package: tools/debian-packages.sh wrk)
 soak: $(STAMP) control-plane
 	$(BIN)/python -m bench.soak
 

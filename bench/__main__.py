@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from bench import BENCHMARKS, Benchmark, Options
-from bench.machine import facts
+from bench.machine import facts, headline
+from bench.report import show
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -64,30 +65,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, list[str], Path]:
     return options, selected, args.output
 
 
-def render_table(table: dict[str, Any]) -> str:
-    columns: list[str] = table["columns"]
-    rows: list[list[str]] = [[str(cell) for cell in row] for row in table["rows"]]
-    widths = [max(len(columns[i]), *(len(r[i]) for r in rows)) for i in range(len(columns))]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
-            for i, cell in enumerate(cells)
-        ]
-        return "  ".join(parts).rstrip()
-
-    rule = "-" * len(line(["-" * w for w in widths]))
-    return "\n".join([table["title"], rule, line(columns), rule, *map(line, rows), rule])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     options, selected, output = parse_args(argv)
     machine = facts(REPO)
-    print(
-        f"{machine['date']}  {machine['cpu_model']}, {machine['cpu_count_logical']} cores, "
-        f"{machine['memory_total_bytes'] / 2**30:.1f} GiB, Python {machine['python']}, "
-        f"load {machine['load_average_1m']}"
-    )
+    print(headline(machine))
     results: dict[str, Any] = {"machine": machine, "options": asdict(options), "benchmarks": {}}
     failed = False
     for path in selected:
@@ -103,11 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = {"error": f"{type(exc).__name__}: {exc}"}
         result["elapsed_seconds"] = round(time.monotonic() - started, 1)
         results["benchmarks"][name] = result
-        for table in result.get("tables", []):
-            print()
-            print(render_table(table))
-        for note in result.get("notes", []):
-            print(f"* {note}")
+        show(result)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"\nresults: {output}")

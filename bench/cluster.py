@@ -1,7 +1,7 @@
 """The benchmarks' Kubernetes: a real control plane, and the manager's requests to it as
 the API server itself counts them.
 
-`start(workdir)` starts the tests' control plane (tests/support/control_plane.py: etcd,
+`start(workdir)` starts the control plane (standins/control_plane.py: etcd,
 kube-apiserver, kube-controller-manager, kube-scheduler and kwok with one fake node, from
 the binaries `make control-plane` builds) and applies the repo's namespaces, ServiceAccount
 and RBAC (k8s/), as the tests' `control_plane` fixture does; `write_manager_kubeconfig`
@@ -23,7 +23,6 @@ would show up (none was seen: see the notes of bench/sync.py).
 
 from __future__ import annotations
 
-import re
 import ssl
 import time
 from collections import Counter
@@ -32,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
-from tests.support.control_plane import ControlPlane
-from tests.support.real_cluster import MANAGER_ACCOUNT
+from bench import proc
+from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"
 K8S_FILES = ("namespace.yaml", "workloads-namespace.yaml", "serviceaccount.yaml", "rbac.yaml")
@@ -43,7 +41,6 @@ K8S_FILES = ("namespace.yaml", "workloads-namespace.yaml", "serviceaccount.yaml"
 METRIC = "apiserver_request_total"
 NOT_COUNTED_VERBS = frozenset({"PUT", "WATCH"})  # PUT: an UPDATE, as the metric names it
 SHOWN_AS = {"APPLY": "PATCH"}  # server-side apply: a PATCH with an apply-patch body
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 STABLE_WAIT = 0.05  # seconds between the scrapes that must agree after a phase
 STABLE_TRIES = 40
 
@@ -127,19 +124,17 @@ class ApiserverRequests:
         response.raise_for_status()
         counted: Counter[Key] = Counter()
         other: Counter[str] = Counter()
-        for line in response.text.splitlines():
-            if not line.startswith(METRIC + "{"):
-                continue
-            labels_text, _, value = line[len(METRIC) + 1 :].rpartition("} ")
-            labels = dict(_LABEL.findall(labels_text))
+        lines = "\n".join(x for x in response.text.splitlines() if x.startswith(METRIC + "{"))
+        for labels, value in proc.Metrics(lines).samples.get(METRIC, []):
             if labels.get("group") != "apps" or labels.get("resource") != "deployments":
                 continue
-            count = int(float(value))
             verb, subresource = labels.get("verb", ""), labels.get("subresource", "")
             if subresource or verb in NOT_COUNTED_VERBS:
-                other[f"{verb} {subresource}".strip()] += count
+                other[f"{verb} {subresource}".strip()] += int(value)
             else:
-                counted[Key(verb, labels.get("scope", ""), int(labels.get("code", "0")))] += count
+                counted[Key(verb, labels.get("scope", ""), int(labels.get("code", "0")))] += int(
+                    value
+                )
         return Snapshot(counted, other, Counter(self._own))
 
     def settled_snapshot(self, previous: Snapshot | None = None) -> Snapshot:
@@ -191,11 +186,4 @@ class ApiserverRequests:
 
 def cpu_seconds(plane: ControlPlane) -> float:
     """User + system CPU seconds of every control-plane process so far."""
-    total = 0.0
-    for process in plane.processes.values():
-        try:
-            times = psutil.Process(process.pid).cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
+    return sum(proc.cpu_seconds(p.pid) for p in plane.processes.values())

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TIMEOUT = 120.0
+REPO = Path(__file__).resolve().parent.parent  # imported from this checkout (PYTHONPATH)
 _RSS_SUFFIX = (
     "\nimport os as _os\n"
     "print(int(open('/proc/self/statm').read().split()[1]) * _os.sysconf('SC_PAGE_SIZE'))\n"
@@ -66,7 +67,7 @@ def importtime(module: str, *, env: Mapping[str, str], cwd: Path, runs: int) -> 
     for attempt in range(runs + 1):
         proc = subprocess.run(
             [sys.executable, "-X", "importtime", "-c", f"import {module}"],
-            env=dict(env),
+            env={**env, "PYTHONPATH": str(REPO)},
             cwd=cwd,
             capture_output=True,
             text=True,

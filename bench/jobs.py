@@ -29,7 +29,6 @@ import asyncpg
 import nats
 import nats.errors
 import nats.js.errors
-import psutil
 
 from app.adapters.bus import JetStreamBus
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
@@ -40,9 +39,9 @@ from app.services.features.worker import WORKER
 from app.services.runtime import Runtime
 from app.services.streams import consumer_specs, init_streams, new_job, publish_job, stream_specs
 from app.settings import Settings
-from bench import Options, sampling, tools
-from bench.checks import CheckFailed, check, say
-from tests.support.databases import fresh_database
+from bench import Options, proc, sampling, tools
+from bench.report import CheckFailed, check, say, table
+from standins.databases import fresh_database
 
 NAME = "jobs"
 DESCRIPTION = (
@@ -91,44 +90,23 @@ EXPLICIT = frozenset(
 # --- measuring ---------------------------------------------------------------------------
 
 
-Snapshot = Mapping[str, Mapping[int, float]]  # what -> pid -> CPU seconds
+Snapshot = Mapping[str, float]  # what -> CPU seconds
 
 
 class CpuMeter:
-    """CPU seconds (user + system) of this process, nats-server and PostgreSQL's processes."""
+    """CPU seconds (user + system, bench.proc) of this process, nats-server and PostgreSQL's
+    processes (the backends that exited included)."""
 
     def __init__(self, nats_pid: int, pg_pid: int) -> None:
-        self._nats = psutil.Process(nats_pid)
-        self._pg = psutil.Process(pg_pid)
-        self._self = psutil.Process()
-
-    @staticmethod
-    def _seconds(process: psutil.Process) -> float:
-        try:
-            times = process.cpu_times()
-        except psutil.Error:
-            return 0.0
-        return float(times.user + times.system)
+        self._pids = {"python": (os.getpid(), False), "nats": (nats_pid, False),
+                      "postgres": (pg_pid, True)}  # fmt: skip
 
     def snapshot(self) -> Snapshot:
-        pg = [self._pg]
-        try:
-            pg += self._pg.children(recursive=True)
-        except psutil.Error:
-            pass
-        return {
-            "python": {self._self.pid: self._seconds(self._self)},
-            "nats": {self._nats.pid: self._seconds(self._nats)},
-            # a backend that started during the phase counts from zero: all of it is in it
-            "postgres": {p.pid: self._seconds(p) for p in pg},
-        }
+        return {name: proc.cpu_seconds(pid, tree) for name, (pid, tree) in self._pids.items()}
 
     @staticmethod
     def spent(before: Snapshot, after: Snapshot) -> dict[str, float]:
-        return {
-            name: round(sum(t - before[name].get(pid, 0.0) for pid, t in pids.items()), 3)
-            for name, pids in after.items()
-        }
+        return {name: round(after[name] - before[name], 3) for name in after}
 
 
 @dataclass(frozen=True)
@@ -651,7 +629,7 @@ def run(options: Options) -> dict[str, Any]:
         "default_concurrency": DEFAULT_CONCURRENCY,
         "job_fetch_batch": FETCH_BATCH,
         "nats_cli": nats_cli,
-        "cpu_count": psutil.cpu_count(),
+        "cpu_count": os.cpu_count(),
         "load_average_1m_before": round(os.getloadavg()[0], 2),
         "settings_from_environment": overridden,
     }
@@ -672,169 +650,87 @@ def run(options: Options) -> dict[str, Any]:
 # --- report ------------------------------------------------------------------------------
 
 
-def _cpu(phase: Mapping[str, Any]) -> str:
+def _cpu(phase: Mapping[str, Any], n: int) -> list[str]:
     """CPU % of the client (the nats CLI for the floor, else this process), nats-server and
-    PostgreSQL, over the span the meter covered."""
+    PostgreSQL over the span the meter covered; the client's CPU ms per message."""
     cpu = phase["cpu_seconds"]
     span = phase.get("process_seconds", phase["wall_seconds"])
     client = cpu.get("nats_cli", cpu["python"])
-    return " / ".join(f"{100 * c / span:.0f}" for c in (client, cpu["nats"], cpu["postgres"]))
+    shares = " / ".join(f"{100 * c / span:.0f}" for c in (client, cpu["nats"], cpu["postgres"]))
+    return [shares, f"{1000 * client / n:.3f}"]
 
 
 def _tables(
     runs: Mapping[str, Any], n: int, profile: Mapping[str, Any] | None
 ) -> list[dict[str, Any]]:
-    rows: list[list[str]] = []
+    rows: list[list[Any]] = []
     for concurrency, r in runs.items():
         default = " (default)" if int(concurrency) == DEFAULT_CONCURRENCY else ""
-        bare, whole = r["bare"], r["whole"]
+        bare, events, whole = r["bare"], r["bare_events"], r["whole"]
         if bare is not None:
-            rows.append([
-                f"floor: nats bench js fetch {bare['fetch_batch']}, ack each (Go)",
-                f"{bare['publish_rate']:,.0f}", f"{bare['wall_seconds']:.3f}",
-                f"{bare['rate']:,.0f}", "1.00", "-", "-", _cpu(bare),
-            ])  # fmt: skip
-        events = r.get("bare_events")
+            rows.append([f"floor: nats bench js fetch {bare['fetch_batch']}, ack each (Go)",
+                         f"{bare['publish_rate']:,.0f}", f"{bare['wall_seconds']:.3f}",
+                         f"{bare['rate']:,.0f}", "1.00", "-", "-", *_cpu(bare, n)])  # fmt: skip
         if events is not None and bare is not None:
-            rows.append([
-                f"nats-py loop + an event stored before each ack, fetch {events['fetch_batch']}",
-                f"{events['publish_rate']:,.0f}", f"{events['wall_seconds']:.3f}",
-                f"{events['rate']:,.0f}", f"{r['events_floor_ratio']:.2f}", "-", "-",
-                _cpu(events),
-            ])  # fmt: skip
+            rows.append([f"nats-py loop + an event stored before each ack, fetch "
+                         f"{events['fetch_batch']}", f"{events['publish_rate']:,.0f}",
+                         f"{events['wall_seconds']:.3f}", f"{events['rate']:,.0f}",
+                         f"{r['events_floor_ratio']:.2f}", "-", "-", *_cpu(events, n)])  # fmt: skip
         if whole is not None:
             lat = whole["claim_to_complete_ms"]
-            verdict = "met" if r["target_met"] else "NOT met"
-            rows.append([
-                f"whole path: WORKER_CONCURRENCY={concurrency}{default}",
-                f"{whole['publish_rate']:,.0f}", f"{whole['wall_seconds']:.3f}",
-                f"{whole['rate']:,.0f}", f"{r['ratio']:.2f} ({verdict})",
-                f"{whole['in_flight_mean']} of {concurrency}",
-                f"{lat['p50']:.1f} / {lat['p99']:.1f}", _cpu(whole),
-            ])  # fmt: skip
+            ratio = f"{r['ratio']:.2f} ({'met' if r['target_met'] else 'NOT met'}); "
+            ratio += f"{r['ratio_to_events_floor']:.2f}x the nats-py loop" if events else ""
+            rows.append([f"whole path: WORKER_CONCURRENCY={concurrency}{default}",
+                         f"{whole['publish_rate']:,.0f}", f"{whole['wall_seconds']:.3f}",
+                         f"{whole['rate']:,.0f}", ratio, f"{whole['in_flight_mean']} of "
+                         f"{concurrency}", f"{lat['p50']:.1f} / {lat['p99']:.1f}",
+                         *_cpu(whole, n)])  # fmt: skip
         if r["failure"] is not None:
-            rows.append([f"FAILED at {concurrency} in {r['failure']['phase']}",
-                         *["-"] * 6, r["failure"]["reason"]])  # fmt: skip
+            rows.append([f"FAILED at {concurrency} in {r['failure']['phase']}", *["-"] * 7,
+                         r["failure"]["reason"]])  # fmt: skip
     tables = [
-        {
-            "title": f"jobs: {n:,} noop jobs, whole path against the nats bench fetch-ack floor",
-            "columns": [
-                "path", "publish /s", "wall s", "per s", f"x floor (>= {TARGET_RATIO})",
-                "in flight (mean)", "claim->done p50 / p99 ms", "CPU % client / nats / pg",
-            ],
-            "rows": rows,
-        }
+        table(f"jobs: {n:,} noop jobs, whole path against the nats bench fetch-ack floor",
+              ["path", "publish /s", "wall s", "per s", f"x floor (>= {TARGET_RATIO})",
+               "in flight (mean)", "claim->done p50 / p99 ms", "CPU % client / nats / pg",
+               "client CPU ms per job"], rows)
     ]  # fmt: skip
     if profile is not None and "error" not in profile:
-        tables.append(
-            {
-                "title": f"jobs: py-spy, whole path at {WIDE_CONCURRENCY} "
-                f"({profile['samples']} samples; inclusive, top 15)",
-                "columns": ["function (file)", "% of samples"],
-                "rows": [[e["name"], f"{e['percent']:.1f}"] for e in profile["inclusive"][:15]],
-            }
-        )
-        tables.append(
-            {
-                "title": "jobs: py-spy, innermost frame by package",
-                "columns": ["package", "% of samples"],
-                "rows": [[e["name"], f"{e['percent']:.1f}"] for e in profile["by_package"]],
-            }
-        )
+        title = f"jobs: py-spy, whole path at {WIDE_CONCURRENCY} ({profile['samples']} samples"
+        tables += [
+            table(f"{title}; inclusive, top 15)", "function (file)|% of samples",
+                  [[e["name"], f"{e['percent']:.1f}"] for e in profile["inclusive"][:15]]),
+            table(f"{title}): innermost frame by package", "package|% of samples",
+                  [[e["name"], f"{e['percent']:.1f}"] for e in profile["by_package"]]),
+        ]  # fmt: skip
     return tables
 
 
 def _notes(
     setup: Mapping[str, Any], runs: Mapping[str, Any], profile: Mapping[str, Any] | None
 ) -> list[str]:
-    n = setup["jobs"]
     notes = [
-        f"whole path: {n:,} noop jobs (unique idempotency keys) are published to "
-        f"mm.write.{TIER}.noop with publish_job before the manager starts; the time runs from "
-        "the worker component turning ok to the consumer wm-A having nothing pending or "
-        "unacknowledged (polled every 10 ms), over the manager's real lifespan (create_app, "
-        "migrations, heartbeat) with a fresh database per run. Each job: parse and validate, "
-        "admit (matching), claim in the ledger, run noop, complete in the ledger, publish "
-        "job.completed to MM_EVENTS (awaiting its ack), ack.",
-        f"floor: `nats bench` ({setup['nats_cli']}, the NATS CLI: a Go client, nats.go's "
-        f"jetstream package) on {JOB_STREAM} and {DURABLE} themselves, as init_streams makes "
-        "them (nats bench takes an existing stream and durable consumer as they are). `js pub "
-        f"sync {FLOOR_SUBJECT} --dedup --payload` stores n messages, each a noop job's body "
-        "(the same bytes every time) with a Nats-Msg-Id of its own, awaiting each PubAck; "
-        "then ONE `js fetch --batch B` client fetches B at a time and acks each (Ack(), not "
-        "waiting for the server's reply, like nats-py's msg.ack()). B = min(concurrency, "
-        "JOB_FETCH_BATCH), the most the worker fetches at once at that concurrency. Its rate "
-        "is n / nats bench's own duration (its CSV): from the first message received to the "
-        "last one acked, so the first fetch's round trip and the process's start are outside "
-        "it. After the tool exits the consumer must show nothing pending or unacknowledged "
-        "and no redelivery.",
-        "the ratio is the Python worker against a Go client, not against a nats-py loop as "
-        "before nats bench took the floor over: it prices the worker's path and its Python "
-        "client together, and earlier ratios are not comparable. The second floor is still "
-        f"a nats-py loop (no load tool stores an event before each ack), on {BARE_STREAM}/"
-        f"{BARE_DURABLE}, copies of the {JOB_STREAM}/{DURABLE} settings: one event per "
-        "message to a stream of its own (a batch's events at once, every PubAck awaited), "
-        "then the acks. Its ratio to the Go floor holds nats-py's cost and the guarantee's; "
-        "the whole path against it is Python against Python.",
+        f"whole path: noop jobs published to mm.write.{TIER}.noop before the manager starts; "
+        "timed from the worker turning ok to wm-A having nothing pending or unacknowledged "
+        "(polled every 10 ms), in the manager's real lifespan with a fresh database per run. "
+        f"floor: `nats bench` ({setup['nats_cli']}, a Go client) on {JOB_STREAM} and {DURABLE} "
+        "as init_streams makes them: `js pub sync --dedup` stores the jobs' bodies, then one "
+        "`js fetch --batch B` client acks each, B = min(concurrency, JOB_FETCH_BATCH); its "
+        "rate is n / its own duration. The second floor is a nats-py loop storing one event "
+        f"before each ack on {BARE_STREAM}/{BARE_DURABLE}, copies of those settings.",
         "checked before reporting: the ledger holds exactly the published keys, all completed, "
-        "attempts all 1, this node; the worker counted only `completed` outcomes; no "
-        "redeliveries on either consumer.",
-        "claim->done = completed_at - created_at of each ledger row (claim, noop, complete; "
-        "fetch, parsing, the event and the ack are outside it); `in flight` = the worker's jobs "
-        "in flight at each 10 ms poll, against WORKER_CONCURRENCY; publish /s = one publisher "
-        "awaiting each JetStream ack. The JSON also has the rate by PostgreSQL's clock "
-        "(ledger_rate: jobs / (last completed_at - first claim)) and the worker histogram's "
-        "mean delivery->answer time.",
-        f"CPU: {setup['cpu_count']} logical cores shared by nats-server, PostgreSQL, this "
-        "process (the manager's event loop, the publisher and the poller) and nothing pinned; "
-        "`CPU %` = CPU seconds of each during the timed phase / wall seconds (100 = one core); "
-        "the floor's client is the nats CLI's process (its whole life, over the span from its "
-        "start to the consumer showing every ack, process_seconds in the JSON). "
-        f"Load average before the run: {setup['load_average_1m_before']} (other work on the "
-        "machine shows up as noise).",
+        "attempts all 1, this node; the worker counted only `completed`; no redeliveries.",
+        f"CPU: {setup['cpu_count']} cores shared, nothing pinned; CPU % = CPU seconds during "
+        "the timed phase / wall (100 = one core; the floor's client is the nats CLI over its "
+        f"whole life); at >= {100 * CPU_BOUND:.0f} % this process is CPU-bound. Load average "
+        f"before the run: {setup['load_average_1m_before']}.",
     ]
-    for concurrency, r in runs.items():
-        if r.get("ratio") is None:
-            continue
-        whole = r["whole"]
-        busy = whole["cpu_seconds"]["python"] / whole["wall_seconds"]
-        notes.append(
-            f"WORKER_CONCURRENCY={concurrency}: {whole['rate']:,.0f} jobs/s against a floor of "
-            f"{r['bare']['rate']:,.0f} msgs/s: {r['ratio']:.2f}x, target >= {TARGET_RATIO}x "
-            f"{'met' if r['target_met'] else 'NOT MET'}. This process used "
-            f"{1000 * whole['cpu_seconds']['python'] / n:.2f} ms of CPU per job (the floor's "
-            f"nats CLI: {1000 * r['bare']['cpu_seconds']['nats_cli'] / n:.3f} ms per message) at "
-            f"{100 * busy:.0f}% of one core, with {whole['in_flight_mean']} of {concurrency} "
-            "job slots in use on average"
-            + (": CPU-bound." if busy >= CPU_BOUND else ": not CPU-bound, the slots sit idle.")
-        )
-        events = r.get("bare_events")
-        if events is not None:
-            notes.append(
-                f"WORKER_CONCURRENCY={concurrency}: the nats-py loop storing one event before "
-                f"each ack (a batch's events published at once, every PubAck awaited, then the "
-                f"acks) does {events['rate']:,.0f} msgs/s, {r['events_floor_ratio']:.2f}x the "
-                f"Go floor, at {1000 * events['cpu_seconds']['python'] / n:.3f} ms of CPU per "
-                f"message: the guarantee and nats-py together cost that much. The whole path "
-                f"is {r['ratio_to_events_floor']:.2f}x of it."
-            )
     if profile is not None and "error" in profile:
         notes.append(f"profile not taken: {profile['error']}")
-    elif profile is not None:
-        notes.append(
-            "py-spy sampled this process during an extra, unmeasured whole-path run at "
-            f"concurrency {WIDE_CONCURRENCY}; the publisher was idle then, so the samples are "
-            "the manager's (and the 10 ms poller's)."
-        )
-    for concurrency, r in runs.items():
-        if r["failure"] is not None:
-            notes.append(
-                f"FAILED at WORKER_CONCURRENCY={concurrency} in {r['failure']['phase']}: "
-                f"{r['failure']['reason']}"
-            )
+    notes += [
+        f"FAILED at WORKER_CONCURRENCY={c} in {r['failure']['phase']}: {r['failure']['reason']}"
+        for c, r in runs.items() if r["failure"] is not None
+    ]  # fmt: skip
     if setup["settings_from_environment"]:
-        notes.append(
-            "settings also read from this environment (they change what is measured): "
-            + ", ".join(setup["settings_from_environment"])
-        )
+        notes.append("settings also read from this environment (they change what is "
+                     "measured): " + ", ".join(setup["settings_from_environment"]))  # fmt: skip
     return notes

@@ -68,3 +68,11 @@ def facts(repo: Path) -> dict[str, Any]:
         "git_revision": _git_revision(repo),
         "packages": {name: _version(name) for name in PACKAGES},
     }
+
+
+def headline(machine: dict[str, Any]) -> str:
+    return (
+        f"{machine['date']}  {machine['cpu_model']}, {machine['cpu_count_logical']} cores, "
+        f"{machine['memory_total_bytes'] / 2**30:.1f} GiB, Python {machine['python']}, "
+        f"load {machine['load_average_1m']}, git {machine['git_revision']}"
+    )

@@ -13,10 +13,10 @@ changes nothing) in these configurations:
 - production: APP_ENV=production with every component that can run here on: PostgreSQL
   and nats-server (embedded servers started by this benchmark), the registry, the job
   worker, signed reports to and the desired state from the local backend
-  (tests/support/backend.py), the sync and self-update against the tests' Kubernetes
+  (standins/backend.py), the sync and self-update against the Kubernetes
   control plane (when `make control-plane` has built it; otherwise they are off with
   their reason, and the table says so), alerts to a local Matrix stand-in and errors to
-  a local Sentry receiver.
+  a Sentry stand-in (one app serves the version file, Matrix and Sentry).
 
 A manager is measured once idle: /healthz answers, no enabled component is still
 starting (in production: the first sync and report are done), then IDLE_SECONDS of
@@ -27,12 +27,8 @@ READINGS readings a second apart). Every configuration runs RUNS times to show t
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,17 +38,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app import __version__
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
-from bench import Options
-from bench.checks import say
+from bench import Options, proc
 from bench.imports import rss_after
-from bench.servers import stop_process
+from bench.report import MIB, mib, say
+from bench.servers import HOST, ServerProcess, ServerSpec, free_port
+from standins.backend import LocalBackend
+from standins.control_plane import ControlPlaneUnavailable
+from standins.servers import serve
+from standins.sync_world import KEY, NODE, key_seed, manifest
 
 NAME = "memory"
 DESCRIPTION = (
@@ -61,8 +62,7 @@ DESCRIPTION = (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
-MIB = 1024 * 1024
+IMAGE_REPO = "ghcr.io/node-system/workload-manager"
 RUNS, QUICK_RUNS = 2, 1
 IDLE_SECONDS, QUICK_IDLE_SECONDS = 10.0, 5.0
 READINGS = 3  # a second apart, once idle; the median is reported
@@ -199,42 +199,44 @@ class World:
 
 @contextmanager
 def _production_world(workdir: Path) -> Iterator[World]:
-    """The local backend, version file, Matrix and Sentry stand-ins, and (when built) the
-    control plane with the repo's namespaces, ServiceAccount and RBAC."""
-    from tests.support.backend import LocalBackend
-    from tests.support.sentry_receiver import SentryReceiver
-    from tests.support.servers import serve
-    from tests.support.sync_world import KEY, NODE, key_seed, manifest
-    from tests.support.version_file import REPO as IMAGE_REPO
-    from tests.support.version_file import VersionFileServer, own_deployment
-
+    """The local backend, the version file, Matrix and Sentry stand-ins, and (when built)
+    the control plane with the repo's namespaces, ServiceAccount and RBAC."""
     world = World(private_key=key_seed(), node_id=NODE, settle=("report",))
     backend = LocalBackend(NODE, KEY.public_key())
     names = [f"bench-memory-{i}" for i in range(DESIRED_WORKLOADS)]
     for name in names:
         backend.set_manifest(name, "1.0.0", manifest(name, "1.0.0"))
     backend.set_desired([{"name": name, "version": "1.0.0"} for name in names])
-    versions = VersionFileServer()
-    versions.set(body=__version__.encode())  # the running version: nothing to update
     with ExitStack() as stack:
         world.backend_url = stack.enter_context(backend.serve()).url
-        world.version_url = stack.enter_context(serve(versions.app)).url + "/version"
-        world.matrix_url = stack.enter_context(serve(_matrix_app())).url
-        sentry = stack.enter_context(serve(SentryReceiver().app))
-        world.sentry_dsn = f"http://publickey@{HOST}:{sentry.port}/1"
+        peers = stack.enter_context(serve(_peers_app())).url
+        world.version_url, world.matrix_url = f"{peers}/version", peers
+        world.sentry_dsn = peers.replace("http://", "http://publickey@") + "/1"
         plane = _control_plane(workdir, world)
         if plane is not None:
             stack.callback(plane.stop)
-            plane.apply(own_deployment(f"{IMAGE_REPO}:{__version__}"))
+            plane.apply(_own_deployment())
             world.settle = ("report", "sync")
         yield world
 
 
+def _own_deployment() -> dict[str, Any]:
+    """The manager's own Deployment, as the self-update finds it, at the running version."""
+    labels = {"app": "wm"}
+    containers = [{"name": "manager", "image": f"{IMAGE_REPO}:{__version__}"}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "workload-manager", "namespace": "workload-manager"},
+        "spec": {"selector": {"matchLabels": labels},
+                 "template": {"metadata": {"labels": labels}, "spec": {"containers": containers}}},
+    }  # fmt: skip
+
+
 def _control_plane(workdir: Path, world: World) -> Any:
-    """The tests' control plane, or None (with the reason in `world.cluster_note`) when its
+    """The control plane (standins/), or None (with the reason in `world.cluster_note`) when its
     binaries are not built: building them takes minutes, `make control-plane` does it."""
     from bench.cluster import start, write_manager_kubeconfig
-    from tests.support.control_plane import ControlPlaneUnavailable
 
     _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
     with _environment(CONTROL_PLANE_NO_BUILD="1"):
@@ -252,7 +254,7 @@ def _control_plane(workdir: Path, world: World) -> Any:
     except BaseException:
         plane.stop()
         raise
-    world.cluster_note = f"tests' control plane at {plane.url} (kwok node, no kubelet)"
+    world.cluster_note = f"the control plane (standins/) at {plane.url} (kwok node, no kubelet)"
     return plane
 
 
@@ -270,20 +272,29 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _matrix_app() -> Starlette:
-    """A Matrix homeserver's one route the manager uses: send a message to a room."""
+def _peers_app() -> Starlette:
+    """What else the production manager talks to: the version file (the running version:
+    nothing to update), a Matrix homeserver's send route and Sentry's envelope endpoint."""
+
+    async def version(request: Request) -> Response:
+        return Response(__version__.encode())
 
     async def send(request: Request) -> JSONResponse:
         await request.body()
         return JSONResponse({"event_id": f"$bench-{request.path_params['txn']}"})
 
+    async def envelope(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse({})
+
     return Starlette(
         routes=[
-            Route(
-                "/_matrix/client/v3/rooms/{room}/send/m.room.message/{txn}", send, methods=["PUT"]
-            )
+            Route("/version", version),
+            Route("/_matrix/client/v3/rooms/{room}/send/m.room.message/{txn}", send,
+                  methods=["PUT"]),
+            Route("/api/{project}/envelope/", envelope, methods=["POST"]),
         ]
-    )
+    )  # fmt: skip
 
 
 # --- configurations ----------------------------------------------------------------------
@@ -363,124 +374,62 @@ def _redacted(env: Mapping[str, str]) -> dict[str, str]:
 # --- one manager -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _get(port: int, path: str) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection(HOST, port, timeout=5)
-    try:
-        conn.request("GET", path, headers={"Authorization": f"Bearer {API_TOKEN}"})
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
-
-
-def _status(pid: int) -> dict[str, int]:
-    """VmRSS, RssAnon, RssFile (bytes) and Threads from /proc/<pid>/status."""
-    values: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile"):
-            values[key] = int(value.split()[0]) * 1024
-        elif key == "Threads":
-            values[key] = int(value)
-    return values
-
-
 def _measure(
     env: Mapping[str, str], workdir: Path, idle: float, settle: Sequence[str]
 ) -> dict[str, Any]:
     (workdir / "data").mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     env = {**env, "PORT": str(port), "DATA_DIR": str(workdir / "data")}
-    log_path = workdir / "manager.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve"],
-            env={**env, "PYTHONPATH": str(REPO)},
-            cwd=workdir,  # not the repo: a developer's .env must not change what is measured
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    # not in the repo: a developer's .env must not change what is measured
+    spec = ServerSpec("manager", (sys.executable, "-m", "app", "serve"), env, workdir, "/healthz")
+    started = time.monotonic()
+    server = ServerProcess(spec, port=port, cpus=None, log=workdir / "manager.log")
     try:
-        started = time.monotonic()
-        _until_ready(proc, port, log_path)
+        server.start()
         ready = time.monotonic() - started
-        components = _until_settled(proc, port, settle, log_path)
+        components = _until_settled(server, settle)
         settled = time.monotonic() - started
         time.sleep(idle)
         readings = []
         for i in range(READINGS):
-            if i:
-                time.sleep(1.0)
-            readings.append(_status(proc.pid))
+            time.sleep(1.0 if i else 0.0)
+            readings.append(proc.status(server.pid))
         components = _components(port) or components
-        alive = proc.poll() is None
+        alive = server.poll() is None
     finally:
-        code = stop_process(proc)
+        code = server.stop()
+    log = server.log()
     if not alive:
-        raise RuntimeError(f"the manager exited while measured:\n{_tail(log_path)}")
+        raise RuntimeError(f"the manager exited while measured:\n{log}")
     median = {k: int(statistics.median(r[k] for r in readings)) for k in readings[0]}
     return {
-        "rss_bytes": median["VmRSS"],
-        "rss_anon_bytes": median["RssAnon"],
-        "rss_file_bytes": median["RssFile"],
-        "threads": median["Threads"],
-        "readings": readings,
-        "ready_seconds": round(ready, 1),
-        "settled_seconds": round(settled, 1),
-        "components": components,
-        "exit_code": code,
-    }
-
-
-def _until_ready(proc: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the manager exited with {proc.returncode}:\n{_tail(log_path)}")
-        with contextlib.suppress(OSError):
-            if _get(port, "/healthz")[0] == 200:
-                return
-        time.sleep(POLL)
-    raise TimeoutError(f"/healthz did not answer in {READY_TIMEOUT:g} s:\n{_tail(log_path)}")
+        "rss_bytes": median["VmRSS"], "rss_anon_bytes": median["RssAnon"],
+        "rss_file_bytes": median["RssFile"], "threads": median["Threads"],
+        "readings": readings, "ready_seconds": round(ready, 1),
+        "settled_seconds": round(settled, 1), "components": components, "exit_code": code,
+    }  # fmt: skip
 
 
 def _components(port: int) -> dict[str, dict[str, Any]]:
-    with contextlib.suppress(OSError, ValueError):
-        status, body = _get(port, "/v1/status")
-        if status == 200:
-            raw = json.loads(body).get("components", {})
-            return {
-                name: {
-                    "enabled": c.get("enabled"),
-                    "state": c.get("state"),
-                    "reason": c.get("reason"),
-                    "last_success_at": c.get("last_success_at"),
-                    "last_error": c.get("last_error"),
-                }
-                for name, c in raw.items()
-            }
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        response = httpx.get(f"http://{HOST}:{port}/v1/status", timeout=5.0,
+                             headers={"Authorization": f"Bearer {API_TOKEN}"})  # fmt: skip
+        if response.status_code == 200:
+            keys = ("enabled", "state", "reason", "last_success_at", "last_error")
+            raw = response.json().get("components", {})
+            return {name: {k: c.get(k) for k in keys} for name, c in raw.items()}
     return {}
 
 
-def _until_settled(
-    proc: subprocess.Popen[bytes], port: int, settle: Sequence[str], log_path: Path
-) -> dict[str, dict[str, Any]]:
+def _until_settled(server: ServerProcess, settle: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Until no enabled component is starting and those in `settle` (when enabled) have
     done their first run; at SETTLE_TIMEOUT, the components as they are."""
     deadline = time.monotonic() + SETTLE_TIMEOUT
     components: dict[str, dict[str, Any]] = {}
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the manager exited with {proc.returncode}:\n{_tail(log_path)}")
-        components = _components(port) or components
+        if server.poll() is not None:
+            raise RuntimeError(f"the manager exited with {server.poll()}:\n{server.log()}")
+        components = _components(server.port) or components
         if components and _settled(components, settle):
             return components
         time.sleep(POLL)
@@ -496,10 +445,6 @@ def _settled(components: Mapping[str, Mapping[str, Any]], settle: Sequence[str])
             if c["last_error"] is None:
                 return False
     return True
-
-
-def _tail(path: Path) -> str:
-    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
 def _summary(label: str, floor: str, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -520,22 +465,18 @@ def _summary(label: str, floor: str, samples: Sequence[Mapping[str, Any]]) -> di
 # --- report ------------------------------------------------------------------------------
 
 
-def _mib(value: int) -> str:
-    return f"{value / MIB:.1f}"
-
-
 def _tables(floors: Mapping[str, Any], managers: Mapping[str, Any]) -> list[dict[str, Any]]:
     rows: list[list[str]] = []
     python = floors["python"]["rss_bytes"]
     for key, floor in floors.items():
         over = "-" if key == "python" else f"{(floor['rss_bytes'] - python) / MIB:+.1f}"
-        rows.append([floor["label"], _mib(floor["rss_bytes"]), "-", "-", "-", "-", over])
+        rows.append([floor["label"], mib(floor["rss_bytes"]), "-", "-", "-", "-", over])
     for manager in managers.values():
         base = floors[manager["floor"]]["rss_bytes"]
-        spread = f"{_mib(manager['rss_min_bytes'])}-{_mib(manager['rss_max_bytes'])}"
+        spread = f"{mib(manager['rss_min_bytes'])}-{mib(manager['rss_max_bytes'])}"
         rows.append([
-            manager["label"], _mib(manager["rss_bytes"]), spread,
-            _mib(manager["rss_anon_bytes"]), _mib(manager["rss_file_bytes"]),
+            manager["label"], mib(manager["rss_bytes"]), spread,
+            mib(manager["rss_anon_bytes"]), mib(manager["rss_file_bytes"]),
             str(manager["threads"]), f"{(manager['rss_bytes'] - base) / MIB:+.1f}",
         ])  # fmt: skip
     main = {

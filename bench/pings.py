@@ -10,8 +10,6 @@ when idle after start and after the load. Also: what importing costs.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import subprocess
@@ -22,11 +20,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from bench import Options, sampling, tools
-from bench.checks import say
+from app.domain.tokens import ping_token
+from bench import Options, proc, sampling, tools
 from bench.imports import ImportEntry, importtime, package_costs, rss_after, top_modules
+from bench.report import MIB, mib, mib_over, percent, say, table, yes
 from bench.servers import HOST, ServerProcess, ServerSpec, free_port, running
 
 NAME = "pings"
@@ -45,7 +42,6 @@ PING_TOKEN_SECRET = "bench-ping-token-secret"  # only ever sent to 127.0.0.1
 SETTLE_SECONDS = 1.0  # quiet time before an RSS reading
 TARGET_THROUGHPUT_RATIO = 0.8
 TARGET_P99_MS = 20.0
-MIB = 1024 * 1024
 NOISY_OUTSIDE_CPU_PERCENT = 15.0  # above this, say the phase ran on a busy machine
 TOOL_TIMEOUT = 60.0  # seconds a load tool may run past its phase
 
@@ -155,18 +151,9 @@ def _floor_spec(port: int) -> ServerSpec:
     )
 
 
-def _ping_token(name: str) -> str:
-    """The manager's per-workload token: hex HMAC-SHA256(PING_TOKEN_SECRET, name).
-
-    Computed here rather than imported so the benchmark does not follow app/'s module
-    layout; a scheme change shows up as 401s in the error rows.
-    """
-    return hmac.new(PING_TOKEN_SECRET.encode(), name.encode(), hashlib.sha256).hexdigest()
-
-
 def _token_args() -> list[str]:
     """NAME=TOKEN for every workload: what bench/load/pings.lua sends."""
-    return [f"{name}={_ping_token(name)}" for name in WORKLOADS]
+    return [f"{name}={ping_token(PING_TOKEN_SECRET, name)}" for name in WORKLOADS]
 
 
 def _seconds(value: float) -> str:
@@ -207,7 +194,7 @@ def _fixed_rate(port: int, connections: int, rate: float, seconds: float) -> dic
     ran = tools.run(
         [tools.find("oha"), "--no-tui", "--output-format", "json", "-z", f"{seconds:g}s",
          "-w", "-q", f"{rate:g}", "--latency-correction", "-c", str(connections),
-         "-m", "POST", "-H", f"Authorization: Bearer {_ping_token(name)}",
+         "-m", "POST", "-H", f"Authorization: Bearer {ping_token(PING_TOKEN_SECRET, name)}",
          "-H", "Content-Type: application/json", "-d", BODY.decode(),
          f"http://{HOST}:{port}/v1/workloads/{name}/health"],
         timeout=seconds + TOOL_TIMEOUT,
@@ -254,21 +241,25 @@ def _measure(
     _say(f"{spec.label}: starting on port {port}")
     with running(spec, port=port, cpus=cpus, log=workdir / f"{spec.label}.log") as server:
         time.sleep(SETTLE_SECONDS)
-        idle = {"rss_bytes": server.rss_bytes(), "uss_bytes": server.uss_bytes()}
+        idle = _memory(server.pid)
         info = {
             "pid": server.pid,
-            "threads": server.threads(),
-            "affinity": server.affinity(),
+            "threads": proc.status(server.pid)["Threads"],
+            "affinity": sorted(os.sched_getaffinity(server.pid)),
             "loaded": server.loaded_extensions("uvloop", "httptools"),
         }
         phases = _drive(server, options)
         time.sleep(SETTLE_SECONDS)
-        after = {"rss_bytes": server.rss_bytes(), "uss_bytes": server.uss_bytes()}
+        after = _memory(server.pid)
         if with_profile:
             _say(f"{spec.label}: profiling under load with py-spy")
             phases["profile"] = _profile(server, options, workdir)
         log_tail = server.log()
     return {"process": info, "idle": idle, "after_load": after, **phases, "log_tail": log_tail}
+
+
+def _memory(pid: int) -> dict[str, int]:
+    return {"rss_bytes": proc.status(pid)["VmRSS"], "uss_bytes": proc.uss(pid)}
 
 
 def _profile(server: ServerProcess, options: Options, workdir: Path) -> dict[str, Any]:
@@ -307,21 +298,16 @@ def _drive(server: ServerProcess, options: Options) -> dict[str, Any]:
 
 def _with_server_cpu(server: ServerProcess, phase: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """The phase's summary, with the server's CPU and the CPU spent outside server and client."""
-    cpu0, busy0 = server.cpu_seconds(), _busy_cpu_seconds()
+    cpu0, (busy0, _) = proc.cpu_seconds(server.pid), proc.machine_busy()
     summary = phase()
-    cpu1, busy1 = server.cpu_seconds(), _busy_cpu_seconds()
+    cpu1, (busy1, _) = proc.cpu_seconds(server.pid), proc.machine_busy()
     wall = summary["wall_seconds"]
-    summary["server_cpu_percent"] = round(100.0 * (cpu1 - cpu0) / wall, 1)
+    summary["server_cpu_percent"] = percent(cpu1 - cpu0, wall)
     client = summary["client_cpu_percent"] * wall / 100.0
-    outside = (busy1 - busy0) - (cpu1 - cpu0) - client
-    summary["outside_cpu_percent"] = round(100.0 * max(0.0, outside) / wall, 1)
+    summary["outside_cpu_percent"] = percent(
+        max(0.0, (busy1 - busy0) - (cpu1 - cpu0) - client), wall
+    )
     return summary
-
-
-def _busy_cpu_seconds() -> float:
-    """CPU time spent by the whole machine so far, idle and I/O wait excluded."""
-    t = psutil.cpu_times()
-    return float(t.user + t.nice + t.system + t.irq + t.softirq + t.steal)
 
 
 # --- imports -----------------------------------------------------------------------------
@@ -414,14 +400,6 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / MIB:.1f}"
-
-
-def _over(value: int, base: int) -> str:
-    return f"{(value - base) / MIB:+.1f}"
-
-
 def _rate(value: float) -> str:
     return f"{value:,.0f}"
 
@@ -460,9 +438,9 @@ _MAIN_ROWS: tuple[tuple[str, str, Callable[[Any], str], bool, str | None], ...] 
     ("{rate}: server CPU (% of its core)", "fixed_rate.server_cpu_percent", _pct, False, None),
     ("{rate}: CPU outside both (% of a core)", "fixed_rate.outside_cpu_percent", _pct, False,
      None),
-    ("RSS, idle after start (MiB)", "idle.rss_bytes", _mib, True, "idle_rss_mib"),
-    ("USS, idle after start (MiB)", "idle.uss_bytes", _mib, True, None),
-    ("RSS after the load (MiB)", "after_load.rss_bytes", _mib, True, None),
+    ("RSS, idle after start (MiB)", "idle.rss_bytes", mib, True, "idle_rss_mib"),
+    ("USS, idle after start (MiB)", "idle.uss_bytes", mib, True, None),
+    ("RSS after the load (MiB)", "after_load.rss_bytes", mib, True, None),
     ("threads", "process.threads", str, False, None),
 )  # fmt: skip
 
@@ -485,16 +463,13 @@ def _tables(
                 fmt(m),
                 f"{m / f:.2f}x" if ratio and m is not None and f else "",
                 target["target"] if target else "",
-                {True: "yes", False: "NO", None: "-"}[target["met"]] if target else "",
+                yes(target["met"]) if target else "",
             ]
         )
     tables = [
-        {
-            "title": "pings: POST /v1/workloads/{name}/health, floor (bare ASGI) vs manager",
-            "columns": ["metric", "floor", "manager", "mgr/floor", "target", "met"],
-            "rows": rows,
-        }
-    ]
+        table("pings: POST /v1/workloads/{name}/health, floor (bare ASGI) vs manager",
+              "metric|floor|manager|mgr/floor|target|met", rows)
+    ]  # fmt: skip
     tables += _import_tables(imports, floor, manager)
     if "profile" in manager:
         tables += _profile_tables(manager["profile"])
@@ -506,105 +481,71 @@ def _import_tables(
 ) -> list[dict[str, Any]]:
     bare = imports["rss_steps"][0]["rss_bytes"]
     alone = {a["package"]: a["rss_bytes"] for a in imports["rss_package_alone"]}
-    modules = {
-        "title": f"import app.main: {imports['total_ms']:.0f} ms, {imports['modules']} modules; "
-        "top 10 modules by cumulative time",
-        "columns": ["module", "cumulative ms", "self ms", "imported by"],
-        "rows": [
-            ["  " * e["depth"] + e["module"], f"{e['cumulative_ms']:.1f}", f"{e['self_ms']:.1f}",
-             e["parent"] or "-"]
-            for e in imports["top_modules"]
-        ],
-    }  # fmt: skip
-    packages = {
-        "title": "third-party packages that import app.main pulls in, by cumulative time",
-        "columns": ["package", "cumulative ms", "own ms", "modules", "first imported by",
-                    "RSS alone, MiB over bare python"],
-        "rows": [
-            [p["package"], f"{p['cumulative_ms']:.1f}", f"{p['self_ms']:.1f}", str(p["modules"]),
-             p["via"] or "-", _over(alone[p["package"]], bare) if p["package"] in alone else ""]
-            for p in imports["top_packages"]
-        ],
-    }  # fmt: skip
     steps = [(s["label"], s["rss_bytes"]) for s in imports["rss_steps"]] + [
         ("floor server, idle after start", floor["idle"]["rss_bytes"]),
         ("manager server, idle after start", manager["idle"]["rss_bytes"]),
     ]
-    rss = {
-        "title": "RSS: a fresh interpreter after each step, and the servers",
-        "columns": ["step", "RSS MiB", "MiB over bare python"],
-        "rows": [[label, _mib(value), _over(value, bare)] for label, value in steps],
-    }
-    return [modules, packages, rss]
+    return [
+        table(f"import app.main: {imports['total_ms']:.0f} ms, {imports['modules']} modules; "
+              "top 10 modules by cumulative time", "module|cumulative ms|self ms|imported by",
+              [["  " * e["depth"] + e["module"], f"{e['cumulative_ms']:.1f}",
+                f"{e['self_ms']:.1f}", e["parent"] or "-"] for e in imports["top_modules"]]),
+        table("third-party packages that import app.main pulls in, by cumulative time",
+              "package|cumulative ms|own ms|modules|first imported by|RSS alone, MiB over "
+              "bare python",
+              [[p["package"], f"{p['cumulative_ms']:.1f}", f"{p['self_ms']:.1f}", p["modules"],
+                p["via"] or "-", mib_over(alone[p["package"]], bare) if p["package"] in alone
+                else ""] for p in imports["top_packages"]]),
+        table("RSS: a fresh interpreter after each step, and the servers",
+              "step|RSS MiB|MiB over bare python",
+              [[label, mib(value), mib_over(value, bare)] for label, value in steps]),
+    ]  # fmt: skip
 
 
 def _profile_tables(profile: Mapping[str, Any]) -> list[dict[str, Any]]:
     if "error" in profile:
-        return [{"title": "manager profile", "columns": ["error"], "rows": [[profile["error"]]]}]
+        return [table("manager profile", ["error"], [[profile["error"]]])]
     title = f"manager under saturation, py-spy ({profile['samples']} samples)"
     return [
-        {
-            "title": f"{title}: share of samples by innermost frame's package",
-            "columns": ["package", "%"],
-            "rows": [[p["name"], f"{p['percent']:.1f}"] for p in profile["by_package"]],
-        },
-        {
-            "title": f"{title}: top functions by own time (innermost frame)",
-            "columns": ["function (file)", "%"],
-            "rows": [[p["name"], f"{p['percent']:.1f}"] for p in profile["self"][:15]],
-        },
-    ]
+        table(f"{title}: share of samples by innermost frame's package", "package|%",
+              [[p["name"], f"{p['percent']:.1f}"] for p in profile["by_package"]]),
+        table(f"{title}: top functions by own time (innermost frame)", "function (file)|%",
+              [[p["name"], f"{p['percent']:.1f}"] for p in profile["self"][:15]]),
+    ]  # fmt: skip
 
 
 def _notes(
     setup: Mapping[str, Any], servers: Mapping[str, Any], imports: Mapping[str, Any]
 ) -> list[str]:
-    floor, manager = servers["floor"], servers["manager"]
+    floor, manager, fs = servers["floor"], servers["manager"], servers["floor"]["saturation"]
     stacks = ", ".join(f"{label} {_stack(s)}" for label, s in servers.items())
-    notes = [
-        f"{setup['workloads']} workloads, body {setup['body']}, {setup['auth']}; "
-        f"{setup['connections']} keep-alive connections; {setup['duration_seconds']:g} s per "
-        f"measured phase after {setup['warmup_seconds']:g} s of warm-up.",
-        f"servers: {setup['server_options']}; seen loaded in the processes: {stacks}.",
-    ]
-    if setup["server_cpus"]:
-        notes.append(
-            f"CPU pinning: each server on core {setup['server_cpus']}, load generator on core "
-            f"{setup['client_cpus']} (sched_setaffinity; the server's is set before exec, so all "
-            "its threads inherit it)."
-        )
-    else:
-        notes.append("CPU pinning: off; the servers and the load generator share every core.")
-    fs = floor["saturation"]
+    pinning = (
+        f"each server on core {setup['server_cpus']}, load generator on {setup['client_cpus']}"
+        if setup["server_cpus"] else "off; the servers and the load generator share every core"
+    )  # fmt: skip
     if fs["client_cpu_percent"] >= 90:
         verdict = "the load generator is the bottleneck: read the floor's numbers as a lower bound"
     elif fs["server_cpu_percent"] >= 90:
         verdict = "the server, not the load generator, is the bottleneck"
     else:
         verdict = "neither was saturated: other work on the machine, or too few connections"
-    notes.append(
+    uvicorn = next(s["rss_bytes"] for s in imports["rss_steps"] if s["label"] == "import uvicorn")
+    idle = manager["idle"]["rss_bytes"]
+    notes = [
+        f"{setup['workloads']} workloads, body {setup['body']}, {setup['auth']}; "
+        f"{setup['connections']} keep-alive connections; {setup['duration_seconds']:g} s per "
+        f"measured phase after {setup['warmup_seconds']:g} s of warm-up; servers: "
+        f"{setup['server_options']}; seen loaded: {stacks}; CPU pinning: {pinning}.",
         f"load generator capacity ({setup['client']}): {fs['client_cpu_percent']:.0f}% of its "
         f"core while the floor served {fs['requests_per_second']:,.0f} req/s at "
-        f"{fs['server_cpu_percent']:.0f}% of its own: {verdict}."
-    )
-    notes.append(
-        "fixed rate: oha -q with --latency-correction, so latency counts from each request's "
-        "scheduled send time and a stalled server is charged for the queue it causes; "
-        "requests still in flight at the end are waited for (-w)."
-    )
-    uvicorn_rss = next(
-        s["rss_bytes"] for s in imports["rss_steps"] if s["label"] == "import uvicorn"
-    )
-    manager_rss = manager["idle"]["rss_bytes"]
-    notes.append(
-        f"idle RSS: manager {_mib(manager_rss)} MiB, {_over(manager_rss, uvicorn_rss)} MiB over a "
-        f"bare `python -c 'import uvicorn'` ({_mib(uvicorn_rss)} MiB); the floor "
-        f"{_mib(floor['idle']['rss_bytes'])} MiB."
-    )
-    notes.append(
-        "CPU outside both = the whole machine's busy CPU minus the server's and the load "
-        "generator's: loopback softirq time and any other process; high values mean noise."
-    )
+        f"{fs['server_cpu_percent']:.0f}% of its own: {verdict}.",
+        "fixed rate: oha -q with --latency-correction (latency from each request's scheduled "
+        "send time), in-flight requests waited for (-w). CPU outside both = the machine's "
+        "busy CPU minus the server's and the load generator's (/proc): softirq and noise.",
+        f"idle RSS: manager {mib(idle)} MiB, {mib_over(idle, uvicorn)} MiB over a bare "
+        f"`python -c 'import uvicorn'` ({mib(uvicorn)} MiB); the floor "
+        f"{mib(floor['idle']['rss_bytes'])} MiB.",
+    ]
     noisy = [
         f"{label} {phase} {servers[label][phase]['outside_cpu_percent']:.0f}%"
         for label in ("floor", "manager")
@@ -612,14 +553,10 @@ def _notes(
         if servers[label][phase]["outside_cpu_percent"] > NOISY_OUTSIDE_CPU_PERCENT
     ]
     if noisy:
-        notes.append(
-            "NOISY RUN: other work used the machine during " + ", ".join(noisy) + " (CPU "
-            "outside both, % of a core); rerun on a quiet machine before trusting those rows."
-        )
+        notes.append("NOISY RUN: other work used the machine during " + ", ".join(noisy)
+                     + " (CPU outside both, % of a core): rerun on a quiet machine.")  # fmt: skip
     if "profile" in manager:
-        notes.append(
-            "py-spy sees only the running coroutine's frames, so shares are by innermost frame."
-        )
+        notes.append("py-spy sees only the running coroutine's frames: shares by innermost frame.")
     return notes
 
 

@@ -16,7 +16,6 @@ decoding and the NodeProfile built per row, next to PostgreSQL's own execution t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import math
 import os
@@ -46,8 +45,8 @@ from app.domain.requirements import (
     match_requirements,
 )
 from app.services import migrating
-from bench import Options
-from bench.checks import say
+from bench import Options, proc
+from bench.report import latency_ms, mib, num, percent, say, table
 
 NAME = "registry"
 DESCRIPTION = "capability registry on PostgreSQL: heartbeat rate and eligible-node query latency"
@@ -142,7 +141,7 @@ def run(options: Options) -> dict[str, Any]:
     raw: dict[str, tuple[list[Phase], list[QueryResult]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-registry-") as tmp:
         setup["data_filesystem"] = _filesystem(Path(tmp))
-        setup["fdatasync_8k"] = fdatasync_probe(Path(tmp), 0.5 if options.quick else 2.0)
+        setup["fsync_8k"] = test_fsync(Path(tmp), 1 if options.quick else 2)
         for label, server_class in (("fsync=off", EmbeddedPostgres), ("fsync=on", FsyncOnPostgres)):
             _say(f"{label}: starting PostgreSQL")
             server = server_class(data_dir=Path(tmp) / label.replace("=", "-"))
@@ -167,7 +166,7 @@ def run(options: Options) -> dict[str, Any]:
             raw[label] = (phases, queries)
     failures = [f"{label}: {f}" for label, s in servers.items() for f in s["failures"]]
     result: dict[str, Any] = {"setup": setup, "servers": servers, "failures": failures}
-    result["tables"] = _tables(raw, count)
+    result["tables"] = _tables(raw, servers, count)
     result["notes"] = _notes(servers, setup, failures)
     return result
 
@@ -181,22 +180,21 @@ class FsyncOnPostgres(EmbeddedPostgres):
         super()._launch(what, ["fsync=on" if a == "fsync=off" else a for a in argv], **popen)
 
 
-def fdatasync_probe(directory: Path, seconds: float) -> dict[str, Any]:
-    """What a commit with fsync on waits for: write 8 kB in place, fdatasync, repeat."""
-    path = directory / "fdatasync-probe"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    latencies: list[int] = []
-    try:
-        end = time.perf_counter_ns() + int(seconds * 1e9)
-        while (began := time.perf_counter_ns()) < end:
-            os.pwrite(fd, bytes(8192), 0)
-            os.fdatasync(fd)
-            latencies.append(time.perf_counter_ns() - began)
-    finally:
-        os.close(fd)
-        path.unlink()
-    latencies.sort()
-    return {"per_second": round(len(latencies) / seconds), "latency_ms": _latency(latencies)}
+def test_fsync(directory: Path, seconds: int) -> dict[str, Any]:
+    """pg_test_fsync (shipped beside the server and pgbench): ops/s and microseconds per
+    op of each wal_sync_method for one 8 kB write, on the data directories' file system."""
+    done = subprocess.run(
+        [str(PG_TEST_FSYNC), "-s", str(seconds), "-f", str(directory / "pg_test_fsync.out")],
+        capture_output=True, text=True, check=False, timeout=SETUP_TIMEOUT + 20 * seconds,
+    )  # fmt: skip
+    section = done.stdout.split("using one 8kB write:", 1)[-1].split("\n\n", 1)[0]
+    methods = {
+        m[1]: {"per_second": round(float(m[2])), "usecs_per_op": int(m[3])}
+        for m in re.finditer(r"^\s+(\w+)\s+([0-9.]+) ops/sec\s+(\d+) usecs/op", section, re.M)
+    }
+    if not methods:
+        raise RuntimeError(f"pg_test_fsync printed no results: {done.stdout[-300:]}{done.stderr}")
+    return {"tool": "pg_test_fsync", "seconds_per_test": seconds, "one_8k_write": methods}
 
 
 # --- the simulated fleet -----------------------------------------------------------------
@@ -295,14 +293,14 @@ class Phase:
             "per_second": round(self.rate, 1),
             "times_required": round(self.rate / required_rate, 2),
             "worst_second": self.worst_second(),
-            "latency_ms": _latency(lat),
+            "latency_ms": latency_ms(lat),
             "errors": self.errors,
             "first_errors": self.first_errors,
             "missing_rows": self.missing,
-            "client_cpu_percent": _percent(self.client_cpu_seconds, self.wall_seconds),
-            "server_cpu_percent": _percent(self.server_cpu_seconds, self.wall_seconds),
-            "other_cpu_percent": _percent(self.other_cpu_seconds, self.wall_seconds),
-            "steal_percent": _percent(self.steal_seconds, self.wall_seconds),
+            "client_cpu_percent": percent(self.client_cpu_seconds, self.wall_seconds),
+            "server_cpu_percent": percent(self.server_cpu_seconds, self.wall_seconds),
+            "other_cpu_percent": percent(self.other_cpu_seconds, self.wall_seconds),
+            "steal_percent": percent(self.steal_seconds, self.wall_seconds),
         }
         if self.target_rate is not None:
             out["target_rate"] = round(self.target_rate, 1)
@@ -347,57 +345,30 @@ class GcWatch:
 
 class CpuMeter:
     """CPU seconds of the client (this process, or with `children` the pgbench it waited
-    for), of the PostgreSQL server's processes and of everything else on the machine."""
+    for), of the PostgreSQL server's processes (bench.proc) and of the rest of the machine."""
 
     def __init__(self, server_pid: int) -> None:
         self._pid = server_pid
         self._children = False
-        self._client = 0.0
-        self._server: dict[int, float] = {}
-        self._machine: Any = None
+        self._at: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
-    @staticmethod
-    def _busy(times: Any) -> float:
-        return float(times.user + times.nice + times.system + times.irq + times.softirq)
-
-    def _server_times(self) -> dict[int, float]:
-        """Per process; under key 0 the backends that exited (pgbench's, at its end), whose
-        CPU time the postmaster collected when it reaped them."""
-        times: dict[int, float] = {}
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(self._pid)
-            reaped = root.cpu_times()
-            times[0] = reaped.children_user + reaped.children_system
-            for proc in (root, *root.children(recursive=True)):
-                with contextlib.suppress(psutil.Error):
-                    cpu = proc.cpu_times()
-                    times[proc.pid] = cpu.user + cpu.system
-        return times
-
-    def _client_seconds(self) -> float:
-        if not self._children:
-            return time.process_time()
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return usage.ru_utime + usage.ru_stime
+    def _now(self) -> tuple[float, float, float, float]:
+        if self._children:
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            client = usage.ru_utime + usage.ru_stime
+        else:
+            client = time.process_time()
+        return (client, proc.cpu_seconds(self._pid, tree=True), *proc.machine_busy())
 
     def start(self, *, children: bool = False) -> None:
         self._children = children
-        self._client = self._client_seconds()
-        self._server = self._server_times()
-        self._machine = psutil.cpu_times()
+        self._at = self._now()
 
     def stop(self, phase: Phase) -> None:
-        machine = psutil.cpu_times()
-        phase.client_cpu_seconds = self._client_seconds() - self._client
-        now = self._server_times()
-        phase.server_cpu_seconds = sum(t - self._server.get(pid, 0.0) for pid, t in now.items())
-        busy = self._busy(machine) - self._busy(self._machine)
-        phase.other_cpu_seconds = max(
-            0.0, busy - phase.client_cpu_seconds - phase.server_cpu_seconds
-        )
-        phase.steal_seconds = float(
-            getattr(machine, "steal", 0.0) - getattr(self._machine, "steal", 0.0)
-        )
+        client, server, busy, steal = (b - a for a, b in zip(self._at, self._now(), strict=True))
+        phase.client_cpu_seconds, phase.server_cpu_seconds = client, server
+        phase.other_cpu_seconds = max(0.0, busy - client - server)
+        phase.steal_seconds = steal
 
 
 async def _register(
@@ -430,6 +401,7 @@ def _pgbench_version() -> str:
 
 
 PGBENCH = EmbeddedPostgres._bin("pgbench")  # the one shipped with the server's binaries
+PG_TEST_FSYNC = EmbeddedPostgres._bin("pg_test_fsync")
 
 
 def heartbeat_script(count: int) -> str:
@@ -549,7 +521,7 @@ class QueryResult:
             "rows": self.rows,
             "expected_rows": self.expected,
             "same_nodes": self.same_nodes,
-            "latency_ms": _latency(sorted(self.latencies_ns)),
+            "latency_ms": latency_ms(sorted(self.latencies_ns)),
             "server_execution_ms": self.server_ms,
             "scans": self.scans,
         }
@@ -872,29 +844,6 @@ async def _measure(
 # --- report --------------------------------------------------------------------------------
 
 
-def _latency(sorted_ns: Sequence[int]) -> dict[str, float | None]:
-    return {
-        "p50": _pct(sorted_ns, 50),
-        "p99": _pct(sorted_ns, 99),
-        "max": round(sorted_ns[-1] / 1e6, 3) if sorted_ns else None,
-    }
-
-
-def _pct(sorted_ns: Sequence[int], q: float) -> float | None:
-    if not sorted_ns:
-        return None
-    index = min(len(sorted_ns) - 1, max(0, math.ceil(q / 100 * len(sorted_ns)) - 1))
-    return round(sorted_ns[index] / 1e6, 3)
-
-
-def _percent(part: float, whole: float) -> float:
-    return round(100.0 * part / whole, 1) if whole > 0 else 0.0
-
-
-def _cell(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def _filesystem(path: Path) -> str:
     resolved = str(path.resolve())
     best: Any = None
@@ -907,79 +856,76 @@ def _filesystem(path: Path) -> str:
     return "unknown" if best is None else f"{best.fstype} ({best.device} on {best.mountpoint})"
 
 
+def _row_stats(phase: Phase, required: float) -> list[Any]:
+    lat = sorted(phase.latencies_ns)
+    return [
+        phase.connections, phase.completed, num(phase.rate, 0),
+        "-" if phase.name == REGISTER else num(phase.rate / required, 1),
+        "-" if (w := phase.worst_second()) is None else w,
+        *(num(v) for v in latency_ms(lat).values()), phase.errors + phase.missing,
+        *(num(percent(cpu, phase.wall_seconds), 0) for cpu in (
+            phase.client_cpu_seconds, phase.server_cpu_seconds, phase.other_cpu_seconds)),
+    ]  # fmt: skip
+
+
 def _tables(
-    raw: dict[str, tuple[list[Phase], list[QueryResult]]], count: int
+    raw: dict[str, tuple[list[Phase], list[QueryResult]]],
+    servers: dict[str, dict[str, Any]],
+    count: int,
 ) -> list[dict[str, Any]]:
     required = count / INTERVAL_SECONDS
-    load_rows = []
-    query_rows = []
-    for label, (phases, results) in raw.items():
-        for phase in phases:
-            lat = sorted(phase.latencies_ns)
-            load_rows.append(
-                [
-                    label,
-                    phase.name,
-                    phase.connections,
-                    phase.completed,
-                    _cell(phase.rate, 0),
-                    "-" if phase.name == REGISTER else _cell(phase.rate / required, 1),
-                    "-" if (w := phase.worst_second()) is None else w,
-                    _cell(_pct(lat, 50)),
-                    _cell(_pct(lat, 99)),
-                    _cell(lat[-1] / 1e6 if lat else None),
-                    phase.errors + phase.missing,
-                    _cell(_percent(phase.client_cpu_seconds, phase.wall_seconds), 0),
-                    _cell(_percent(phase.server_cpu_seconds, phase.wall_seconds), 0),
-                    _cell(_percent(phase.other_cpu_seconds, phase.wall_seconds), 0),
-                ]
-            )
-        for result in results:
-            lat = sorted(result.latencies_ns)
-            rows = str(result.rows)
-            if result.rows != result.expected or not result.same_nodes:
-                rows += f" (expected {result.expected})"
-            query_rows.append(
-                [
-                    label,
-                    result.load,
-                    result.label,
-                    rows,
-                    _cell(_pct(lat, 50)),
-                    _cell(_pct(lat, 99)),
-                    _cell(lat[-1] / 1e6 if lat else None),
-                    _cell(result.server_ms),
-                    result.scans if result.load == "idle" else "",
-                ]
-            )
-    return [
-        {
-            "title": f"Registration and heartbeats: {count:,} nodes, one beat each per "
-            f"{INTERVAL_SECONDS} s = {required:.0f}/s required",
-            "columns": LOAD_COLUMNS.split("|"),
-            "rows": load_rows,
-        },
-        {
-            "title": f"'Live nodes that can run X' at {count:,} nodes: AsyncpgRegistry.eligible()",
-            "columns": QUERY_COLUMNS.split("|"),
-            "rows": query_rows,
-        },
+    loads = [
+        [label, p.name, *_row_stats(p, required)] for label, (ps, _) in raw.items() for p in ps
     ]
+    queries = []
+    for label, (_, results) in raw.items():
+        for r in results:
+            rows = str(r.rows) + ("" if r.rows == r.expected and r.same_nodes
+                                  else f" (expected {r.expected})")  # fmt: skip
+            lat = latency_ms(sorted(r.latencies_ns))
+            queries.append([label, r.load, r.label, rows, *(num(v) for v in lat.values()),
+                            num(r.server_ms), r.scans if r.load == "idle" else ""])  # fmt: skip
+    per_server = []
+    for label, server in servers.items():
+        start, end = server["table_after_register"], server["table_at_end"]
+        updates = (end.get("n_tup_upd") or 0) - (start.get("n_tup_upd") or 0)
+        hot = (end.get("n_tup_hot_upd") or 0) - (start.get("n_tup_hot_upd") or 0)
+        idle = [q for q in server["queries"] if q["load"] == "idle"]
+        gin = [q["query"] for q in idle if "capabilities" in q["scans"]]
+        plans = server["plan_choices"].get("eligible", {})
+        none = next(q for q in idle if q["query"] == QUERIES[0].label)
+        gc2 = server["query_gc_pauses"]["idle"]["gen2"]
+        per_server.append([
+            label, f"{updates:,} ({percent(hot, updates):.0f} % HOT)",
+            f"{mib(start.get('table_bytes', 0))} -> {mib(end.get('table_bytes', 0))}",
+            f"{mib(start.get('index_bytes', 0))} -> {mib(end.get('index_bytes', 0))}",
+            f"{end.get('n_dead_tup', 0):,}", end.get("autovacuum_count", 0),
+            ", ".join(gin) or "none",
+            f"{plans.get('custom_plans', '?')} / {plans.get('generic_plans', '?')}",
+            f"{num(none['latency_ms']['p50'])} / {num(none['server_execution_ms'])}",
+            f"{gc2['collections']}, {gc2['total_ms']} ms, max {gc2['max_ms']} ms",
+        ])  # fmt: skip
+    return [
+        table(f"Registration and heartbeats: {count:,} nodes, one beat each per "
+              f"{INTERVAL_SECONDS} s = {required:.0f}/s required", LOAD_COLUMNS, loads),
+        table(f"'Live nodes that can run X' at {count:,} nodes: AsyncpgRegistry.eligible()",
+              QUERY_COLUMNS, queries),
+        table("worker_capabilities after registration -> at the end; the idle queries",
+              "server|row updates|table MiB|indexes MiB|dead rows|autovacuums|GIN index in "
+              "plan of|eligible plans custom / generic|'none' p50 ms client / server|full GC "
+              "(idle queries)", per_server),
+    ]  # fmt: skip
 
 
 def _notes(
     servers: dict[str, dict[str, Any]], setup: dict[str, Any], failures: list[str]
 ) -> list[str]:
     required = setup["required_heartbeats_per_second"]
-    notes: list[str] = []
-    if failures:
-        notes.extend(f"FAILED: {f}" for f in failures)
-    else:
-        notes.append(
-            "verified: every upsert landed, no heartbeat errored or missed its row, the paced "
-            "phases kept their rate, and every query returned exactly the nodes the Python "
-            "matcher (match_requirements) picks"
-        )
+    notes = [f"FAILED: {f}" for f in failures] or [
+        "verified: every upsert landed, no heartbeat errored or missed its row, the paced "
+        "phases kept their rate, and every query returned exactly the nodes the Python "
+        "matcher (match_requirements) picks"
+    ]
     noisy = [
         f"{label} {p['phase']} ({p['connections']} conns): other {p['other_cpu_percent']:.0f} %, "
         f"steal {p['steal_percent']:.0f} %"
@@ -991,95 +937,42 @@ def _notes(
     if noisy:
         notes.append("NOISY: something else used the CPU during " + "; ".join(noisy))
     for label, server in servers.items():
-        closed = [p for p in server["heartbeats"] if "target_rate" not in p]
-        best = max(closed, key=lambda p: p["per_second"])
-        paced = [p for p in server["heartbeats"] if "target_rate" in p]
-        paced_text = "; ".join(
-            f"{p['phase']}: p50 {_cell(p['latency_ms']['p50'])} / p99 "
-            f"{_cell(p['latency_ms']['p99'])} / max {_cell(p['latency_ms']['max'])} ms"
-            for p in paced
-        )
+        best = max((p for p in server["heartbeats"] if "target_rate" not in p),
+                   key=lambda p: p["per_second"])  # fmt: skip
+        paced = "; ".join(
+            f"{p['phase']}: p50 {num(p['latency_ms']['p50'])} / p99 {num(p['latency_ms']['p99'])}"
+            f" / max {num(p['latency_ms']['max'])} ms"
+            for p in server["heartbeats"] if "target_rate" in p
+        )  # fmt: skip
         notes.append(
             f"{label}: sustained {best['per_second']:.0f} heartbeats/s with "
             f"{best['connections']} connections = {best['times_required']:.1f}x the "
             f"{required:.0f}/s that {setup['nodes']:,} nodes at one beat per "
-            f"{INTERVAL_SECONDS} s need; {paced_text} (latency from the scheduled time)"
+            f"{INTERVAL_SECONDS} s need; {paced} (latency from the scheduled time)"
         )
-    sync = setup["fdatasync_8k"]
+    sync = setup["fsync_8k"]["one_8k_write"]
     off = servers.get("fsync=off", {}).get("settings", {})
     on = servers.get("fsync=on", {}).get("settings", {})
     notes.append(
         "fsync: EmbeddedPostgres starts the server with `-c fsync=off` (pg_settings: fsync = "
-        f"{off.get('fsync', '?')}), so commits never wait for the disk; ALTER SYSTEM cannot "
-        "undo a command-line setting, so the fsync=on rows come from a second server on the "
-        "same binaries with `-c fsync=on` (fsync = "
-        f"{on.get('fsync', '?')}, synchronous_commit = {on.get('synchronous_commit', '?')}, "
-        f"wal_sync_method = {on.get('wal_sync_method', '?')}); data directories on "
-        f"{setup['data_filesystem']}, where an 8 kB write + fdatasync takes p50 "
-        f"{_cell(sync['latency_ms']['p50'], 3)} / p99 {_cell(sync['latency_ms']['p99'], 3)} ms "
-        f"({sync['per_second']:,}/s, one thread). A production PostgreSQL runs with fsync on: "
-        "plan with those rows, and expect them to drop on a disk whose flush is slower "
-        "(a commit waits for one flush; concurrent commits share it)"
+        f"{off.get('fsync', '?')}); the fsync=on rows come from a second server on the same "
+        f"binaries with `-c fsync=on` (fsync = {on.get('fsync', '?')}, synchronous_commit = "
+        f"{on.get('synchronous_commit', '?')}, wal_sync_method = "
+        f"{on.get('wal_sync_method', '?')}); data directories on {setup['data_filesystem']}, "
+        "where pg_test_fsync gives for one 8 kB write: "
+        + ", ".join(f"{m} {v['per_second']:,}/s ({v['usecs_per_op']} us)" for m, v in sync.items())
+        + ". Production runs with fsync on: plan with those rows."
     )
     notes.append(
-        "the machine's facts (CPU model, cores, memory, load) are in the JSON, added by "
-        "bench/__main__.py; the client (pgbench for the heartbeats, this Python process with "
-        "asyncpg on the asyncio loop for registration) and "
-        f"PostgreSQL share the {len(os.sched_getaffinity(0))} cores, unpinned, so client CPU% "
-        "and server CPU% (100 = one core) show where the time went; when the client is near "
-        "100 % the rate is a floor for what PostgreSQL alone would take; other CPU% is the "
-        "rest of the machine's busy time (for the '+ queries' rows, mostly this process's queries)"
+        f"client and PostgreSQL share the {len(os.sched_getaffinity(0))} cores, unpinned: "
+        "client CPU% and server CPU% (100 = one core) show where the time went; other CPU% is "
+        "the rest of the machine's busy time (for the '+ queries' rows, mostly this process's "
+        "queries). Heartbeats are pgbench (-M prepared, -j 2) running the adapter's own UPDATE "
+        f"for a random node, closed loop from {'/'.join(map(str, CONNECTIONS))} connections, "
+        "paced at nodes/30 per second (-R, Poisson arrivals) from a process of their own; "
+        f"the real fleet holds at least {setup['nodes']:,} connections against max_connections "
+        f"= {off.get('max_connections', '?')} here: a pooler (PgBouncer) is needed at that size"
     )
-    notes.append(
-        "heartbeats are pgbench (-M prepared, -j 2) running the adapter's own UPDATE for a "
-        "random node; the closed-loop phases from "
-        f"{'/'.join(map(str, CONNECTIONS))} connections, as fast as they return; the paced "
-        "phases at nodes/30 per second on average (-R: Poisson arrivals, so a second's count "
-        "varies; latency logged from each beat's scheduled start), from a process of their "
-        "own, so the queries' Python work in this process cannot stall them; 'errors' counts "
-        "failed transactions, a beat that found no row among them (\\gset wants one); the "
-        "real fleet is N agents each with its own pool "
-        "(AsyncpgRegistry default max 4; a pooled connection idles out only after 300 s, and "
-        f"a beat comes every 30 s), so at least {setup['nodes']:,} open connections, against "
-        f"max_connections = {off.get('max_connections', '?')} here: at that size a pooler "
-        "(PgBouncer) or a relay is needed; connection set-up is not measured"
-    )
-    for label, server in servers.items():
-        start, end = server["table_after_register"], server["table_at_end"]
-        updates = (end.get("n_tup_upd") or 0) - (start.get("n_tup_upd") or 0)
-        hot = (end.get("n_tup_hot_upd") or 0) - (start.get("n_tup_hot_upd") or 0)
-        mib = 1024 * 1024
-        notes.append(
-            f"{label}: {updates:,} row updates after registration (heartbeats, and the bulk "
-            f"refreshes before idle queries), {hot:,} of them HOT "
-            f"({_percent(hot, updates) if updates else 0:.0f} %): last_heartbeat and status "
-            "are indexed, so a beat writes a new row version plus an entry in every index, "
-            f"GIN included; table {start.get('table_bytes', 0) / mib:.1f} -> "
-            f"{end.get('table_bytes', 0) / mib:.1f} MiB, indexes "
-            f"{start.get('index_bytes', 0) / mib:.1f} -> {end.get('index_bytes', 0) / mib:.1f} "
-            f"MiB, {end.get('n_dead_tup', 0):,} dead rows at the end, autovacuum ran "
-            f"{end.get('autovacuum_count', 0)} times"
-        )
-    for label, server in servers.items():
-        idle = [q for q in server["queries"] if q["load"] == "idle"]
-        gin = [q["query"] for q in idle if "capabilities" in q["scans"]]
-        choices = server["plan_choices"].get("eligible", {})
-        none = next(q for q in idle if q["query"] == QUERIES[0].label)
-        client_p50, server_ms = none["latency_ms"]["p50"], none["server_execution_ms"]
-        pauses = server["query_gc_pauses"]["idle"]["gen2"]
-        notes.append(
-            f"{label}: the GIN index on capabilities is in the plan of "
-            f"{', '.join(repr(g) for g in gin) if gin else 'no query'} (see 'scans'); the "
-            f"adapter's prepared eligible statement ran {choices.get('custom_plans', '?')} custom "
-            f"and {choices.get('generic_plans', '?')} generic plans (a generic plan cannot use "
-            "the index for `p_capabilities IS NULL OR capabilities @> p_capabilities`). For "
-            f"'{none['query']}' ({none['rows']:,} rows) eligible() takes p50 {_cell(client_p50)} "
-            f"ms, of which PostgreSQL executes {_cell(server_ms)} ms: the rest is the wire and "
-            "Python (asyncpg decoding, json.loads of two JSONB columns and a NodeProfile per "
-            f"row); Python's full GC ran {pauses['collections']} times in the idle queries, "
-            f"{pauses['total_ms']} ms in all, at most {pauses['max_ms']} ms (the simulated fleet "
-            "itself is frozen out of the GC)"
-        )
     first = next(iter(servers.values()))
     plan: list[str] = first["explain"]["plan"]
     inlined = not any("Function Scan" in line for line in plan)
@@ -1092,8 +985,8 @@ def _notes(
     notes.append(
         "query latency is AsyncpgRegistry.eligible() end to end (nodes() for the last row); "
         "'server ms' is the execution time inside PostgreSQL (EXPLAIN ANALYZE, TIMING OFF, "
-        f"median of {EXPLAIN_RUNS}, idle); each requirement set ran "
-        f"{setup['query_repeats']} times in a row from one connection, idle after moving every "
-        "last_heartbeat to now(), and again while the paced heartbeat load kept every node live"
+        f"median of {EXPLAIN_RUNS}, idle); each requirement set ran {setup['query_repeats']} "
+        "times from one connection, idle after moving every last_heartbeat to now(), and "
+        "again under the paced heartbeat load; a generic plan cannot use the GIN index"
     )
     return notes

@@ -2,10 +2,12 @@
 
 The manager runs as a child process (`python -m app serve`) against real PostgreSQL and
 nats-server, the local backend and a real kube-apiserver and deployment controller (kwok
-nodes), syncing every 10 s and
-reporting every 10 s, while 100 workloads ping it every 5 s, noop jobs flow through
-JetStream and a few desired versions change every minute. Every ~10 s its RSS, file
-descriptors, threads and /metrics are sampled.
+nodes, bench/cluster.py), syncing every 10 s and reporting every 10 s, while 100 workloads
+ping it every 5 s (wrk at a fixed rate: one connection per workload, each waiting the
+interval after its answer, bench/load/pings.lua), noop jobs flow through JetStream at a
+fixed rate and a few desired versions change every minute. Every ~10 s its /metrics is
+read: RSS, CPU and open file descriptors from the process collector, the asyncio task
+gauge and the error counters (threads from /proc).
 
 Leaks are judged between two quiet readings (load paused after the warm-up, load stopped
 at the end): RSS growth < 5 MB and no more asyncio tasks. Errors (the manager's error
@@ -22,37 +24,65 @@ SOAK_OUTPUT (bench/results/soak.json), SOAK_KEEP_LOG (a path to copy the manager
 from __future__ import annotations
 
 import asyncio
+import base64
+import itertools
 import json
 import os
+import random
+import re
 import shutil
 import signal
 import sys
+import tempfile
 import time
+import uuid
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import asyncpg
+import httpx
+import psutil
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from app.adapters.bus import JetStreamBus
+from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.domain.jobs import STREAMS, consumer_name
+from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
 from app.domain.nats_servers import NatsServers
-from bench.__main__ import render_table
-from bench.checks import say
-from bench.machine import facts
-from bench.soak_load import PUBLISH_TIMEOUT, Gate, JobFlow, Pingers, VersionBumper
-from bench.soak_observe import MB, Probe, QuietReading, Sample, Scrape, scan_log
-from bench.soak_report import LedgerCheck, Outcome, build
-from bench.soak_world import PING_TOKEN_SECRET, TIER, ManagerConfig, World, started
+from app.domain.tokens import ping_token
+from app.services.streams import new_job, publish_job
+from bench import proc, tools
+from bench.cluster import ApiserverRequests, Requests, Snapshot, start, write_manager_kubeconfig
+from bench.machine import facts, headline
+from bench.report import MB, say, show
+from bench.servers import HOST, ServerProcess, ServerSpec, free_port
+from bench.soak_report import LedgerCheck, Outcome, QuietReading, Sample, build, server_errors
+from standins.backend import LocalBackend
+from standins.control_plane import ControlPlane
+from standins.sync_world import manifest
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
+WRK_SCRIPT = Path(__file__).resolve().parent / "load" / "pings.lua"
+NODE, TIER, NAMESPACE, FIRST_VERSION = "soak-node", "A", "workloads", "1.0.0"
+PING_TOKEN_SECRET = "soak-ping-token-secret"  # only ever sent to 127.0.0.1
+PREFIX = "workload_manager"
+TASKS = f"{PREFIX}_asyncio_tasks"
 QUIET_SECONDS = 6.0  # > uvicorn's 5 s keep-alive: every idle connection is closed by then
+QUIET_READS, QUIET_READ_STEP = 10, 0.5  # gauge reads in a quiet reading; the minimum is taken
 DRAIN_TIMEOUT = 60.0  # seconds for the job consumers to empty once the load stops
 READY_TIMEOUT = 30.0  # seconds for the manager's job streams to exist after /readyz
+PING_TIMEOUT = 5.0  # seconds; a ping slower than this counts as an error
+DEGRADED_SHARE = 0.02  # of pings; the rest say healthy
+PUBLISH_TIMEOUT = 5.0
+JOB_KINDS: tuple[str, ...] = tuple(STREAMS)  # online, offline, write: every tier consumer works
+JOB_MAX_DELAY = 0.02  # seconds a noop job sleeps at most (uniform), so jobs overlap a little
 LOST_KEYS_SHOWN = 10
 
 
@@ -108,70 +138,326 @@ class Config:
         return config
 
 
-# --- phases ------------------------------------------------------------------------------
+# --- the world ---------------------------------------------------------------------------
 
 
-class Recorder:
-    """Samples the manager every `every` seconds in the background, labelled by phase."""
+@dataclass
+class World:
+    """PostgreSQL, nats-server, the local backend, the control plane and the manager, all
+    on free loopback ports under one temporary directory."""
 
-    def __init__(self, probe: Probe, every: float, progress: Callable[[], str]) -> None:
-        self._probe = probe
-        self._every = every
-        self._progress = progress  # appended to each progress line
+    workdir: Path
+    pg: EmbeddedPostgres
+    nats: EmbeddedNats
+    backend: LocalBackend
+    plane: ControlPlane
+    requests: ApiserverRequests
+    requests_at_start: Snapshot  # before the manager started
+    manager: ServerProcess
+    backend_port: int
+    desired: dict[str, str] = field(default_factory=dict)  # name -> version desired now
+
+    @property
+    def manager_url(self) -> str:
+        return f"http://{HOST}:{self.manager.port}"
+
+    @property
+    def versions_file(self) -> Path:
+        return self.workdir / "ping-versions.txt"  # what the pings report (pings.lua)
+
+    def desire(self, versions: Mapping[str, str]) -> None:
+        """Serve these versions (and their manifests) as the backend's desired state."""
+        for name, version in versions.items():
+            if self.desired.get(name) != version:
+                self.backend.set_manifest(name, version, manifest(name, version))
+        self.desired.update(versions)
+        self.backend.set_desired([{"name": n, "version": v} for n, v in self.desired.items()])
+        part = self.versions_file.with_suffix(".part")
+        part.write_text("".join(f"{n} {v}\n" for n, v in self.desired.items()))
+        part.replace(self.versions_file)
+
+    def peers(self) -> dict[int, str]:
+        return {self.pg.port: "postgres", self.nats.port: "nats",
+                self.backend_port: "backend", self.plane.api_port: "kube API"}  # fmt: skip
+
+    def deployed_versions(self) -> dict[str, str]:
+        """Managed Deployments by name, with their version (one LIST as the admin, left out
+        of `kube_requests`)."""
+        listed = self.requests.list_deployments(NAMESPACE, MANAGED_SELECTOR)
+        return {
+            d["metadata"]["name"]: (d["metadata"].get("annotations") or {}).get(
+                VERSION_ANNOTATION, ""
+            )
+            for d in listed
+        }
+
+    def kube_requests(self) -> Requests:
+        """The Deployment requests since the world started, as the API server counts them."""
+        return ApiserverRequests.between(self.requests_at_start, self.requests.settled_snapshot())
+
+
+def manager_env(workdir: Path, world: dict[str, str], config: Config) -> dict[str, str]:
+    """Only what is set here reaches the manager: not the shell's environment, not a `.env`
+    (it runs in the temporary directory)."""
+    env = {"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", "HOME": str(workdir)}
+    return env | world | {
+        "HOST": HOST, "DATA_DIR": str(workdir / "data"), "EMBEDDED_SERVICES": "false",
+        "LOG_LEVEL": "INFO", "LOG_FORMAT": "text",  # the log scan reads the level column
+        "NODE_ID": NODE, "NODE_TIER": TIER, "MANAGED_NAMESPACE": NAMESPACE,
+        "PING_TOKEN_SECRET": PING_TOKEN_SECRET,
+        "SYNC_INTERVAL_SECONDS": str(config.sync_interval),
+        "REPORT_INTERVAL_SECONDS": str(config.report_interval),
+        "REPORT_ENABLED": "true", "SYNC_ENABLED": "true", "WORKER_ENABLED": "true",
+        # every simulated workload pings from this one address (pods each have their own)
+        "HTTP_MAX_CONNECTIONS_PER_CLIENT": "1000",
+        "MAX_DESIRED_WORKLOADS": "500",  # the soak's own bound on its workloads
+    }  # fmt: skip
+
+
+@contextmanager
+def started(config: Config) -> Iterator[World]:
+    """Every server up, the desired state served, the manager ready; all stopped in reverse
+    order on any exit, an exception or Ctrl-C included."""
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        (workdir / "data").mkdir()
+        _say(f"starting PostgreSQL and nats-server under {workdir}")
+        pg = EmbeddedPostgres(workdir / "postgres")
+        stack.callback(pg.stop)
+        pg.start()
+        nats = EmbeddedNats(workdir / "nats")
+        stack.callback(nats.stop)
+        nats.start()
+        key = Ed25519PrivateKey.generate()
+        backend = LocalBackend(NODE, key.public_key())
+        server = stack.enter_context(backend.serve())
+        _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
+        plane = start(workdir / "control-plane")
+        stack.callback(plane.stop)
+        requests = ApiserverRequests(plane)
+        stack.callback(requests.close)
+        seed = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                 serialization.NoEncryption())  # fmt: skip
+        env = manager_env(workdir, {
+            "DATABASE_URL": pg.url, "NATS_URL": nats.url, "NODE_SYSTEM_ENDPOINT": server.url,
+            "NODE_PRIVATE_KEY": base64.b64encode(seed).decode(),
+            "KUBECONFIG": str(write_manager_kubeconfig(plane, workdir / "kubeconfig", NAMESPACE)),
+        }, config)  # fmt: skip
+        port = free_port()
+        spec = ServerSpec("manager", (sys.executable, "-m", "app", "serve"),
+                          {**env, "PORT": str(port)}, workdir, "/readyz")  # fmt: skip
+        manager = ServerProcess(spec, port=port, cpus=None, log=workdir / "manager.log")
+        at_start = requests.settled_snapshot()
+        world = World(workdir, pg, nats, backend, plane, requests, at_start, manager, server.port)
+        world.desire({f"soak-{i:03d}": FIRST_VERSION for i in range(config.workloads)})
+        stack.callback(manager.stop)  # first to go: registered last
+        _say(f"starting the manager on port {port}")
+        manager.start()
+        _say(f"manager ready (pid {manager.pid})")
+        yield world
+
+
+# --- the load ----------------------------------------------------------------------------
+
+
+async def pings(world: World, config: Config, seconds: float) -> dict[str, Any]:
+    """wrk for `seconds`: one connection per workload, each pinging every `ping_interval`
+    (after the answer; a new connection each time, as a pod's client would)."""
+    tokens = [f"{n}={ping_token(PING_TOKEN_SECRET, n)}" for n in sorted(world.desired)]
+    env = os.environ | {
+        "PINGS_DELAY_MS": str(int(config.ping_interval * 1000)),
+        "PINGS_VERSIONS": str(world.versions_file), "PINGS_DEGRADED": str(DEGRADED_SHARE),
+        "PINGS_CLOSE": "1", "PINGS_STATUSES": "1",
+    }  # fmt: skip
+    child = await asyncio.create_subprocess_exec(
+        tools.find("wrk"), "-t1", f"-c{len(tokens)}", f"-d{max(1, round(seconds))}s",
+        f"--timeout={PING_TIMEOUT:g}s", "-s", str(WRK_SCRIPT), world.manager_url, "--", "-",
+        *tokens, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await child.communicate()
+    if child.returncode != 0:
+        raise RuntimeError(f"wrk exited with {child.returncode}: {err.decode()[-800:]}")
+    summary: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return summary
+
+
+@dataclass
+class Gate:
+    """Open: the publishers run. Closed: they finish what is in flight and wait."""
+
+    running: asyncio.Event = field(default_factory=asyncio.Event)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def tick(self, seconds: float) -> bool:
+        """Sleep, then wait while closed; False once stopping."""
+        if seconds > 0:
+            try:
+                await asyncio.wait_for(self.stop.wait(), timeout=seconds)
+            except TimeoutError:
+                pass
+        await self.running.wait()
+        return not self.stop.is_set()
+
+    def halt(self) -> None:
+        self.stop.set()
+        self.running.set()
+
+
+@dataclass
+class JobStats:
+    published: list[str] = field(default_factory=list)  # idempotency keys JetStream acked
+    attempted: int = 0
+    failures: Counter[str] = field(default_factory=Counter)  # by exception type
+    by_kind: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"attempted": self.attempted, "published": len(self.published),
+                "publish_failures": dict(self.failures), "by_kind": dict(self.by_kind)}  # fmt: skip
+
+
+async def publish_jobs(bus: JetStreamBus, config: Config, gate: Gate, stats: JobStats,
+                       prefix: str) -> None:  # fmt: skip
+    """noop jobs at a steady rate (open loop), the job kinds of one tier in turn; keys
+    unique per run, so every acked publish must end as one completed ledger row."""
+    next_at = time.monotonic()
+    for seq in itertools.count():
+        if not await gate.tick(next_at - time.monotonic()):
+            return
+        kind = JOB_KINDS[seq % len(JOB_KINDS)]
+        key = f"{prefix}{seq:07d}"
+        payload = {"seq": seq, "delay_seconds": round(random.uniform(0, JOB_MAX_DELAY), 4)}
+        stats.attempted += 1
+        try:
+            async with asyncio.timeout(PUBLISH_TIMEOUT):
+                job = new_job("noop", idempotency_key=key, payload=payload)
+                await publish_job(bus, job, kind=kind, tier=config.tier)
+        except Exception as exc:  # any failure to get JetStream's ack is a client-side error
+            stats.failures[type(exc).__name__] += 1
+        else:
+            stats.published.append(key)
+            stats.by_kind[kind] += 1
+        # fallen behind by more than a second (a slow publish): do not burst to catch up
+        next_at = max(next_at + 1.0 / config.job_rate, time.monotonic() - 1.0)
+
+
+async def bump_versions(world: World, config: Config, gate: Gate, bumped: list[int]) -> None:
+    """Every `bump_seconds`, a new minor version for the next `bump_count` workloads (round
+    robin), so syncs keep fetching manifests, applying and reporting versions."""
+    if config.bump_seconds <= 0:
+        return
+    names = itertools.cycle(sorted(world.desired))
+    while await gate.tick(config.bump_seconds):
+        chosen = [next(names) for _ in range(min(config.bump_count, len(world.desired)))]
+        world.desire({n: _next_minor(world.desired[n]) for n in chosen})
+        bumped[0] += len(chosen)
+
+
+def _next_minor(version: str) -> str:
+    major, minor, _patch = (int(part) for part in version.split("."))
+    return f"{major}.{minor + 1}.0"
+
+
+# --- observing the manager ---------------------------------------------------------------
+
+
+class Probe:
+    """The manager's /metrics and, for what no metric says, its process."""
+
+    def __init__(self, world: World) -> None:
+        self._pid = world.manager.pid
+        self._port = world.manager.port
+        self._peers = world.peers()
+        self._client = httpx.AsyncClient(base_url=world.manager_url, timeout=10.0)
+        self.started = time.monotonic()
         self.phase = "warm-up"
         self.samples: list[Sample] = []
-        self._task: asyncio.Task[None] | None = None
+        self.scrape_failures: Counter[str] = Counter()
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="soak-recorder")
+    async def scrape(self) -> proc.Metrics | None:
+        try:
+            response = await self._client.get("/metrics")
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            self.scrape_failures[type(exc).__name__] += 1
+            return None
+        return proc.Metrics(response.text)
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+    async def sample(self) -> Sample:
+        m = await self.scrape()
 
-    async def take(self) -> Sample:
-        sample, _ = await self._probe.sample(self.phase)
+        def metric(name: str) -> float | None:
+            return None if m is None else m.value(name)
+
+        down = [] if m is None else [
+            labels.get("component", "?")
+            for labels, value in m.samples.get(f"{PREFIX}_component_up", []) if value == 0
+        ]  # fmt: skip
+        sample = Sample(
+            t=time.monotonic() - self.started, phase=self.phase,
+            rss_bytes=int(metric("process_resident_memory_bytes") or 0),
+            fds=int(metric("process_open_fds") or 0), threads=proc.status(self._pid)["Threads"],
+            cpu_seconds=metric("process_cpu_seconds_total") or 0.0,
+            tasks=_int(metric(TASKS)), jobs_in_flight=_int(metric(f"{PREFIX}_jobs_in_flight")),
+            components_down=tuple(down), errors=sum(server_errors(m).values()) if m else 0,
+            pings=int(m.total(f"{PREFIX}_pings_total")) if m else 0,
+        )  # fmt: skip
         self.samples.append(sample)
         return sample
 
-    async def _run(self) -> None:
+    async def record(self, every: float) -> None:
         while True:
-            s = await self.take()
-            _say(
-                f"t={s.t:4.0f}s {s.phase:<8} RSS {s.rss_bytes / MB:6.1f} MB, tasks {s.tasks}, "
-                f"fds {s.fds}, errors {s.errors}; {self._progress()}"
-            )
-            await asyncio.sleep(self._every)
+            s = await self.sample()
+            _say(f"t={s.t:4.0f}s {s.phase:<8} RSS {s.rss_bytes / MB:6.1f} MB, tasks {s.tasks}, "
+                 f"fds {s.fds}, errors {s.errors}; pings accepted {s.pings}")  # fmt: skip
+            await asyncio.sleep(every)
+
+    async def quiet_reading(self) -> tuple[QuietReading, proc.Metrics | None]:
+        seen: list[int] = []
+        m = None
+        for i in range(QUIET_READS):
+            if i:
+                await asyncio.sleep(QUIET_READ_STEP)
+            m = await self.scrape()
+            if m is not None and (tasks := m.value(TASKS)) is not None:
+                seen.append(int(tasks))
+        if not seen or m is None:
+            raise RuntimeError(f"the manager exported no {TASKS} gauge in {QUIET_READS} scrapes")
+        reading = QuietReading(
+            tasks_min=min(seen), tasks_seen=tuple(seen),
+            rss_bytes=int(m.value("process_resident_memory_bytes") or 0),
+            fds=int(m.value("process_open_fds") or 0), threads=proc.status(self._pid)["Threads"],
+            sockets=self.sockets(),
+        )  # fmt: skip
+        return reading, m
+
+    def sockets(self) -> dict[str, int]:
+        """TCP sockets of the manager by the server at the other end (or listening)."""
+        counts: Counter[str] = Counter()
+        for conn in psutil.Process(self._pid).net_connections(kind="tcp"):
+            port: int | None = getattr(conn.raddr, "port", None)  # () when not connected
+            if conn.status == psutil.CONN_LISTEN or port is None:
+                counts["listening"] += 1
+            elif conn.laddr.port == self._port:
+                counts["incoming"] += 1  # pings, or the soak's own scrapes
+            else:
+                counts[self._peers.get(port, "other")] += 1
+        return dict(sorted(counts.items()))
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+# --- phases ------------------------------------------------------------------------------
 
 
 async def _consumers(bus: JetStreamBus, tier: str) -> dict[str, dict[str, int]]:
-    durable = consumer_name(tier)
-    return {stream: await bus.consumer_state(stream, durable) for stream in STREAMS.values()}
+    return {s: await bus.consumer_state(s, consumer_name(tier)) for s in STREAMS.values()}
 
 
-async def _streams_ready(bus: JetStreamBus, tier: str) -> None:
-    """The manager creates its streams and consumers at start; publish only once they exist."""
-    deadline = time.monotonic() + READY_TIMEOUT
-    while True:
-        try:
-            await _consumers(bus, tier)
-            return
-        except Exception as exc:  # NotFound until the manager's start-up made them
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"job consumers missing after {READY_TIMEOUT} s: {exc}") from exc
-            await asyncio.sleep(0.2)
-
-
-async def _quiesce(
-    bus: JetStreamBus, pingers: Pingers, config: Config
-) -> tuple[bool, dict[str, dict[str, int]]]:
-    """Load paused or stopped: wait for answers in flight, empty consumers, then quiet."""
+async def _drain(bus: JetStreamBus, config: Config) -> tuple[bool, dict[str, dict[str, int]]]:
+    """Publishers paused or stopped: wait for the job consumers to empty, then be quiet."""
     deadline = time.monotonic() + DRAIN_TIMEOUT
-    try:
-        await asyncio.wait_for(pingers.idle.wait(), timeout=DRAIN_TIMEOUT)
-    except TimeoutError:
-        pass  # a ping that never answers counts as a client error; the reading goes on
     while True:
         state = await _consumers(bus, config.tier)
         drained = all(s["pending"] == 0 and s["ack_pending"] == 0 for s in state.values())
@@ -187,212 +473,165 @@ async def _converged(world: World, within: float) -> dict[str, list[str]]:
     deadline = time.monotonic() + within
     while True:
         deployed = world.deployed_versions()
-        differ = {
-            name: [version, deployed.get(name, "")]
-            for name, version in world.desired.items()
-            if deployed.get(name) != version
-        }
+        differ = {n: [v, deployed.get(n, "")] for n, v in world.desired.items()
+                  if deployed.get(n) != v}  # fmt: skip
         differ |= {n: ["", v] for n, v in deployed.items() if n not in world.desired}
         if not differ or time.monotonic() > deadline:
             return differ
         await asyncio.sleep(0.5)
 
 
-async def _ledger(url: str, jobs: JobFlow) -> LedgerCheck:
+async def _ledger(url: str, published: list[str], prefix: str) -> LedgerCheck:
     conn = await asyncpg.connect(url, timeout=10)
     try:
-        rows = await conn.fetch(
-            "SELECT idempotency_key, status, attempts FROM job_ledger "
-            "WHERE idempotency_key LIKE $1",
-            jobs.key_prefix + "%",
-        )
+        rows = await conn.fetch("SELECT idempotency_key, status, attempts FROM job_ledger "
+                                "WHERE idempotency_key LIKE $1", prefix + "%")  # fmt: skip
     finally:
         await conn.close()
     status = {r["idempotency_key"]: r["status"] for r in rows}
-    published = jobs.stats.published
     lost = [key for key in published if status.get(key) != "completed"]
-    confirmed = set(published)
     return LedgerCheck(
         published=len(published),
         completed=sum(1 for key in published if status.get(key) == "completed"),
-        lost=lost[:LOST_KEYS_SHOWN],
-        lost_count=len(lost),
+        lost=lost[:LOST_KEYS_SHOWN], lost_count=len(lost),
         not_completed=dict(Counter(s for s in status.values() if s != "completed")),
         claimed_more_than_once=sum(1 for r in rows if r["attempts"] > 1),
-        unconfirmed_in_ledger=sum(1 for key in status if key not in confirmed),
-    )
+        unconfirmed_in_ledger=len(set(status) - set(published)),
+    )  # fmt: skip
 
 
 def _traffic(world: World) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What the local backend and the API server saw: counts by status, unexpected answers.
-    The API server counts the Deployment requests (LIST, GET, PATCH, DELETE; not the
-    controllers' UPDATE and WATCH), bench/cluster.py."""
-    requests = world.backend.requests
+    """What the local backend and the API server saw: counts by status, unexpected answers."""
+    seen = world.backend.requests
     backend = {
-        "requests": len(requests),
-        "by_status": dict(Counter(str(r.status) for r in requests)),
+        "requests": len(seen),
+        "by_status": dict(Counter(str(r.status) for r in seen)),
         "rejected": len(world.backend.rejected),
-        "errors": sum(1 for r in requests if r.status >= 400),
-        "reports": sum(1 for r in requests if r.route == "health" and r.status == 202),
+        "errors": sum(1 for r in seen if r.status >= 400),
+        "reports": sum(1 for r in seen if r.route == "health" and r.status == 202),
         "versions": len(world.backend.versions),
     }
-    kube_requests = world.kube_requests()
-    kube = {
-        "requests": kube_requests.total,
-        "by_status": kube_requests.by_status(),
-        "by_kind": kube_requests.by_kind(),
-        "not_counted": dict(kube_requests.other.most_common()),
+    kube = world.kube_requests()
+    return backend, {
+        "requests": kube.total, "by_status": kube.by_status(), "by_kind": kube.by_kind(),
+        "not_counted": dict(kube.other.most_common()),
         # 404: a create first reads the name; 409: an apply conflict is re-planned
-        "errors": sum(
-            count
-            for key, count in kube_requests.counted.items()
-            if key.code >= 400 and key.code not in (404, 409)
-        ),
-    }
-    return backend, kube
-
-
-@dataclass
-class Load:
-    """The generators and the recorder, behind one gate."""
-
-    gate: Gate
-    pingers: Pingers
-    jobs: JobFlow
-    bumper: VersionBumper
-    recorder: Recorder
-
-    def start(self) -> None:
-        for part in (self.pingers, self.jobs, self.bumper, self.recorder):
-            part.start()
-
-    async def stop(self) -> None:
-        """Stop the generators (what is in flight finishes); the recorder goes on."""
-        self.gate.stop.set()
-        await asyncio.gather(self.pingers.join(), self.jobs.join(), self.bumper.join())
-
-
-def _load(config: Config, world: World, bus: JetStreamBus, probe: Probe) -> Load:
-    gate = Gate()
-    pingers = Pingers(
-        world.manager_url, sorted(world.desired), world.desired,
-        secret=PING_TOKEN_SECRET, interval=config.ping_interval, gate=gate,
-    )  # fmt: skip
-    jobs = JobFlow(bus, tier=config.tier, rate=config.job_rate, gate=gate)
-    bumper = VersionBumper(
-        world.desire, world.desired, every=config.bump_seconds, count=config.bump_count,
-        gate=gate,
-    )  # fmt: skip
-
-    def progress() -> str:
-        return f"pings {pingers.stats.sent} ({pingers.stats.failed} failed), " + (
-            f"jobs {len(jobs.stats.published)}"
-        )
-
-    recorder = Recorder(probe, config.sample_seconds, progress)
-    return Load(gate, pingers, jobs, bumper, recorder)
-
-
-async def _baseline(
-    config: Config, load: Load, bus: JetStreamBus, probe: Probe
-) -> tuple[QuietReading, Scrape | None]:
-    """After the warm-up: pause the load, take the quiet reading, resume."""
-    _say("warm-up over: pausing the load for a quiet reading")
-    load.recorder.phase = "quiet"
-    load.gate.close()
-    await _quiesce(bus, load.pingers, config)
-    reading = await probe.quiet_reading()
-    scrape = await probe.scrape()
-    _say(f"after warm-up: tasks {reading.tasks_min}, RSS {reading.rss_bytes / MB:.1f} MB")
-    load.pingers.stats.latencies.clear()  # latencies of the measured phase only
-    load.recorder.phase = "measured"
-    load.gate.open()
-    return reading, scrape
-
-
-async def _measure(config: Config, load: Load, until: float) -> tuple[Sample, Sample, float]:
-    """The measured phase, under load: its first and last samples and its length."""
-    started = time.monotonic()
-    await asyncio.sleep(min(config.sample_seconds, max(0.0, until - started)))
-    first = await load.recorder.take()
-    await asyncio.sleep(max(0.0, until - time.monotonic()))
-    last = await load.recorder.take()
-    return first, last, time.monotonic() - started
-
-
-@dataclass(frozen=True)
-class Ending:
-    reading: QuietReading
-    scrape: Scrape | None
-    drained: bool
-    consumers: dict[str, dict[str, int]]
-    mismatched: dict[str, list[str]]
-
-
-async def _end(config: Config, load: Load, world: World, bus: JetStreamBus, probe: Probe) -> Ending:
-    """Stop the load, let the syncs converge and the consumers drain, take the quiet reading."""
-    _say("load off: stopping the generators")
-    load.recorder.phase = "drain"
-    await load.stop()
-    mismatched = await _converged(world, 3 * config.sync_interval + 15)
-    drained, consumers = await _quiesce(bus, load.pingers, config)
-    load.recorder.phase = "quiet"
-    reading = await probe.quiet_reading()
-    scrape = await probe.scrape()
-    _say(f"at the end: tasks {reading.tasks_min}, RSS {reading.rss_bytes / MB:.1f} MB")
-    return Ending(reading, scrape, drained, consumers, mismatched)
+        "errors": sum(n for k, n in kube.counted.items() if k.code >= 400
+                      and k.code not in (404, 409)),
+    }  # fmt: skip
 
 
 async def _soak(config: Config, world: World) -> Outcome:
-    probe = Probe(world.manager.pid, world.manager_url, world.peers())
+    probe = Probe(world)
     bus = JetStreamBus(
         NatsServers.parse(world.nats.url), name="soak-publisher", timeout=PUBLISH_TIMEOUT
     )
     await bus.connect()
+    gate, jobs, bumped = Gate(), JobStats(), [0]
+    prefix = f"soak-{uuid.uuid4().hex[:8]}-"
     try:
-        await _streams_ready(bus, config.tier)
-        load = _load(config, world, bus, probe)
-        load_started = probe.started = time.monotonic()
-        _say(
-            f"load on: {config.workloads} workloads, {config.job_rate:g} jobs/s, "
-            f"{config.seconds:.0f} s ({config.warmup_seconds:.0f} s warm-up)"
-        )
-        load.start()
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:  # the manager creates its streams and consumers at start
+            try:
+                await _consumers(bus, config.tier)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        _say(f"load on: {config.workloads} workloads, {config.job_rate:g} jobs/s, "
+             f"{config.seconds:.0f} s ({config.warmup_seconds:.0f} s warm-up)")  # fmt: skip
+        probe.started = load_started = time.monotonic()
+        gate.running.set()
+        background = [
+            asyncio.create_task(c)
+            for c in (
+                publish_jobs(bus, config, gate, jobs, prefix),
+                bump_versions(world, config, gate, bumped),
+                probe.record(config.sample_seconds),
+            )
+        ]
         try:
-            await asyncio.sleep(config.warmup_seconds)
-            baseline, start_scrape = await _baseline(config, load, bus, probe)
-            first, last, measured = await _measure(config, load, load_started + config.seconds)
-            end = await _end(config, load, world, bus, probe)
+            warmup = await pings(world, config, config.warmup_seconds)
+            _say("warm-up over: pausing the load for a quiet reading")
+            probe.phase = "quiet"
+            gate.running.clear()
+            await _drain(bus, config)
+            baseline, start_scrape = await probe.quiet_reading()
+            _say(f"after warm-up: tasks {baseline.tasks_min}, RSS {baseline.rss_bytes / MB:.1f} MB")
+            probe.phase = "measured"
+            gate.running.set()
+            measured_started = time.monotonic()
+            measuring = asyncio.create_task(
+                pings(world, config, load_started + config.seconds - measured_started)
+            )
+            await asyncio.sleep(min(config.sample_seconds, config.seconds))
+            first = await probe.sample()
+            measured = await measuring
+            last = await probe.sample()
+            measured_seconds = time.monotonic() - measured_started
+            _say("load off: stopping the generators")
+            probe.phase = "drain"
+            gate.halt()
+            await asyncio.gather(*background[:2])
+            mismatched = await _converged(world, 3 * config.sync_interval + 15)
+            drained, consumers = await _drain(bus, config)
+            probe.phase = "quiet"
+            final, end_scrape = await probe.quiet_reading()
+            _say(f"at the end: tasks {final.tasks_min}, RSS {final.rss_bytes / MB:.1f} MB")
         finally:
-            load.gate.stop.set()
-            await load.recorder.stop()
-        ledger = await _ledger(world.pg.url, load.jobs)
+            gate.halt()
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+        ledger = await _ledger(world.pg.url, jobs.published, prefix)
         backend, kube = _traffic(world)
     finally:
         await bus.drain()
-        await probe.aclose()
+        await probe._client.aclose()
     return Outcome(
-        config=asdict(config),
-        samples=load.recorder.samples,
-        baseline=baseline,
-        final=end.reading,
-        load_start_sample=first,
-        load_end_sample=last,
-        start_scrape=start_scrape,
-        end_scrape=end.scrape,
-        pings=load.pingers.stats,
-        jobs=load.jobs.stats,
-        ledger=ledger,
-        drained=end.drained,
-        consumers=end.consumers,
-        converged=not end.mismatched,
-        mismatched=end.mismatched,
-        bumped=load.bumper.bumped,
-        backend=backend,
-        kube=kube,
-        scrape_failures=dict(probe.scrape_failures),
-        measured_seconds=measured,
-    )
+        config=asdict(config), samples=probe.samples, baseline=baseline, final=final,
+        load_start_sample=first, load_end_sample=last, start_scrape=start_scrape,
+        end_scrape=end_scrape, warmup_pings=warmup, pings=measured, jobs=jobs.as_dict(),
+        job_failures=dict(jobs.failures), job_kinds=dict(jobs.by_kind), ledger=ledger,
+        drained=drained, consumers=consumers, converged=not mismatched, mismatched=mismatched,
+        bumped=bumped[0], backend=backend, kube=kube,
+        scrape_failures=dict(probe.scrape_failures), measured_seconds=measured_seconds,
+    )  # fmt: skip
+
+
+# --- the log -----------------------------------------------------------------------------
+
+# The text format: "%H:%M:%S LEVEL   logger: message" (app/logs.py TextFormatter)
+_LINE = re.compile(r"^\d\d:\d\d:\d\d (?P<level>[A-Z]+)\s+(?P<logger>\S+): (?P<message>.*)$")
+_NUMBERS = re.compile(r"\d+(\.\d+)?")
+EXCERPT = 20  # lines of each kind kept for the report
+
+
+def scan_log(path: Path) -> dict[str, Any]:
+    """Lines by level, Traceback lines, the first errors, warnings by message (numbers masked)."""
+    levels: Counter[str] = Counter()
+    warnings: Counter[str] = Counter()
+    errors: list[str] = []
+    lines = tracebacks = 0
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        lines += 1
+        match = _LINE.match(line)
+        if line.startswith("Traceback (most recent call last)"):
+            tracebacks += 1
+        elif match is None:
+            continue
+        elif match["level"] == "WARNING":
+            warnings[f"{match['logger']}: {_NUMBERS.sub('N', match['message'])}"] += 1
+        if match is not None:
+            levels[match["level"]] += 1
+        if (match is None or match["level"] in ("ERROR", "CRITICAL")) and len(errors) < EXCERPT:
+            errors.append(line)
+    return {
+        "lines": lines, "by_level": dict(levels),
+        "error_lines": levels["ERROR"] + levels["CRITICAL"], "tracebacks": tracebacks,
+        "first_errors": errors, "warnings_by_message": dict(warnings.most_common(EXCERPT)),
+    }  # fmt: skip
 
 
 # --- main --------------------------------------------------------------------------------
@@ -403,19 +642,8 @@ def _sigterm_as_sigint(signum: int, frame: FrameType | None) -> None:
     signal.raise_signal(signal.SIGINT)
 
 
-def _handle_interrupts() -> None:
-    """Ctrl-C and SIGTERM both end in KeyboardInterrupt (inside asyncio.run: the main task
-    cancelled first). SIGINT is handled even when inherited as ignored, as a shell does for
-    a background job, or a plain `kill -INT` would leave the servers running to the end."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _sigterm_as_sigint)
-
-
 def _run(config: Config) -> Outcome:
-    manager = ManagerConfig(
-        sync_interval=config.sync_interval, report_interval=config.report_interval
-    )
-    with started(config.workloads, manager) as world:
+    with started(config) as world:
         try:
             outcome = asyncio.run(_soak(config, world))
         except Exception:
@@ -424,8 +652,7 @@ def _run(config: Config) -> Outcome:
         finally:
             _say("stopping the manager (SIGTERM)")
             code = world.manager.stop()
-            keep = os.environ.get("SOAK_KEEP_LOG", "").strip()
-            if keep:
+            if keep := os.environ.get("SOAK_KEEP_LOG", "").strip():
                 shutil.copyfile(world.manager.log_path, keep)
         outcome.manager_exit = code
         outcome.log = scan_log(world.manager.log_path)
@@ -439,25 +666,19 @@ def main() -> int:
         print(f"soak: {exc}", file=sys.stderr)
         return 2
     output = Path(os.environ.get("SOAK_OUTPUT", "").strip() or RESULTS / "soak.json")
-    _handle_interrupts()
+    # Ctrl-C and SIGTERM both end in KeyboardInterrupt, SIGINT even when inherited as
+    # ignored (a shell's background job), so the servers are always stopped
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _sigterm_as_sigint)
     machine = facts(REPO)
-    print(
-        f"{machine['date']}  {machine['cpu_model']}, {machine['cpu_count_logical']} cores, "
-        f"{machine['memory_total_bytes'] / 2**30:.1f} GiB, Python {machine['python']}, "
-        f"load {machine['load_average_1m']}, git {machine['git_revision']}",
-        flush=True,
-    )
+    print(headline(machine), flush=True)
     try:
         outcome = _run(config)
     except KeyboardInterrupt:
         print("soak: interrupted; every server it started has been stopped", file=sys.stderr)
         return 130
     report = build(outcome)
-    for table in report["tables"]:
-        print()
-        print(render_table(table))
-    for note in report["notes"]:
-        print(f"* {note}")
+    show(report)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({"machine": machine} | report, indent=2, default=str) + "\n")
     print(f"\nresults: {output}")

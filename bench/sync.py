@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -26,14 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
 from app.services.runtime import build_runtime, open_sync_only
 from app.services.syncing import Syncer, SyncOutcome
 from app.settings import Settings
-from bench import Options
-from bench.checks import CheckFailed, check, say
+from bench import Options, proc
 from bench.cluster import (
     ApiserverRequests,
     Key,
@@ -42,9 +38,10 @@ from bench.cluster import (
     start,
     write_manager_kubeconfig,
 )
-from tests.support.backend import LocalBackend
-from tests.support.control_plane import ControlPlane
-from tests.support.sync_world import KEY, NAMESPACE, NODE, key_seed, manifest
+from bench.report import CheckFailed, check, mib, say, table
+from standins.backend import LocalBackend
+from standins.control_plane import ControlPlane
+from standins.sync_world import KEY, NAMESPACE, NODE, key_seed, manifest
 
 NAME = "sync"
 DESCRIPTION = (
@@ -75,8 +72,6 @@ STEADY_LIST = Key("LIST", "namespace", 200)  # a LIST of the Deployments of one 
 ROLLOUT_TIMEOUT = 900.0  # seconds for the deployment controller and kwok to roll all out
 RESET_TIMEOUT = 900.0  # seconds for the Deployments, ReplicaSets and Pods to be gone
 POLL = 0.5
-RSS_INTERVAL = 0.01  # seconds between RSS samples
-MIB = 1024 * 1024
 CPU_BOUND = 0.8  # process CPU seconds per wall second above which a phase is CPU-bound
 # Settings passed explicitly below; any other field set in the environment changes the run.
 EXPLICIT = frozenset(
@@ -88,51 +83,29 @@ EXPLICIT = frozenset(
 # --- measuring ---------------------------------------------------------------------------
 
 
-class RssSampler:
-    """This process's RSS every 10 ms in a thread: the peak overall and per phase."""
+class RssPeak:
+    """This process's RSS peak, as the kernel keeps it (VmHWM): overall, and per phase
+    (the peak since the previous call, which starts it over)."""
 
     def __init__(self) -> None:
-        self._process = psutil.Process()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.baseline = self._rss()
-        self._peak = self._phase_peak = self.baseline
-        self._thread = threading.Thread(target=self._loop, name="bench-sync-rss", daemon=True)
-
-    def _rss(self) -> int:
-        rss: int = self._process.memory_info().rss
-        return rss
-
-    def _loop(self) -> None:
-        while not self._stop.wait(RSS_INTERVAL):
-            self.sample()
+        self.baseline = proc.status(os.getpid())["VmRSS"]
+        self._peak = self.baseline
 
     def sample(self) -> int:
-        rss = self._rss()
-        with self._lock:
-            self._peak = max(self._peak, rss)
-            self._phase_peak = max(self._phase_peak, rss)
+        rss = proc.status(os.getpid())["VmRSS"]
+        self._peak = max(self._peak, rss)
         return rss
 
     def phase_peak(self) -> int:
-        """The peak since the previous call (a sample taken now included)."""
-        current = self.sample()
-        with self._lock:
-            peak, self._phase_peak = self._phase_peak, current
+        peak = proc.status(os.getpid())["VmHWM"]
+        self._peak = max(self._peak, peak)
+        proc.reset_peak(os.getpid())
         return peak
 
     @property
     def peak(self) -> int:
-        self.sample()
-        with self._lock:
-            return self._peak
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._peak = max(self._peak, proc.status(os.getpid())["VmHWM"])
+        return self._peak
 
 
 @dataclass(frozen=True)
@@ -220,8 +193,7 @@ def _by_scope(requests: Requests) -> dict[str, int]:
 
 
 def _cpu_seconds() -> float:
-    times = psutil.Process().cpu_times()
-    return float(times.user + times.system)
+    return proc.cpu_seconds(os.getpid())
 
 
 async def _until(unmet: Callable[[], str | None], limit: float) -> None:
@@ -241,7 +213,7 @@ class World:
     requests: ApiserverRequests
     kubeconfig: Path
     workdir: Path
-    rss: RssSampler
+    rss: RssPeak
     names: tuple[str, ...]
     rollouts: dict[str, float]  # phase -> seconds the cluster took to roll out after it
 
@@ -458,34 +430,31 @@ def run(options: Options) -> dict[str, Any]:
     overridden = sorted(
         k for k in os.environ if k.lower() in Settings.model_fields and k.lower() not in EXPLICIT
     )
-    rss = RssSampler()
-    rss.start()
+    rss = RssPeak()
+    proc.reset_peak(os.getpid())
     rollouts: dict[str, float] = {}
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
-            workdir = Path(tmp)
-            (workdir / "data").mkdir()
-            _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
-            plane_started = time.monotonic()
-            plane = start(workdir / "control-plane")
-            plane_seconds = round(time.monotonic() - plane_started, 1)
-            requests = ApiserverRequests(plane)
-            try:
-                kubeconfig = write_manager_kubeconfig(plane, workdir / "kubeconfig", NAMESPACE)
-                backend = LocalBackend(NODE, KEY.public_key())
-                with backend.serve() as server:
-                    world = World(
-                        backend, server.url, plane, requests, kubeconfig, workdir, rss, names,
-                        rollouts,
-                    )  # fmt: skip
-                    started = rss.sample()
-                    runs = asyncio.run(_measure_all(world, repeats))
-                    versions = plane.kubectl("version", "-o", "json").stdout
-            finally:
-                requests.close()
-                plane.stop()
-    finally:
-        rss.stop()
+    with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "data").mkdir()
+        _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
+        plane_started = time.monotonic()
+        plane = start(workdir / "control-plane")
+        plane_seconds = round(time.monotonic() - plane_started, 1)
+        requests = ApiserverRequests(plane)
+        try:
+            kubeconfig = write_manager_kubeconfig(plane, workdir / "kubeconfig", NAMESPACE)
+            backend = LocalBackend(NODE, KEY.public_key())
+            with backend.serve() as server:
+                world = World(
+                    backend, server.url, plane, requests, kubeconfig, workdir, rss, names,
+                    rollouts,
+                )  # fmt: skip
+                started = rss.sample()
+                runs = asyncio.run(_measure_all(world, repeats))
+                versions = plane.kubectl("version", "-o", "json").stdout
+        finally:
+            requests.close()
+            plane.stop()
     setup = {
         "workloads": n,
         "steady_repeats": repeats,
@@ -585,11 +554,11 @@ def _table(run: Mapping[str, Any], n: int, repeats: int) -> dict[str, Any]:
     if failure is not None and failure["phase"] not in labels:
         rows.append(["setting up the syncer", "-", "-", "-", f"FAILED: {failure['reason']}"])
     default = " (the default)" if run["concurrency"] == DEFAULT_CONCURRENCY else ""
-    return {
-        "title": f"sync: {n} desired workloads, SYNC_CONCURRENCY={run['concurrency']}{default}",
-        "columns": ["phase", "wall s", "backend requests", "kube requests (by method)", "outcome"],
-        "rows": rows,
-    }
+    return table(
+        f"sync: {n} desired workloads, SYNC_CONCURRENCY={run['concurrency']}{default}",
+        "phase|wall s|backend requests|kube requests (by method)|outcome",
+        rows,
+    )
 
 
 def _expected_note(runs: Mapping[str, Any]) -> str:
@@ -614,10 +583,6 @@ def _expected_note(runs: Mapping[str, Any]) -> str:
     )
 
 
-def _mib(value: float) -> str:
-    return f"{value / MIB:.0f}"
-
-
 def _notes(
     setup: Mapping[str, Any],
     runs: Mapping[str, Any],
@@ -626,85 +591,57 @@ def _notes(
 ) -> list[str]:
     n = setup["workloads"]
     notes = [
-        f"{n} workloads, one plain Deployment manifest each (tests/support/sync_world.py); the "
-        "Syncer is built as the app builds it (build_runtime + open_sync_only), with "
-        "PING_TOKEN_SECRET set so every manifest gets its ping token injected. Before the numbers "
-        "are reported, the cluster's managed Deployments and the versions reported to the "
-        "backend are checked against the desired state.",
-        f"Kubernetes: a real kube-apiserver ({setup['kubernetes'] or 'version unknown'}) and "
-        "deployment controller (kwok nodes: pods become Ready without a kubelet), etcd, "
-        "scheduler and kwok in their own processes (bench/cluster.py; started in "
-        f"{setup['control_plane_start_seconds']:.0f} s); the manager uses its own "
-        "ServiceAccount token and RBAC (k8s/). The local backend (Ed25519 signatures verified) "
-        "runs in a thread of this process: wall and CPU times include its work, under the same "
-        "GIL; the control plane's CPU is in the JSON (control_plane_cpu_seconds).",
-        "kube requests are counted by the API server (apiserver_request_total, scraped before "
-        "and after each timed sync): Deployments only, verbs LIST, GET, PATCH (server-side "
-        "apply, counted by the API server as APPLY) and DELETE. UPDATE (PUT: the deployment "
-        "controller's writes) and WATCH (the controllers' informers) are excluded, as are "
-        "subresources (the controller's status writes); they are in the JSON as "
-        "kube_not_counted. The counter is the whole cluster's, not the manager's alone; each "
-        "run starts on a namespace emptied of Deployments, ReplicaSets and Pods, and the "
-        "syncs after a converge wait until every rollout is done. " + _expected_note(runs),
-        f"requests: `GET(404) {n}` = {n} answers with status 404 (each create first reads the "
-        "name to see that it is free); `PATCH(201)` = a server-side apply that created the "
-        "Deployment; LIST = list of the namespace's managed Deployments; no status = 200. "
-        "The steady-state row shows the requests of the sync that made the most.",
+        f"{n} workloads, one plain Deployment manifest each (standins/sync_world.py), "
+        "PING_TOKEN_SECRET set (ping tokens injected); checked before reporting: the "
+        "cluster's managed Deployments and the versions reported to the backend. Kubernetes "
+        f"{setup['kubernetes'] or 'version unknown'} (bench/cluster.py, started in "
+        f"{setup['control_plane_start_seconds']:.0f} s); the local backend runs in a thread "
+        "of this process, so wall and CPU times include its work; the control plane's CPU "
+        "is in the JSON (control_plane_cpu_seconds).",
+        "kube requests are the API server's apiserver_request_total for Deployments (LIST, "
+        "GET, PATCH = server-side apply, DELETE; not the controllers' UPDATE, WATCH and "
+        "subresources: kube_not_counted in the JSON), before and after each timed sync, on "
+        "a namespace emptied first, after every rollout is done. "
+        + _expected_note(runs)
+        + f" `GET(404) {n}` = {n} answers 404 (a create first reads the name); `PATCH(201)` "
+        "= an apply that created; no status = 200. The steady-state row shows the sync "
+        "that made the most requests.",
     ]
-    rollouts = setup["rollout_seconds_after"]
-    if rollouts:
-        notes.append(
-            "not timed: after each converge the syncs wait until the deployment controller and "
-            "kwok have rolled out every Deployment: "
-            + "; ".join(
-                f"SYNC_CONCURRENCY={phase.split(':')[0]}: {seconds:.0f} s"
-                for phase, seconds in rollouts.items()
-            )
-            + "."
-        )
+    if rollouts := setup["rollout_seconds_after"]:
+        notes.append("not timed: the rollouts after each converge took " + "; ".join(
+            f"SYNC_CONCURRENCY={phase.split(':')[0]}: {seconds:.0f} s"
+            for phase, seconds in rollouts.items()) + ".")  # fmt: skip
     steady = targets["steady_state_requests"]
     observed = "; ".join(
         f"SYNC_CONCURRENCY={c}: {counts}"
         for c, counts in steady["observed_per_concurrency"].items()
     )
     verdict = {True: "MET", False: "NOT MET", None: "not measured in every run"}[steady["met"]]
-    notes.append(
-        f"steady-state target ({steady['target']}, in every sync): {verdict}; requests per "
-        f"sync: {observed or 'none measured'}."
-    )
+    notes.append(f"steady-state target ({steady['target']}, in every sync): {verdict}; "
+                 f"requests per sync: {observed or 'none measured'}.")  # fmt: skip
     for concurrency, run in runs.items():
         converge = run["phases"].get("converge")
         if converge is None or (run["failure"] and run["failure"]["phase"] == "converge"):
             continue
-        wall = converge["wall_seconds"]
+        wall, cpu = converge["wall_seconds"], converge["cpu_seconds"]
+        requests = converge["backend_requests"] + converge["kube_requests"]
         notes.append(
-            f"SYNC_CONCURRENCY={concurrency}: converging took {wall:.2f} s "
-            f"({n / wall:,.0f} workloads/s, "
-            f"{(converge['backend_requests'] + converge['kube_requests']) / n:.2f} requests per "
-            f"workload) and {converge['cpu_seconds']:.2f} s of this process's CPU"
-            + (
-                ": CPU-bound, the syncer and the backend share one interpreter."
-                if converge["cpu_seconds"] >= CPU_BOUND * wall
-                else "."
-            )
+            f"SYNC_CONCURRENCY={concurrency}: converging took {wall:.2f} s ({n / wall:,.0f} "
+            f"workloads/s, {requests / n:.2f} requests per workload) and {cpu:.2f} s of this "
+            "process's CPU" + (": CPU-bound." if cpu >= CPU_BOUND * wall else ".")
         )
     notes.append(
-        f"RSS of this process (the backend included, the control plane not; sampled every "
-        f"{RSS_INTERVAL * 1000:.0f} ms): "
-        f"{_mib(memory['baseline_rss_bytes'])} MiB before, "
-        f"{_mib(memory['servers_started_rss_bytes'])} MiB with the backend and the control plane "
-        "up, peak "
-        f"{_mib(memory['peak_rss_bytes'])} MiB."
+        "RSS of this process (the backend included, the control plane not; the peak is the "
+        f"kernel's VmHWM): {mib(memory['baseline_rss_bytes'])} MiB before, "
+        f"{mib(memory['servers_started_rss_bytes'])} MiB with the backend and the control "
+        f"plane up, peak {mib(memory['peak_rss_bytes'])} MiB."
     )
-    failed = {c: r["failure"] for c, r in runs.items() if r["failure"] is not None}
-    for concurrency, failure in failed.items():
-        notes.append(
-            f"FAILED at SYNC_CONCURRENCY={concurrency} in phase {failure['phase']}: "
-            f"{failure['reason']}; that run's later phases were not measured."
-        )
+    notes += [
+        f"FAILED at SYNC_CONCURRENCY={c} in phase {r['failure']['phase']}: "
+        f"{r['failure']['reason']}; that run's later phases were not measured."
+        for c, r in runs.items() if r["failure"] is not None
+    ]  # fmt: skip
     if setup["settings_from_environment"]:
-        notes.append(
-            "settings also read from this environment (they change what is measured): "
-            + ", ".join(setup["settings_from_environment"])
-        )
+        notes.append("settings also read from this environment (they change what is "
+                     "measured): " + ", ".join(setup["settings_from_environment"]))  # fmt: skip
     return notes

@@ -21,14 +21,14 @@ from app.main import create_app
 from app.services.features.worker import WORKER
 from app.services.runtime import Runtime
 from app.settings import Settings
-from tests.support.backend import LocalBackend
-from tests.support.control_plane import ControlPlane
-from tests.support.databases import fresh_database
+from standins.backend import LocalBackend
+from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
+from standins.databases import fresh_database
+from standins.servers import ThreadedServer
+from standins.sync_world import KEY, NODE
 from tests.support.kube.proxy import FaultProxy
 from tests.support.moto_s3 import MotoS3, moto_s3_server
-from tests.support.real_cluster import MANAGER_ACCOUNT, RealCluster
-from tests.support.servers import ThreadedServer
-from tests.support.sync_world import KEY, NODE
+from tests.support.real_cluster import RealCluster
 
 if TYPE_CHECKING:
     from app.adapters.bus import JetStreamBus

@@ -12,8 +12,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from app.adapters.backend import BackendClient, BackendError
 from app.adapters.signing import NodeSigner
-from tests.support.backend import LocalBackend
-from tests.support.servers import ThreadedServer, serve
+from standins.backend import LocalBackend
+from standins.servers import ThreadedServer, serve
 
 NODE = "node-test-1"
 KEY = Ed25519PrivateKey.generate()

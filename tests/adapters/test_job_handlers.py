@@ -29,8 +29,8 @@ from app.domain.jobs import (
 from app.services import handlers
 from app.services.handlers import HandlerContext, load_handlers
 from app.services.streams import new_job
+from standins.servers import ThreadedServer, serve
 from tests.support.polling import eventually
-from tests.support.servers import ThreadedServer, serve
 
 WORKLOAD = "http://api.workloads.svc:8080"  # routed to the local server by ClusterDns
 WORKLOADS = AllowedTargets.namespace("workloads")  # what the http job may call here

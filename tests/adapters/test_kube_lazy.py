@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.support.control_plane import ROOT
+from standins.control_plane import ROOT
 
 
 def fresh(code: str) -> dict[str, object]:

@@ -23,7 +23,7 @@ from app.adapters.registry import AsyncpgLedger, AsyncpgRegistry
 from app.domain.ledger import Claim, job_fingerprint
 from app.services import migrating
 from app.services.working import Ledger
-from tests.support.databases import MIGRATIONS, fresh_database
+from standins.databases import MIGRATIONS, fresh_database
 
 
 class Store:

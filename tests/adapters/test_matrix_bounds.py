@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from app.adapters.matrix import MatrixError, MatrixRoom
-from tests.support.servers import ThreadedServer, serve
+from standins.servers import ThreadedServer, serve
 
 ROOM = "!ops:matrix.example"
 TOKEN = "syt_alerts_token"

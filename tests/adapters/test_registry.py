@@ -15,7 +15,7 @@ from app.adapters.registry import AsyncpgRegistry, NodeHeldElsewhere
 from app.domain.migrations import MigrationError
 from app.domain.requirements import Mismatch, NodeProfile, Requirements
 from app.services import migrating
-from tests.support.databases import MIGRATIONS
+from standins.databases import MIGRATIONS
 from tests.support.requirement_cases import CASES, NODES
 
 SEED_COLUMNS = [

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from app.adapters.versions import VersionFile, VersionSourceError
 from app.domain.updates import VersionFileKey
-from tests.support.servers import ThreadedServer, serve
+from standins.servers import ThreadedServer, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 BODY = b'{"version": "0.2.0", "image": "ghcr.io/node-system/workload-manager:0.2.0"}'

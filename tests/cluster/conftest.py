@@ -13,11 +13,11 @@ import pytest
 
 from app.services.runtime import Runtime, build_runtime, open_sync_only
 from app.services.syncing import Syncer
+from standins.backend import LocalBackend
+from standins.control_plane import ControlPlane
+from standins.servers import ThreadedServer
+from standins.sync_world import NAMESPACE, NODE, key_seed, manifest, owned_state
 from tests.conftest import SettingsFactory
-from tests.support.backend import LocalBackend
-from tests.support.control_plane import ControlPlane
-from tests.support.servers import ThreadedServer
-from tests.support.sync_world import NAMESPACE, NODE, key_seed, manifest, owned_state
 
 
 @dataclass

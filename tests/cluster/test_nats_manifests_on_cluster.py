@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from standins.control_plane import ControlPlane
 from tests.conftest import K8S
-from tests.support.control_plane import ControlPlane
 
 NATS = K8S / "nats"
 

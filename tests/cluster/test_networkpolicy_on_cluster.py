@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from standins.control_plane import ControlPlane
 from tests.conftest import K8S
-from tests.support.control_plane import ControlPlane
 
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"
 POLICIES = {

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from app.domain.pod_security import STANDARD_VERSION
+from standins.control_plane import ControlPlane
 from tests.conftest import K8S
-from tests.support.control_plane import ControlPlane
 
 NAMESPACE_FILE = K8S / "workloads-namespace.yaml"
 BASELINE = f'violates PodSecurity "baseline:{STANDARD_VERSION}"'

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from app.adapters.kube import KubeDeployments, KubeError, load_configuration
+from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
+from standins.sync_world import manifest
 from tests.conftest import K8S
-from tests.support.control_plane import ControlPlane
-from tests.support.real_cluster import MANAGER_ACCOUNT
-from tests.support.sync_world import manifest
 
 CRDS_SCRIPT = K8S.parent / "tools" / "control-plane" / "crds.sh"
 

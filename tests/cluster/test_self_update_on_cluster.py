@@ -15,10 +15,9 @@ import pytest
 
 from app.services.runtime import build_runtime, open_self_update_only
 from app.services.updating import SelfUpdater
+from standins.control_plane import MANAGER_ACCOUNT, NEVER_READY_VERSION, ControlPlane
+from standins.servers import ThreadedServer, serve
 from tests.conftest import SettingsFactory
-from tests.support.control_plane import NEVER_READY_VERSION, ControlPlane
-from tests.support.real_cluster import MANAGER_ACCOUNT
-from tests.support.servers import ThreadedServer, serve
 from tests.support.version_file import OWN_NS, REPO, VersionFileServer, own_deployment
 
 FAILED_VERSIONS = "workload-manager.io/failed-versions"

@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 from app.domain.manifests import MANAGED_BY_LABEL
+from standins.sync_world import NAMESPACE, manifest
 from tests.cluster.conftest import ClusterWorld
 from tests.support.polling import eventually
-from tests.support.sync_world import NAMESPACE, manifest
 
 
 def image_of(deployment: dict[str, Any] | None) -> str:

@@ -11,11 +11,10 @@ from typing import Any
 import pytest
 
 from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, load_configuration
-from tests.support.control_plane import ControlPlane
+from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
+from standins.servers import ThreadedServer
 from tests.support.kube.proxy import FaultProxy
 from tests.support.polling import eventually
-from tests.support.real_cluster import MANAGER_ACCOUNT
-from tests.support.servers import ThreadedServer
 
 SELECTOR = "app.kubernetes.io/managed-by=workload-manager"
 

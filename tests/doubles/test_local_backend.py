@@ -1,4 +1,4 @@
-"""Tests of the local node-system backend double (tests/support/backend.py) itself.
+"""Tests of the local node-system backend double (standins/backend.py) itself.
 
 Requests are signed here by a from-scratch implementation of the contract, so a
 pass means the double accepts exactly what the contract allows, and rejects,
@@ -20,9 +20,9 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tests.support.backend import STATUS_CLIENT_CLOSED, LocalBackend, RecordedRequest, Route
+from standins.backend import STATUS_CLIENT_CLOSED, LocalBackend, RecordedRequest, Route
+from standins.servers import ThreadedServer
 from tests.support.polling import eventually_sync
-from tests.support.servers import ThreadedServer
 
 NODE = "n1"
 APPLIED_AT = "2024-05-01T12:00:00Z"

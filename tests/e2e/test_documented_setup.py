@@ -42,9 +42,9 @@ import yaml
 
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.adapters.signing import node_id_for, parse_private_key
-from tests.support.backend import LocalBackend
-from tests.support.control_plane import FAKE_NODE
-from tests.support.databases import fresh_database_sync
+from standins.backend import LocalBackend
+from standins.control_plane import FAKE_NODE
+from standins.databases import fresh_database_sync
 from tests.support.process import ManagerProcess
 
 pytestmark = pytest.mark.e2e

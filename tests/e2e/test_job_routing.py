@@ -17,7 +17,7 @@ import pytest
 
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from app.services.streams import new_job, publish_job
-from tests.support.databases import fresh_database_sync
+from standins.databases import fresh_database_sync
 from tests.support.jobs_world import (
     consumer_bound,
     consumer_settled,

@@ -20,6 +20,7 @@ from app.adapters.embedded import EmbeddedNats
 from app.adapters.kv_ledger import bucket, key_name
 from app.domain.jobs import job_subject
 from app.services.streams import new_job, publish_job
+from standins.servers import serve
 from tests.support.jobs_world import (
     EFFECT_URL,
     EffectCounter,
@@ -35,7 +36,6 @@ from tests.support.jobs_world import (
 )
 from tests.support.polling import eventually
 from tests.support.process import ManagerProcess
-from tests.support.servers import serve
 
 pytestmark = pytest.mark.e2e
 

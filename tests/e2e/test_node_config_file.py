@@ -15,7 +15,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tests.support.backend import LocalBackend
+from standins.backend import LocalBackend
 from tests.support.process import manager
 
 pytestmark = pytest.mark.e2e

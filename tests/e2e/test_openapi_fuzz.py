@@ -24,9 +24,9 @@ from schemathesis.schemas import BaseSchema as BaseOpenAPISchema
 from app.adapters.embedded import EmbeddedPostgres
 from app.main import create_app
 from app.settings import Settings
+from standins.control_plane import ControlPlane
+from standins.databases import fresh_database_sync
 from tests.conftest import isolate_settings
-from tests.support.control_plane import ControlPlane
-from tests.support.databases import fresh_database_sync
 from tests.support.kube.proxy import FaultProxy
 from tests.support.process import ManagerProcess
 from tests.support.real_cluster import RealCluster

@@ -29,12 +29,11 @@ import httpx
 import pytest
 
 from app.adapters.embedded import EmbeddedPostgres, free_port
-from tests.support.control_plane import ControlPlane
-from tests.support.databases import fresh_database_sync
-from tests.support.real_cluster import MANAGER_ACCOUNT
-from tests.support.sentry_receiver import SentryReceiver
-from tests.support.servers import ThreadedServer, serve
-from tests.support.sync_world import key_seed
+from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
+from standins.databases import fresh_database_sync
+from standins.sentry_receiver import SentryReceiver
+from standins.servers import ThreadedServer, serve
+from standins.sync_world import key_seed
 from tests.support.version_file import OWN_NS, REPO, VersionFileServer, own_deployment
 
 pytestmark = pytest.mark.e2e

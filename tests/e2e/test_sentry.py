@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from app.adapters.embedded import free_port
-from tests.support.sentry_receiver import SentryReceiver
-from tests.support.servers import serve
+from standins.sentry_receiver import SentryReceiver
+from standins.servers import serve
 
 pytestmark = pytest.mark.e2e
 

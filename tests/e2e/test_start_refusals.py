@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.sync_world import key_seed
+from standins.sync_world import key_seed
 
 pytestmark = pytest.mark.e2e
 

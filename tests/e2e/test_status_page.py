@@ -11,13 +11,13 @@ import httpx
 import pytest
 
 from app.domain.tokens import ping_token
-from tests.support.backend import LocalBackend
+from standins.backend import LocalBackend
+from standins.servers import ThreadedServer
+from standins.sync_world import desire, sync_env
 from tests.support.browser import browser, chromium_path
 from tests.support.polling import eventually
 from tests.support.process import manager
 from tests.support.real_cluster import RealCluster
-from tests.support.servers import ThreadedServer
-from tests.support.sync_world import desire, sync_env
 
 SPAN = r"\d+(\.\d)? (s|min|h)"  # how long an uptime share covers, as the page says it
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.backend import LocalBackend
+from standins.backend import LocalBackend
+from standins.servers import ThreadedServer
+from standins.sync_world import NAMESPACE, WRITES, desire, manifest, sync_env
 from tests.support.process import manager
 from tests.support.real_cluster import RealCluster
-from tests.support.servers import ThreadedServer
-from tests.support.sync_world import NAMESPACE, WRITES, desire, manifest, sync_env
 
 pytestmark = pytest.mark.e2e
 

@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.backend import LocalBackend
+from standins.backend import LocalBackend
+from standins.servers import ThreadedServer
+from standins.sync_world import NAMESPACE, desire, manifest, sync_env
 from tests.support.process import ManagerProcess
 from tests.support.real_cluster import RealCluster
-from tests.support.servers import ThreadedServer
-from tests.support.sync_world import NAMESPACE, desire, manifest, sync_env
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from standins.backend import REDIRECT_HOST, FailureMode, LocalBackend, Route
+from standins.servers import ThreadedServer
+from standins.sync_world import NODE, WRITES, desire, key_seed
 from tests.faults.conftest import Rig, running_rig
-from tests.support.backend import REDIRECT_HOST, FailureMode, LocalBackend, Route
 from tests.support.process import manager
 from tests.support.real_cluster import RealCluster
-from tests.support.servers import ThreadedServer
-from tests.support.sync_world import NODE, WRITES, desire, key_seed
 
 CASES: list[tuple[Route, FailureMode]] = [
     ("workloads", "500"),

@@ -25,6 +25,7 @@ from app.domain.jobs import STREAMS
 from app.domain.nats_servers import NatsServers
 from app.services.streams import init_streams, new_job, publish_job
 from app.settings import Settings
+from standins.servers import serve
 from tests.support.jobs_world import (
     EFFECT_URL,
     EffectCounter,
@@ -38,7 +39,6 @@ from tests.support.nats_auth import OPERATOR, PRODUCERS, auth_file, filled, new_
 from tests.support.nats_cluster import has_meta_leader, running_cluster, stream_cluster
 from tests.support.polling import eventually
 from tests.support.process import ManagerProcess
-from tests.support.servers import serve
 
 JOBS = 1000
 KILL_AFTER = 300  # effects seen before the leader is killed

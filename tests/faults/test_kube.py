@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from standins.sync_world import desire
 from tests.faults.conftest import Rig
-from tests.support.sync_world import desire
 
 LASTING = 10_000  # "until cleared"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from app.adapters.embedded import EmbeddedPostgres
 from app.services.streams import new_job, publish_job
-from tests.support.databases import fresh_database
+from standins.databases import fresh_database
 from tests.support.jobs_world import (
     consumer_bound,
     consumer_settled,

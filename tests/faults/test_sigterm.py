@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 from app.adapters.embedded import EmbeddedNats
+from standins.backend import LocalBackend
+from standins.servers import ThreadedServer
+from standins.sync_world import NAMESPACE, desire, sync_env
 from tests.faults.conftest import Rig, start_manager
-from tests.support.backend import LocalBackend
 from tests.support.jobs_world import (
     consumer_bound,
     in_ledger,
@@ -23,8 +25,6 @@ from tests.support.jobs_world import (
 from tests.support.polling import eventually
 from tests.support.process import ManagerProcess, manager
 from tests.support.real_cluster import RealCluster
-from tests.support.servers import ThreadedServer
-from tests.support.sync_world import NAMESPACE, desire, sync_env
 
 
 def _sigterm_mid_sync(rig: Rig, *, hang: float, times: int, grace: float) -> str:

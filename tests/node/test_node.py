@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from app.domain.tokens import ping_token
-from tests.support.control_plane import ROOT
+from standins.control_plane import ROOT
+from standins.sync_world import manifest
 from tests.support.node import NODE_NAME
 from tests.support.node_world import (
     GOOD,
@@ -30,7 +31,6 @@ from tests.support.node_world import (
     ready,
     until,
 )
-from tests.support.sync_world import manifest
 from tests.support.version_file import REPO
 
 # the first test starts the node and installs the manager: minutes on a busy machine

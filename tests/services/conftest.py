@@ -14,12 +14,12 @@ import pytest
 
 from app.services.runtime import Runtime, build_runtime, open_sync_only
 from app.services.syncing import Syncer
+from standins.backend import LocalBackend
+from standins.servers import ThreadedServer
+from standins.sync_world import NAMESPACE, NODE, WRITES, key_seed
 from tests.conftest import SettingsFactory
-from tests.support.backend import LocalBackend
 from tests.support.polling import eventually
 from tests.support.real_cluster import RealCluster
-from tests.support.servers import ThreadedServer
-from tests.support.sync_world import NAMESPACE, NODE, WRITES, key_seed
 
 # the manager's client timeout in these tests: far above what the API server takes, even
 # on a busy machine, and short enough for the tests that make a request outlive it
@@ -35,7 +35,7 @@ class World:
 
     def desire(self, *pairs: tuple[str, str], allow_empty: bool = False, **manifests: Any) -> None:
         """Set the backend's desired state; a manifest is registered for every pair."""
-        from tests.support.sync_world import manifest
+        from standins.sync_world import manifest
 
         for name, version in pairs:
             self.backend.set_manifest(name, version, manifests.get(name) or manifest(name, version))

@@ -13,10 +13,10 @@ from app.metrics import Metrics
 from app.services.alerting import PRUNE_AT, Alerter
 from app.services.features.uptime import UPTIME_RECORD
 from app.settings import Settings
+from standins.servers import ThreadedServer, serve
 from tests.conftest import SettingsFactory, running, runtime_of
 from tests.support.matrix_receiver import ROOM, TOKEN, MatrixReceiver
 from tests.support.polling import eventually
-from tests.support.servers import ThreadedServer, serve
 
 
 @pytest.fixture(scope="module")

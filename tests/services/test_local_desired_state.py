@@ -7,9 +7,9 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from app.services.runtime import build_runtime, open_sync_only
+from standins.sync_world import NAMESPACE
 from tests.conftest import SettingsFactory
 from tests.support.real_cluster import RealCluster
-from tests.support.sync_world import NAMESPACE
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "desired-state"
 

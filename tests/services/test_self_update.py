@@ -34,11 +34,11 @@ from app.services.features.sync import SYNC
 from app.services.runtime import Runtime, build_runtime, open_self_update_only, open_sync_only
 from app.services.syncing import SyncBusy
 from app.services.updating import SelfUpdateBusy, SelfUpdater
+from standins.control_plane import NEVER_READY_VERSION
+from standins.servers import ThreadedServer, serve
 from tests.conftest import SettingsFactory
-from tests.support.control_plane import NEVER_READY_VERSION
 from tests.support.polling import eventually
 from tests.support.real_cluster import RealCluster
-from tests.support.servers import ThreadedServer, serve
 from tests.support.version_file import (
     OWN_NS,
     REPO,

@@ -17,9 +17,9 @@ from app.domain.manifests import (
 from app.domain.tokens import ping_token
 from app.services.runtime import Runtime, build_runtime, open_sync_only
 from app.services.syncing import Syncer
+from standins.sync_world import NAMESPACE, manifest, owned_state
 from tests.services.conftest import World
 from tests.support.polling import eventually
-from tests.support.sync_world import NAMESPACE, manifest, owned_state
 
 
 def env_of(deployment: dict[str, Any], container: int = 0) -> dict[str, str]:

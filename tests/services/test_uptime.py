@@ -18,9 +18,9 @@ from app.domain.health import Ping, PingStatus
 from app.domain.uptime import RestartPolicy, UptimeRecord
 from app.services.healthwatch import HealthWatch
 from app.services.uptime import UPTIME_KEY, ConfigMapStore, UptimeKeeper, UptimeRecorder
+from standins.sync_world import manifest
 from tests.services.conftest import World
 from tests.support.polling import eventually
-from tests.support.sync_world import manifest
 
 WALL = 1_000 * 3600.0  # wall seconds at the test's time 0
 

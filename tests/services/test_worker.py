@@ -24,6 +24,7 @@ from app.adapters.registry import AsyncpgRegistry
 from app.domain.requirements import NodeProfile
 from app.main import create_app
 from app.services.streams import init_streams, new_job
+from standins.servers import serve
 from tests.conftest import SettingsFactory, running, runtime_of, worker_of
 from tests.support.jobs_world import (
     EFFECT_URL,
@@ -37,7 +38,6 @@ from tests.support.jobs_world import (
     watching_naks,
 )
 from tests.support.polling import eventually
-from tests.support.servers import serve
 
 NODE = "node-worker-a"
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.control_plane import ROOT, ControlPlane, ControlPlaneUnavailable
+from standins.control_plane import ROOT, ControlPlane, ControlPlaneUnavailable
 
 NODE_NAME = "wm-node"
 NODE_IP = "10.250.0.1"

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
-from tests.support.backend import LocalBackend
-from tests.support.control_plane import ROOT
+from standins.backend import LocalBackend
+from standins.control_plane import ROOT
+from standins.sentry_receiver import SentryReceiver
+from standins.servers import serve
+from standins.sync_world import KEY, NODE, key_seed
 from tests.support.matrix_receiver import ROOM, TOKEN, MatrixReceiver
 from tests.support.node import NODE_IP, Node
-from tests.support.sentry_receiver import SentryReceiver
-from tests.support.servers import serve
-from tests.support.sync_world import KEY, NODE, key_seed
 from tests.support.version_file import REPO, VersionFileServer
 
 IMAGE_BUILD = ROOT / "tools" / "image" / "build.sh"

@@ -9,11 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.support.control_plane import ControlPlane
+from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
 from tests.support.kube.faults import RecordedRequest
 from tests.support.kube.proxy import FaultProxy
-
-MANAGER_ACCOUNT = ("workload-manager", "workload-manager")  # namespace, ServiceAccount
 
 
 class RealCluster:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.control_plane import ControlPlane
+from standins.control_plane import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the load tools that `make bench` drives:
-#   wrk   closed-loop HTTP load, from Debian's package (tools/debian-packages.sh, as root)
+#   wrk   closed-loop HTTP load (paced with bench/load/pings.lua for the soak), from Debian's
+#         package (tools/debian-packages.sh, as root)
 #   oha   fixed-rate HTTP load, at the version pinned in versions.env, built with
 #         `cargo install oha --locked` into a cache directory outside the repo:
 #         ${BENCH_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/workload-manager}/oha/<version>/bin/
@@ -27,7 +28,7 @@ for arg in "$@"; do
   case "$arg" in
     --force) force=1 ;;
     --print) print_only=1 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done

@@ -28,8 +28,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from standins.servers import ThreadedServer
 from tests.support.kube.faults import Control, RecordedRequest, Rule
-from tests.support.servers import ThreadedServer
 
 # hop-by-hop headers (RFC 9110 7.6.1) and those httpx sets itself
 _DROPPED = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "host",

@@ -25,7 +25,7 @@ from typing import Any
 
 from app.adapters.embedded import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "tools" / "control-plane" / "build.sh"
 SERVICE_CIDR = "10.96.0.0/16"
 FAKE_NODE = "kwok-node-0"
@@ -70,6 +70,8 @@ _NODE = {
         "capacity": {"cpu": "64", "memory": "256Gi", "pods": "2000"},
     },
 }
+
+MANAGER_ACCOUNT = ("workload-manager", "workload-manager")  # namespace, ServiceAccount
 
 
 # A pod whose first container's image tag ends with `never-ready` or `rc666` (a version the

@@ -1,4 +1,4 @@
-"""A fresh database per test on the session's PostgreSQL server."""
+"""A fresh database per test (or benchmark run) on a running PostgreSQL server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import asyncpg
 
-MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+MIGRATIONS = Path(__file__).resolve().parents[1] / "migrations"
 
 
 @asynccontextmanager

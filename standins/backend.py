@@ -1,4 +1,4 @@
-"""A local stand-in for the node-system backend, for tests only (never shipped).
+"""A local stand-in for the node-system backend, for the tests and the benchmarks (never shipped).
 
 It enforces the signed node API contract (Ed25519 request signing, routes, body shapes),
 records every request including rejected ones, and can be told to fail a route, so a test
@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, unquote
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from tests.support.servers import ThreadedServer
+from standins.servers import ThreadedServer
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

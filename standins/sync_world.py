@@ -10,7 +10,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tests.support.backend import LocalBackend
+from standins.backend import LocalBackend
 
 NODE = "node-sync"
 NAMESPACE = "workloads"
