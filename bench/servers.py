@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -19,17 +18,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.adapters.embedded import free_port
+
 HOST = "127.0.0.1"
+__all__ = ["HOST", "ServerProcess", "ServerSpec", "free_port", "running"]
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 20.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True)
