@@ -4,14 +4,15 @@ A component is on or off (and why), and records the outcome of its last attempts
 A run of a loop (a sync, a report, a heartbeat) ends in an `Outcome`, which the
 supervision module records on the component, in the metrics and in the alerts, as
 controller-runtime's reconcile result is handled by its controller, not by each
-reconciler. Times are passed in, so this stays a plain record.
+reconciler. A component with a live state (a connection) is read through `live` each
+time its state is asked for, at the time its `clock` gives (tests pass their own).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
@@ -91,7 +92,7 @@ class Component:
     enabled: bool
     reason: str
     critical: bool = False
-    state: ComponentState = ComponentState.STARTING
+    _state: ComponentState = ComponentState.STARTING
     last_success_at: datetime | None = None
     last_failure_at: datetime | None = None
     last_error: str | None = None
@@ -100,10 +101,18 @@ class Component:
     last_detail: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # the last run's
     failing_since: datetime | None = None  # the first failure since it last succeeded
     live: Callable[[], Outcome | None] | None = None
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC), repr=False)
+
+    @property
+    def state(self) -> ComponentState:
+        """The state now: a live one is read first (`refresh`)."""
+        if self.live is not None:
+            self.refresh(self.clock())
+        return self._state
 
     def __post_init__(self) -> None:
         if not self.enabled:
-            self.state = ComponentState.OFF
+            self._state = ComponentState.OFF
 
     @property
     def detail(self) -> dict[str, Any]:
@@ -112,22 +121,22 @@ class Component:
 
     def switch_off(self, reason: str) -> None:
         self.enabled = False
-        self.state = ComponentState.OFF
+        self._state = ComponentState.OFF
         self.reason = reason
         self.failing_since = None
         self.live = None
 
     def succeeded(self, at: datetime, **detail: Any) -> None:
-        self.state = ComponentState.OK
+        self._state = ComponentState.OK
         self.last_success_at = at
         self.consecutive_failures = 0
         self.failing_since = None
         self.last_detail = detail
 
     def failed(self, at: datetime, error: str, **detail: Any) -> None:
-        if self.state is not ComponentState.FAILING:
+        if self._state is not ComponentState.FAILING:
             self.failing_since = at
-        self.state = ComponentState.FAILING
+        self._state = ComponentState.FAILING
         self.last_failure_at = at
         self.last_error = error
         self.consecutive_failures += 1
@@ -153,9 +162,9 @@ class Component:
         if outcome is None or outcome.result is Result.SKIPPED:
             return
         if outcome.result is Result.OK:
-            if self.state is not ComponentState.OK:
+            if self._state is not ComponentState.OK:
                 self.succeeded(at, **outcome.detail)
-        elif self.state is not ComponentState.FAILING or self.last_error != outcome.error:
+        elif self._state is not ComponentState.FAILING or self.last_error != outcome.error:
             self.failed(at, outcome.error or outcome.result.value, **outcome.detail)
 
     @property

@@ -43,11 +43,14 @@ LIVE = [
 def test_a_live_state_is_read_when_the_record_is(
     reads: list[Outcome | None], state: ComponentState, failures: int, since: int | None
 ) -> None:
-    component = Component("nats", True, "test")
+    at = [T0]
+    component = Component("nats", True, "test", clock=lambda: at[0])
     said = iter(reads)
     component.live = lambda: next(said)
     for n in range(len(reads)):
         component.refresh(T0 + timedelta(seconds=n))
+    component.live = lambda: reads[-1]  # asked again when the state is read: still so
+    at[0] = T0 + timedelta(seconds=len(reads))
     assert component.state is state
     assert component.consecutive_failures == failures
     expected = None if since is None else T0 + timedelta(seconds=since)
@@ -60,3 +63,14 @@ def test_a_component_switched_off_is_not_asked() -> None:
     component.switch_off("nats-server is not running")
     component.refresh(T0)
     assert (component.state, component.healthy) == (ComponentState.OFF, True)
+
+
+def test_reading_the_state_asks_the_live_state_at_the_component_s_clock() -> None:
+    at = [T0]
+    connected = [True]
+    component = Component("nats", True, "test", clock=lambda: at[0])
+    component.live = lambda: Outcome.ok() if connected[0] else Outcome.unavailable("EOF")
+    assert component.state is ComponentState.OK
+    connected[0], at[0] = False, T0 + timedelta(seconds=5)
+    assert not component.healthy
+    assert component.as_dict()["failing_since"] == T0 + timedelta(seconds=5)

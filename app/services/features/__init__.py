@@ -40,7 +40,7 @@ class Plan:
         """The status records: the API and the scheduler first (both critical), then each
         feature's, critical when on and its spec says readiness waits for it."""
         records = {
-            "api": Component("api", True, "serving", critical=True, state=ComponentState.OK),
+            "api": Component("api", True, "serving", critical=True, _state=ComponentState.OK),
             "scheduler": Component("scheduler", True, "runs the periodic loops", critical=True),
         }
         for spec, decision in self.decisions.made.items():
