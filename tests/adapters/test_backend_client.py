@@ -265,7 +265,8 @@ async def test_retry_after_as_an_http_date_is_honoured(backend: LocalBackend, ur
 @pytest.mark.parametrize(
     ("retry_after", "deadline", "reason"),
     [
-        ("120", 60.0, r"Retry-After 120 s is past the 60 s left of the deadline"),
+        # what is left is read when the answer comes: 60 s, or a little less on a busy machine
+        ("120", 60.0, r"Retry-After 120 s is past the (60|59\.\d) s left of the deadline"),
         ("30", 60.0, r"Retry-After 30 s is longer than the longest wait \(3 s\)"),
     ],
 )
