@@ -36,6 +36,9 @@ from app.services.workloads import WorkloadBook
 
 log = logging.getLogger(__name__)
 
+# how long a restart waits for a sync or a self-update to let go of the cluster
+CLUSTER_WAIT_SECONDS = 30.0
+
 
 class Restarter(Protocol):
     async def restart(self, name: str, *, at: datetime) -> dict[str, Any]: ...
@@ -87,9 +90,12 @@ class UptimeKeeper:
         self._node_restarts.sort()
 
     async def check(self) -> Outcome:
-        """One look: note who turned bad, restart whom the rule says, show the reasons."""
-        if self._lock.locked():  # the next tick looks again
-            return Outcome.skipped("a sync or a self-update has the cluster")
+        """One look: note who turned bad, restart whom the rule says, show the reasons.
+
+        The book is looked at whoever holds the cluster; a restart waits for it (at most
+        `CLUSTER_WAIT_SECONDS`, then the next tick tries again): the sync and the
+        self-update run at the same cadence, and a check that skipped while either held
+        the lock could skip every time."""
         now = self._clock()
         views = self._book.views()
         managed = self._book.managed()
@@ -137,15 +143,22 @@ class UptimeKeeper:
         return sum(len(m) for m in maps)
 
     async def _restart(self, name: str, reason: str, now: float) -> None:
+        try:
+            async with asyncio.timeout(CLUSTER_WAIT_SECONDS):
+                await self._lock.acquire()
+        except TimeoutError:
+            self._reasons[name] = f"{reason}; the cluster is busy (a sync or a self-update)"
+            return
         at = datetime.now(UTC)
         try:
-            async with self._lock:
-                await self._kube.restart(name, at=at)
+            await self._kube.restart(name, at=at)
         except self._errors as exc:
             self._metrics.workload_restarts.labels("failed").inc()
             self._reasons[name] = f"{reason}; the restart failed: {exc}"
             log.warning("restart of workload %s failed: %s", name, exc)
             return
+        finally:
+            self._lock.release()
         self._restarts.setdefault(name, []).append(now)
         self._restarts[name] = [t for t in self._restarts[name] if now - t < HOUR]
         self._node_restarts.append(now)

@@ -125,7 +125,13 @@ def test_a_workload_that_stops_pinging_gets_a_new_pod_that_pings_again(
             if p["metadata"]["uid"] != first and ready(p)
         ]  # fmt: skip
 
-    second = until("a rollout restart's new pod", replaced, timeout=120)[0]
+    try:
+        second = until("a rollout restart's new pod", replaced, timeout=120)[0]
+    except AssertionError as exc:  # what uptime management and the loops said of it
+        shown = world.status()
+        raise AssertionError(
+            f"{exc}; uptime: {shown['components']['uptime']}; loops: {shown['loops']}"
+        ) from None
     restarted = world.get("deployment", "quiet", WORKLOADS)
     assert restarted is not None
     assert "kubectl.kubernetes.io/restartedAt" in (

@@ -189,3 +189,41 @@ async def test_uptime_is_counted_from_the_book_and_kept_across_a_restart(world: 
     again = recorder()  # the manager started again
     assert (await again.open()).result is Result.OK
     assert again.shares("api") == (0.75, 0.75)
+
+
+async def test_a_restart_due_while_a_sync_holds_the_cluster_waits_for_it_not_a_tick(
+    world: World,
+) -> None:
+    """The sync, the self-update and uptime management run at the same cadence on a node
+    (every 3 s in tests/node): a check that skipped whenever the lock was held could skip
+    every time. The check looks at the book regardless, and a restart it decides waits
+    for the cluster, then is made."""
+    world.desire(("api", "1.0.0"))
+    await world.syncer.sync()
+    await world.settled("api")
+    await world.syncer.sync()
+    now = [0.0]
+    lock = asyncio.Lock()
+    keeper = UptimeKeeper(
+        book=world.runtime.book, kube=world.syncer.kube, errors=(KubeError,),
+        cluster_lock=lock, alerts=world.runtime.alerts, metrics=world.runtime.metrics,
+        policy=POLICY, record=None, clock=lambda: now[0], wall=lambda: WALL + now[0],
+    )  # fmt: skip
+    world.runtime.book.record("api", Ping(status=PingStatus.UNHEALTHY, message="db down"))
+    async with lock:  # a sync at each tick
+        await keeper.check()
+    now[0] = 200.0
+    world.runtime.book.record("api", Ping(status=PingStatus.UNHEALTHY, message="db down"))
+    async with lock:
+        check = asyncio.create_task(keeper.check())
+        await eventually(lambda: _waits_for(lock))
+        assert restarted_at(world, "api") is None  # not while the sync holds the cluster
+    outcome = await asyncio.wait_for(check, timeout=30)
+    assert restarted_at(world, "api") is not None
+    assert str(outcome.detail["workloads"]["api"]["reason"]).startswith(
+        "restarted: unhealthy for 200 s"
+    )
+
+
+async def _waits_for(lock: asyncio.Lock) -> bool:
+    return bool(getattr(lock, "_waiters", None))
