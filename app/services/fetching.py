@@ -7,8 +7,9 @@ short. Each delivery gets its lease the moment it arrives, then waits for a plac
 queue.
 
 The queue has room for WORKER_CONCURRENCY jobs beyond those running. An idle stream
-long-polls for one message; once it delivers, it waits until half the queue is free and
-then fetches what the queue has room for, up to a batch (JOB_FETCH_BATCH). A fetch then
+long-polls for one message; once it delivers, it waits until the queue has room for half
+a batch (JOB_FETCH_BATCH, or the queue's size when smaller) and then fetches what the
+queue has room for, up to a batch. A fetch then
 brings several jobs in one round trip to the server, and the runners that take them
 together claim, complete and answer them together (one ledger statement for their
 claims, one for their completions); fetching one job each time one place came free would
@@ -58,9 +59,9 @@ class JobQueue(asyncio.Queue[Lease]):
         return self.maxsize - self.qsize()
 
     def refill_at(self, batch: int) -> int:
-        """The room a stream that delivers waits for before it fetches again: half the
-        queue (at least one place, at most a batch)."""
-        return max(1, min(batch, self.maxsize // 2))
+        """The room a stream that delivers waits for before it fetches again: half a
+        batch, or half the queue when that is smaller (at least one place)."""
+        return max(1, min(batch, self.maxsize) // 2)
 
     async def wait_room(self, places: int) -> None:
         """Until the queue has room for `places` leases."""

@@ -5,8 +5,8 @@ The shape, in one place, three parts joined by one bounded queue:
 - the **fetcher** (`app.services.fetching`): one loop per job stream (MM_ONLINE,
   MM_OFFLINE, MM_WRITE) pulls from the tier's shared durable consumer into the queue,
   which has room for WORKER_CONCURRENCY jobs beyond those running, so a runner that
-  finishes finds its next job waiting; it refills the queue once half of it is free, a
-  batch in one fetch;
+  finishes finds its next job waiting; it refills the queue once it has room for half a
+  batch, in one fetch;
 - a **lease** per delivery (`app.services.leasing`), taken at fetch: the one owner of
   `in_progress` to JetStream and the renewal of the claim in the ledger, from the
   moment the delivery is fetched until it is answered, and of the claim's loss (a

@@ -514,10 +514,10 @@ async def test_a_fetch_brings_what_the_queue_has_room_for() -> None:
     assert all(m.answers() == [("ack", None)] for m in messages)
 
 
-async def test_a_full_queue_is_refilled_once_half_of_it_is_free_in_one_fetch() -> None:
+async def test_a_full_queue_is_refilled_once_it_has_room_for_half_a_batch() -> None:
     """A stream that delivers does not fetch while the queue is full (a fetch per job
     would cost a round trip to the server per job, and hold a delivery besides): it waits
-    until half the queue is free, then fetches that much at once."""
+    until the queue has room for half a batch, then fetches that much at once."""
     async with world(concurrency=4, batch=4) as w:
         messages = [w.bus.add(new_job("turn")) for _ in range(12)]
 
@@ -531,7 +531,7 @@ async def test_a_full_queue_is_refilled_once_half_of_it_is_free_in_one_fetch() -
         w.turnstile.permits.release()  # one job done: its runner takes one from the queue
         await until(lambda: w.turnstile.started == 5)
         await _settled()
-        assert delivered() == 8  # one free place is not half the queue
+        assert delivered() == 8  # one free place is not half a batch
         w.turnstile.permits.release()
         await until(lambda: w.turnstile.started == 6)
         await until(lambda: delivered() == 10)
