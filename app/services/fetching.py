@@ -7,11 +7,16 @@ short. Each delivery gets its lease the moment it arrives, then waits for a plac
 queue.
 
 The queue has room for WORKER_CONCURRENCY jobs beyond those running. An idle stream
-long-polls for one message; once it delivers, it fetches what the queue has room for, up
-to a batch (JOB_FETCH_BATCH), and waits for room when there is none. So idle streams
-cannot keep a small WORKER_CONCURRENCY from the busy one, and the jobs delivered and
-unanswered here stay bounded: those running, at most WORKER_CONCURRENCY queued, and at
-most one fetch per stream waiting for room.
+long-polls for one message; once it delivers, it waits until the queue has room for half
+a batch (JOB_FETCH_BATCH, or the queue's size when smaller) and then fetches what the
+queue has room for, up to a batch. A fetch then
+brings several jobs in one round trip to the server, and the runners that take them
+together claim, complete and answer them together (one ledger statement for their
+claims, one for their completions); fetching one job each time one place came free would
+cost a round trip per job and leave the runners each on its own. So idle streams cannot
+keep a small WORKER_CONCURRENCY from the busy one, and the jobs delivered and unanswered
+here stay bounded: those running, at most WORKER_CONCURRENCY queued, and at most one
+fetch per stream waiting for a place.
 """
 
 from __future__ import annotations
@@ -39,6 +44,34 @@ class Subscription(Protocol):
     async def fetch(self, batch: int, *, wait: float) -> Sequence[Message]: ...
 
     async def unsubscribe(self) -> None: ...
+
+
+class JobQueue(asyncio.Queue[Lease]):
+    """The runners' queue: WORKER_CONCURRENCY places, and a fetcher can wait for room in
+    it before it fetches."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize)
+        self._taken = asyncio.Event()  # set whenever a runner takes a lease
+
+    @property
+    def room(self) -> int:
+        return self.maxsize - self.qsize()
+
+    def refill_at(self, batch: int) -> int:
+        """The room a stream that delivers waits for before it fetches again: half a
+        batch, or half the queue when that is smaller (at least one place)."""
+        return max(1, min(batch, self.maxsize) // 2)
+
+    async def wait_room(self, places: int) -> None:
+        """Until the queue has room for `places` leases."""
+        while self.room < places:
+            self._taken.clear()
+            await self._taken.wait()
+
+    def _get(self) -> Lease:
+        self._taken.set()
+        return super()._get()
 
 
 class Source(Protocol):
@@ -80,7 +113,7 @@ class Fetcher:
         self.fetched_at: dict[str, float] = {}
         self.waiting: set[str] = set()
 
-    async def fetch(self, stream: str, queue: asyncio.Queue[Lease], leases: Leases) -> None:
+    async def fetch(self, stream: str, queue: JobQueue, leases: Leases) -> None:
         """Fetch from `stream` into `queue` until the stop; what a fetch brings after the
         stop began is queued too, and the runners hand it back."""
         bus = self._bus
@@ -89,7 +122,11 @@ class Fetcher:
         seen_reconnects = -1
         failures = 0
         active = False
+        refill_at = queue.refill_at(self._config.batch)
         while not self._stop.is_set():
+            if active and queue.room < refill_at:
+                await self._wait_room(stream, queue, refill_at)
+                continue
             if not bus.connected:
                 await self._clock.wait(self._stop, OFFLINE_LOOK_SECONDS)
                 continue
@@ -104,10 +141,9 @@ class Fetcher:
                     await self._pause(stream, f"subscribe to {stream}/{durable}", exc, failures)
                     continue
                 seen_reconnects = bus.reconnects
-            # an active stream takes what the queue has room for (one, to wait for room,
-            # when it is full); an idle one long-polls for one
-            room = queue.maxsize - queue.qsize()
-            size = max(1, min(self._config.batch, room)) if active else 1
+            # an active stream takes what the queue has room for; an idle one long-polls
+            # for one
+            size = max(1, min(self._config.batch, queue.room)) if active else 1
             try:
                 deliveries = await subscription.fetch(size, wait=self._config.fetch_wait)
             except BusError as exc:
@@ -129,6 +165,13 @@ class Fetcher:
                 self.waiting.discard(stream)
         if subscription is not None:
             await subscription.unsubscribe()
+
+    async def _wait_room(self, stream: str, queue: JobQueue, places: int) -> None:
+        self.waiting.add(stream)
+        try:
+            await queue.wait_room(places)
+        finally:
+            self.waiting.discard(stream)
 
     async def _pause(self, stream: str, what: str, exc: BaseException, failures: int) -> None:
         """A pause after a failure, kept as the stream's trouble; the stop ends it."""

@@ -5,7 +5,8 @@ The shape, in one place, three parts joined by one bounded queue:
 - the **fetcher** (`app.services.fetching`): one loop per job stream (MM_ONLINE,
   MM_OFFLINE, MM_WRITE) pulls from the tier's shared durable consumer into the queue,
   which has room for WORKER_CONCURRENCY jobs beyond those running, so a runner that
-  finishes finds its next job waiting;
+  finishes finds its next job waiting; it refills the queue once it has room for half a
+  batch, in one fetch;
 - a **lease** per delivery (`app.services.leasing`), taken at fetch: the one owner of
   `in_progress` to JetStream and the renewal of the claim in the ledger, from the
   moment the delivery is fetched until it is answered, and of the claim's loss (a
@@ -38,11 +39,10 @@ from app.domain.job_flow import WorkerConfig
 from app.domain.jobs import STREAMS, EventKind, event_body, event_subject
 from app.domain.requirements import NodeProfile
 from app.metrics import Metrics
-from app.services.fetching import Fetcher, Source
+from app.services.fetching import Fetcher, JobQueue, Source
 from app.services.handlers import JobHandlers
 from app.services.leasing import (
     Clock,
-    Lease,
     Leases,
     LoopClock,
     Terms,
@@ -153,7 +153,7 @@ class Worker:
             await self._prepare()
         self._runner.node_id = (await self._node()).node_id
         await self._node_event(EventKind.NODE_ONLINE)
-        queue: asyncio.Queue[Lease] = asyncio.Queue(maxsize=self._config.concurrency)
+        queue = JobQueue(self._config.concurrency)
         try:
             async with asyncio.TaskGroup() as group:
                 terms = Terms(

@@ -68,6 +68,19 @@ class Gate:
         return {"gate": True, "attempt": context.attempt}
 
 
+class Turnstile:
+    """A handler whose jobs finish one per permit the test lets through."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.permits = asyncio.Semaphore(0)
+
+    async def __call__(self, job: Job, context: HandlerContext) -> dict[str, Any]:
+        self.started += 1
+        await self.permits.acquire()
+        return {"turned": True}
+
+
 class Registry:
     def __init__(self, nodes: list[NodeProfile]) -> None:
         self.nodes = nodes
@@ -87,6 +100,7 @@ class World:
     stopping: asyncio.Event
     task: asyncio.Task[None]
     gate: Gate
+    turnstile: Turnstile
 
     def counted(self, kind: str, label: str) -> float:
         return float(self.metrics.jobs.labels(kind, label)._value.get())
@@ -110,19 +124,21 @@ async def world(
     bus, ledger, metrics = FakeBus(clock), FakeLedger(clock), Metrics()
     bus.subscribe_failures = subscribe_failures
     settings = replace(CONFIG, **config)
-    gate = Gate()
+    gate, turnstile = Gate(), Turnstile()
 
     async def node() -> NodeProfile:
         return NODE
 
     worker = Worker(
         bus=bus, ledger=ledger, registry=registry, node=node,
-        handlers=JobHandlers({"noop": noop, "gate": gate}, cast(WorkloadHttp, None)),
+        handlers=JobHandlers(
+            {"noop": noop, "gate": gate, "turn": turnstile}, cast(WorkloadHttp, None)
+        ),
         config=settings, metrics=metrics, clock=clock,
     )  # fmt: skip
     stopping = asyncio.Event()
     task = asyncio.create_task(worker.run(stopping), name="worker-under-test")
-    w = World(clock, bus, ledger, worker, metrics, settings, stopping, task, gate)
+    w = World(clock, bus, ledger, worker, metrics, settings, stopping, task, gate, turnstile)
     try:
         await until(lambda: bus.kinds() == ["node.online"])
         if not subscribe_failures:
@@ -130,6 +146,8 @@ async def world(
         yield w
     finally:
         gate.open.set()
+        for _ in range(len(bus.messages)):
+            turnstile.permits.release()
         worker.begin_stop()
         await w.stopped()
     late = [d for m in bus.messages for d in m.deliveries if d.touched_after_answer]
@@ -485,14 +503,53 @@ async def test_a_fetch_brings_what_the_queue_has_room_for() -> None:
     async with world(concurrency=1, batch=4) as w:
         messages = [w.bus.add(new_job("gate")) for _ in range(5)]
         await until(lambda: w.gate.started == 1 and w.worker.in_flight == 2)
-        # the first fetch polled for one; the next took the one place in the queue, and
-        # the one after waits for room with one more
-        await until(lambda: sum(bool(m.deliveries) for m in messages) == 3)
-        assert w.worker.in_flight == 3
+        # the first fetch polled for one; the next took the one place in the queue; the
+        # stream fetches again once that place is free
+        await _settled()
+        assert sum(bool(m.deliveries) for m in messages) == 2
+        assert w.worker.in_flight == 2
         w.gate.open.set()
         for message in messages:
             await w.answered(message)
     assert all(m.answers() == [("ack", None)] for m in messages)
+
+
+async def test_a_full_queue_is_refilled_once_it_has_room_for_half_a_batch() -> None:
+    """A stream that delivers does not fetch while the queue is full (a fetch per job
+    would cost a round trip to the server per job, and hold a delivery besides): it waits
+    until the queue has room for half a batch, then fetches that much at once."""
+    async with world(concurrency=4, batch=4) as w:
+        messages = [w.bus.add(new_job("turn")) for _ in range(12)]
+
+        def delivered() -> int:
+            return sum(len(m.deliveries) for m in messages)
+
+        # four running, the queue's four places taken, and nothing fetched beyond them
+        await until(lambda: w.turnstile.started == 4 and w.worker.in_flight >= 8)
+        await _settled()
+        assert delivered() == 8
+        w.turnstile.permits.release()  # one job done: its runner takes one from the queue
+        await until(lambda: w.turnstile.started == 5)
+        await _settled()
+        assert delivered() == 8  # one free place is not half a batch
+        w.turnstile.permits.release()
+        await until(lambda: w.turnstile.started == 6)
+        await until(lambda: delivered() == 10)
+        await _settled()
+        assert delivered() == 10
+        assert w.bus.fetched[-1] == ("MM_WRITE", 2)  # the two free places, in one fetch
+        assert w.worker.in_flight == 8
+        for _ in messages:
+            w.turnstile.permits.release()
+        for message in messages:
+            await w.answered(message)
+    assert all(m.answers() == [("ack", None)] for m in messages)
+
+
+async def _settled(turns: int = 200) -> None:
+    """Some turns of the event loop for whatever is to happen now (no time passes)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
 
 
 async def test_the_worker_s_state_is_read_from_its_fetchers() -> None:

@@ -173,6 +173,7 @@ class FakeSubscription:
         while True:
             due = bus._take(self._stream, batch)
             if due:
+                bus.fetched.append((self._stream, len(due)))
                 return due
             left = ends - clock.now()
             if left <= 0:
@@ -202,6 +203,7 @@ class FakeBus:
         self.stuck: asyncio.Event | None = None  # set: fetches wait for it before anything
         self.subscriptions: list[FakeSubscription] = []
         self.messages: list[FakeMessage] = []  # every message published to a job stream
+        self.fetched: list[tuple[str, int]] = []  # by fetch that brought any: stream, how many
         self._pending: dict[str, list[tuple[float, int, FakeMessage]]] = {}
         self._arrived: dict[str, asyncio.Event] = {}
         self._sequence = 0
