@@ -133,6 +133,9 @@ def _failing(outcome: Outcome) -> bool:
 # a failed loop's first retry comes after about this long, then twice as long each time,
 # up to the loop's interval
 LOOP_BACKOFF_INITIAL = 10.0
+# the latest a run may ask to be put off to (a Retry-After of a day is not kept), unless
+# the loop's own interval is longer
+LONGEST_RETRY_IN = 3600.0
 
 _LOOP_STATE = {
     Result.OK: "ok",
@@ -248,8 +251,8 @@ class Supervisor:
     def _schedule_next(self, loop: Loop, outcome: Outcome, *, failed: bool) -> None:
         """The run after this one: when the outcome asks (a Retry-After), else after a
         backoff when it failed, else at the loop's interval (the scheduler's own)."""
-        if outcome.retry_in is not None:
-            after = outcome.retry_in
+        if outcome.retry_in is not None:  # the backend's word, bounded
+            after = min(outcome.retry_in, max(loop.every, LONGEST_RETRY_IN))
         elif failed:
             after = self.backoff(
                 loop.failures_in_a_row, initial=self._loop_backoff_initial, cap=loop.every
@@ -257,8 +260,7 @@ class Supervisor:
         else:
             return
         self.scheduler.run_again(loop.name, after=after)
-        if failed:
-            log.info("%s runs again in %.0f s", loop.what, after)
+        log.debug("%s runs again in %.0f s", loop.what, after)
 
     def record(self, name: str, outcome: Outcome) -> None:
         """The outcome of a run made outside the schedule (an operator's sync)."""

@@ -191,3 +191,13 @@ async def test_a_run_may_ask_for_its_next_time(scheduler: Supervisor) -> None:
     await _until(lambda: _runs(body, 4))
     gaps = [b - a for a, b in itertools.pairwise(body.at)]
     assert [round(g) for g in gaps[:3]] == [300, 5, 60], gaps
+
+
+async def test_a_run_cannot_put_its_loop_off_past_an_hour(scheduler: Supervisor) -> None:
+    """A Retry-After of a day (or of years) is the backend's word, bounded: the loop runs
+    again within the hour."""
+    body = Answers(Outcome.failed("HTTP 503").retrying(86_400.0))
+    scheduler.add_loop("sync", body, every=10 * MINUTE, first_after=1.0)
+    scheduler.start_loops()
+    await _until(lambda: _runs(body, 2))
+    assert round(body.at[1] - body.at[0]) == 3600
