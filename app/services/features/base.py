@@ -13,6 +13,7 @@ task to the supervisor, and runs the stop phases within the one deadline.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -109,20 +110,21 @@ class Running:
         return None
 
 
-class Spec(Generic[C, R]):
+class Spec(ABC, Generic[C, R]):
     """A feature: its name (its component's), whether readiness waits for it, how it is
-    decided and how it is opened."""
+    decided and how it is opened (abstract: a feature that lacks either is not made)."""
 
     name: str
     critical: bool = False  # in `/readyz` when on
 
+    @abstractmethod
     def decide(self, settings: Settings, shared: Shared, earlier: Decisions) -> Decision[C]:
         """On or off from the settings, what all features share, and the decisions of the
         features before it."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def open(self, config: C, deps: Deps) -> R | Off:
-        raise NotImplementedError
+        """The feature running (not yet started), or Off with what the start found."""
 
     def __repr__(self) -> str:
         return f"<feature {self.name}>"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -57,19 +58,21 @@ class _DataSpec(Spec[DataServiceConfig[A], DataService[A]]):
     directory: str
     label: str
 
+    @abstractmethod
     def server(self, directory: Path) -> EmbeddedPostgres | EmbeddedNats:
-        raise NotImplementedError
+        """The embedded server, in `directory`, for development."""
 
+    @abstractmethod
     def configured(self, settings: Settings) -> A | None:
-        raise NotImplementedError
+        """The address the settings give (None: none set)."""
 
+    @abstractmethod
     def address(self, url: str) -> A:
         """An embedded server's URL as the configured address's type."""
-        raise NotImplementedError
 
+    @abstractmethod
     def shown(self, address: A) -> str:
         """The address as the status shows it: no password."""
-        raise NotImplementedError
 
     def decide(
         self, settings: Settings, shared: Shared, earlier: Decisions
@@ -117,8 +120,9 @@ class _DataSpec(Spec[DataServiceConfig[A], DataService[A]]):
         else:
             component.succeeded(datetime.now(UTC), **info)
 
+    @abstractmethod
     def check(self, address: A, deps: Deps) -> Awaitable[dict[str, Any]]:
-        raise NotImplementedError
+        """What the server says of itself (its version); raises when it does not answer."""
 
 
 class _Postgres(_DataSpec[SecretStr]):
