@@ -1,8 +1,8 @@
 """Benchmarks for the workload manager: `python -m bench` (or `make bench`) runs them all.
 
-A benchmark is a module listed in BENCHMARKS that exposes `NAME`, `DESCRIPTION` and
-`run(options) -> dict`. The dict is stored as-is in bench/results/latest.json; its
-"tables" entry (a list of {"title", "columns", "rows"}) and "notes" are what gets printed.
+A benchmark is a module listed in BENCHMARKS with `NAME`, `DESCRIPTION` and
+`run(options) -> dict`: the dict goes as-is to bench/results/latest.json; its "tables",
+"targets" and "notes" are printed (bench/report.py).
 """
 
 from __future__ import annotations
@@ -10,14 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-# Add a module path here and `python -m bench` runs it, in this order.
-BENCHMARKS: tuple[str, ...] = (
-    "bench.pings",
-    "bench.memory",
-    "bench.sync",
-    "bench.registry",
-    "bench.jobs",
-)
+BENCHMARKS = ("bench.pings", "bench.memory", "bench.sync", "bench.registry", "bench.jobs")
 
 
 @dataclass(frozen=True)
@@ -34,8 +27,6 @@ class Options:
 
 
 class Benchmark(Protocol):
-    """The shape of a benchmark module."""
-
     NAME: str
     DESCRIPTION: str
 

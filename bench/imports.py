@@ -12,18 +12,19 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TIMEOUT = 120.0
 REPO = Path(__file__).resolve().parent.parent  # imported from this checkout (PYTHONPATH)
-_RSS_SUFFIX = (
-    "\nimport os as _os\n"
-    "print(int(open('/proc/self/statm').read().split()[1]) * _os.sysconf('SC_PAGE_SIZE'))\n"
+_RSS = (
+    "\nimport os\n"
+    "print(int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE'))"
 )
 
 
 @dataclass(frozen=True)
-class ImportEntry:
-    name: str
+class Entry:
+    module: str
     self_us: int
     cumulative_us: int
     depth: int  # 0 for what the -c statement imported directly
@@ -31,105 +32,94 @@ class ImportEntry:
 
     @property
     def package(self) -> str:
-        return self.name.split(".", 1)[0]
+        return self.module.split(".", 1)[0]
 
 
-def parse_importtime(stderr: str) -> list[ImportEntry]:
+def parse_importtime(stderr: str) -> list[Entry]:
     rows: list[tuple[str, int, int, int]] = []
     for line in stderr.splitlines():
-        if not line.startswith("import time:") or "[us]" in line:
+        fields = line.removeprefix("import time:").split("|")
+        if not line.startswith("import time:") or "[us]" in line or len(fields) != 3:
             continue
-        fields = line[len("import time:") :].split("|")
-        if len(fields) != 3:
-            continue
-        raw_name = fields[2].rstrip()
-        name = raw_name.lstrip(" ")
-        depth = max(0, (len(raw_name) - len(name) - 1) // 2)
-        rows.append((name, int(fields[0]), int(fields[1]), depth))
+        raw = fields[2].rstrip()
+        name = raw.lstrip(" ")
+        rows.append((name, int(fields[0]), int(fields[1]), max(0, (len(raw) - len(name) - 1) // 2)))
     # importtime prints a module after its children; walking backwards, parents come first.
-    entries: list[ImportEntry] = []
+    entries: list[Entry] = []
     stack: list[tuple[int, str]] = []
     for name, self_us, cumulative_us, depth in reversed(rows):
         while stack and stack[-1][0] >= depth:
             stack.pop()
-        entries.append(
-            ImportEntry(name, self_us, cumulative_us, depth, stack[-1][1] if stack else None)
-        )
+        entries.append(Entry(name, self_us, cumulative_us, depth, stack[-1][1] if stack else None))
         stack.append((depth, name))
-    entries.reverse()
-    return entries
+    return entries[::-1]
 
 
-def importtime(module: str, *, env: Mapping[str, str], cwd: Path, runs: int) -> list[ImportEntry]:
+def _python(*argv: str, env: Mapping[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *argv], env={**env, "PYTHONPATH": str(REPO)}, cwd=cwd,
+                          capture_output=True, text=True, timeout=TIMEOUT, check=True)  # fmt: skip
+
+
+def importtime(module: str, *, env: Mapping[str, str], cwd: Path, runs: int) -> list[Entry]:
     """The fastest of `runs` timed imports of `module` (after one untimed warm-up run)."""
-    best: list[ImportEntry] = []
-    best_total = -1
-    for attempt in range(runs + 1):
-        proc = subprocess.run(
-            [sys.executable, "-X", "importtime", "-c", f"import {module}"],
-            env={**env, "PYTHONPATH": str(REPO)},
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            check=True,
-        )
-        if attempt == 0:
-            continue
-        entries = parse_importtime(proc.stderr)
-        total = sum(e.self_us for e in entries)
-        if best_total < 0 or total < best_total:
-            best, best_total = entries, total
-    return best
+    _python("-c", f"import {module}", env=env, cwd=cwd)
+    timed = [parse_importtime(_python("-X", "importtime", "-c", f"import {module}", env=env,
+                                      cwd=cwd).stderr) for _ in range(runs)]  # fmt: skip
+    return min(timed, key=lambda entries: sum(e.self_us for e in entries))
 
 
-def top_modules(entries: Sequence[ImportEntry], count: int) -> list[ImportEntry]:
-    return sorted(entries, key=lambda e: e.cumulative_us, reverse=True)[:count]
-
-
-@dataclass(frozen=True)
-class PackageCost:
-    package: str
-    self_us: int  # time in the package's own modules
-    cumulative_us: int  # the package's outermost imports, with everything they pulled in
-    modules: int
-    via: str | None  # the first module outside the package that imported it
-
-
-def package_costs(entries: Sequence[ImportEntry]) -> list[PackageCost]:
-    """Per top-level package, most expensive first (by cumulative time)."""
-    parents = {e.name: e.parent for e in entries}
-    totals: dict[str, list[int]] = {}  # package -> [self, cumulative, modules]
-    via: dict[str, str | None] = {}
-    for entry in entries:  # completion order: outermost imports of a package in import order
-        total = totals.setdefault(entry.package, [0, 0, 0])
-        total[0] += entry.self_us
-        total[2] += 1
-        if not _nested_in_own_package(entry, parents):
-            total[1] += entry.cumulative_us
-            via.setdefault(entry.package, entry.parent)
-    costs = [PackageCost(name, t[0], t[1], t[2], via.get(name)) for name, t in totals.items()]
-    return sorted(costs, key=lambda c: c.cumulative_us, reverse=True)
-
-
-def _nested_in_own_package(entry: ImportEntry, parents: Mapping[str, str | None]) -> bool:
-    ancestor = entry.parent
-    while ancestor is not None:
-        if ancestor.split(".", 1)[0] == entry.package:
-            return True
-        ancestor = parents.get(ancestor)
-    return False
+def package_costs(entries: Sequence[Entry]) -> list[dict[str, Any]]:
+    """Per top-level package, most expensive first: its own modules' time (self), its
+    outermost imports with all they pulled in (cumulative) and the first module outside it
+    that imported it (via)."""
+    parents = {e.module: e.parent for e in entries}
+    costs: dict[str, dict[str, Any]] = {}
+    for e in entries:  # completion order: outermost imports of a package in import order
+        cost = costs.setdefault(e.package, {"package": e.package, "cumulative_us": 0,
+                                            "self_us": 0, "modules": 0})  # fmt: skip
+        cost["self_us"] += e.self_us
+        cost["modules"] += 1
+        ancestor = e.parent
+        while ancestor is not None and ancestor.split(".", 1)[0] != e.package:
+            ancestor = parents.get(ancestor)
+        if ancestor is None:  # not nested in its own package
+            cost["cumulative_us"] += e.cumulative_us
+            cost.setdefault("via", e.parent)
+    return sorted(costs.values(), key=lambda c: c["cumulative_us"], reverse=True)
 
 
 def rss_after(statement: str, *, env: Mapping[str, str], cwd: Path) -> int:
     """RSS in bytes of a fresh interpreter right after running `statement`."""
-    proc = subprocess.run(
-        [sys.executable, "-c", statement + _RSS_SUFFIX],
-        env=dict(env),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=True,
-    )
-    return int(proc.stdout.strip().splitlines()[-1])
+    return int(_python("-c", statement + _RSS, env=env, cwd=cwd).stdout.strip().splitlines()[-1])
+
+
+def costs(module: str, steps: Sequence[tuple[str, str]], *, env: Mapping[str, str], cwd: Path,
+          runs: int, top: int = 12) -> dict[str, Any]:  # fmt: skip
+    """The import of `module` timed (the top modules and third-party packages), and RSS
+    after each of `steps` (label, statement) and after each top package alone."""
+    entries = importtime(module, env=env, cwd=cwd, runs=runs)
+    own = sys.stdlib_module_names | {module.split(".")[0]}
+    packages = [p for p in package_costs(entries) if p["package"] not in own][:top]
+
+    def ms(us: int) -> float:
+        return round(us / 1000, 1)
+
+    return {
+        "total_ms": ms(sum(e.self_us for e in entries)),
+        "modules": len(entries),
+        "top_modules": [
+            {"module": e.module, "cumulative_ms": ms(e.cumulative_us), "self_ms": ms(e.self_us),
+             "depth": e.depth, "parent": e.parent}
+            for e in sorted(entries, key=lambda e: e.cumulative_us, reverse=True)[:10]
+        ],
+        "top_packages": [
+            {"package": p["package"], "cumulative_ms": ms(p["cumulative_us"]),
+             "self_ms": ms(p["self_us"]), "modules": p["modules"], "via": p["via"]}
+            for p in packages
+        ],
+        "rss_steps": [{"label": label, "statement": statement,
+                       "rss_bytes": rss_after(statement, env=env, cwd=cwd)}
+                      for label, statement in steps],
+        "rss_package_alone": [{"package": p["package"], "rss_bytes": rss_after(
+            f"import {p['package']}", env=env, cwd=cwd)} for p in packages],
+    }  # fmt: skip

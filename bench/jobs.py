@@ -684,7 +684,7 @@ def run(options: Options) -> dict[str, Any]:
     result["targets"] = {
         "whole_path_vs_ledger_loop": {
             "target": f">= {TARGET_RATIO}x",
-            "observed": {c: r.get("ratio") for c, r in runs.items()},
+            "measured": {c: r.get("ratio") for c, r in runs.items()},
             "met": all(r.get("target_met") for r in runs.values()) if result["ok"] else None,
         }
     }

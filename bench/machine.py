@@ -1,7 +1,4 @@
-"""Facts about the machine and the software a run measured, stored with every result.
-
-CPU model, cores, memory, load, Python, the HTTP stack's package versions and the git revision.
-"""
+"""Facts about the machine and the software a run measured, stored with every result."""
 
 from __future__ import annotations
 
@@ -19,12 +16,10 @@ PACKAGES = ("fastapi", "starlette", "pydantic", "pydantic-core", "uvicorn", "uvl
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+    with open("/proc/cpuinfo") as info:
+        for line in info:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or "unknown"
 
 
@@ -37,22 +32,15 @@ def _version(package: str) -> str | None:
 
 def _git_revision(repo: Path) -> str | None:
     try:
-        proc = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, timeout=10,
+                              capture_output=True, text=True, check=False)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return proc.stdout.strip() or None if proc.returncode == 0 else None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
 def facts(repo: Path) -> dict[str, Any]:
-    memory = psutil.virtual_memory()
-    freq = psutil.cpu_freq()
+    memory, freq = psutil.virtual_memory(), psutil.cpu_freq()
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "cpu_model": cpu_model(),

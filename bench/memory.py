@@ -49,7 +49,7 @@ from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from bench import Options, proc
 from bench.imports import rss_after
 from bench.report import MIB, mib, say
-from bench.servers import HOST, ServerProcess, ServerSpec, free_port
+from bench.servers import HOST, ServerProcess, ServerSpec
 from standins.backend import LocalBackend
 from standins.control_plane import ControlPlaneUnavailable
 from standins.servers import serve
@@ -378,12 +378,12 @@ def _measure(
     env: Mapping[str, str], workdir: Path, idle: float, settle: Sequence[str]
 ) -> dict[str, Any]:
     (workdir / "data").mkdir(parents=True)
-    port = free_port()
-    env = {**env, "PORT": str(port), "DATA_DIR": str(workdir / "data")}
+    env = {**env, "DATA_DIR": str(workdir / "data")}
     # not in the repo: a developer's .env must not change what is measured
     spec = ServerSpec("manager", (sys.executable, "-m", "app", "serve"), env, workdir, "/healthz")
     started = time.monotonic()
-    server = ServerProcess(spec, port=port, cpus=None, log=workdir / "manager.log")
+    server = ServerProcess(spec, log=workdir / "manager.log")
+    port = server.port
     try:
         server.start()
         ready = time.monotonic() - started

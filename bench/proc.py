@@ -1,6 +1,5 @@
 """Where the benchmarks read CPU and memory: the manager's own /metrics (the Prometheus
-`process_*` collector: process_cpu_seconds_total, process_resident_memory_bytes,
-process_open_fds) and, for the processes without one (PostgreSQL, nats-server, the
+`process_*` collector) and, for the processes without one (PostgreSQL, nats-server, the
 control plane, the bare floor), the kernel's /proc.
 """
 
@@ -8,15 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 Labels = Mapping[str, str]
-Where = Callable[[Labels], bool]
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -29,7 +27,7 @@ class Metrics:
             for s in family.samples:
                 self.samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
 
-    def total(self, name: str, where: Where | None = None) -> float:
+    def total(self, name: str, where: Callable[[Labels], bool] | None = None) -> float:
         return sum(v for labels, v in self.samples.get(name, []) if where is None or where(labels))
 
     def by(self, name: str, *labels: str) -> dict[str, float]:
@@ -43,13 +41,6 @@ class Metrics:
     def value(self, name: str) -> float | None:
         found = self.samples.get(name)
         return found[0][1] if found else None
-
-
-def scrape(url: str, client: httpx.Client | None = None) -> Metrics:
-    """GET url + /metrics (an HTTPError when it does not answer 200)."""
-    response = client.get(f"{url}/metrics") if client else httpx.get(f"{url}/metrics")
-    response.raise_for_status()
-    return Metrics(response.text)
 
 
 def status(pid: int) -> dict[str, int]:
@@ -66,11 +57,9 @@ def status(pid: int) -> dict[str, int]:
 
 def uss(pid: int) -> int:
     """Unique set size: the private pages (clean + dirty) of /proc/<pid>/smaps_rollup."""
-    total = 0
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith(("Private_Clean:", "Private_Dirty:")):
-            total += int(line.split()[1]) * 1024
-    return total
+    rows = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    private = [r for r in rows if r.startswith(("Private_Clean:", "Private_Dirty:"))]
+    return sum(int(r.split()[1]) * 1024 for r in private)
 
 
 def reset_peak(pid: int) -> None:
@@ -92,7 +81,27 @@ def cpu_seconds(pid: int, tree: bool = False) -> float:
     return total
 
 
+def children_cpu() -> float:
+    """User + system CPU seconds of the children this process has waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def machine_busy() -> tuple[float, float]:
     """The whole machine's busy CPU seconds (user, nice, system, irq, softirq) and steal."""
     t = psutil.cpu_times()
     return t.user + t.nice + t.system + t.irq + t.softirq, getattr(t, "steal", 0.0)
+
+
+class Meter:
+    """CPU seconds of named sources since `start` (or since the meter was made)."""
+
+    def __init__(self, **sources: Callable[[], float]) -> None:
+        self.sources = sources
+        self.start()
+
+    def start(self) -> None:
+        self._at = {name: read() for name, read in self.sources.items()}
+
+    def spent(self) -> dict[str, float]:
+        return {name: round(read() - self._at[name], 3) for name, read in self.sources.items()}

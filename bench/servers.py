@@ -1,9 +1,8 @@
-"""Servers under test as child processes on 127.0.0.1: start, wait until ready, stop.
+"""The servers the benchmarks start: child processes on 127.0.0.1 (the manager, the bare
+floor), PostgreSQL and nats-server, and the environment they run with.
 
-A server can be pinned to a set of cores (the affinity is set in the child before exec,
-so every thread it starts inherits it). It imports this checkout's code (PYTHONPATH),
-whatever the virtualenv has installed. Its memory map tells which event loop and HTTP
-parser it really loaded.
+A child gets only the environment given here, imports this checkout (PYTHONPATH) and can be
+pinned to cores (set before exec, so every thread it starts inherits it).
 """
 
 from __future__ import annotations
@@ -12,37 +11,67 @@ import http.client
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.adapters.embedded import free_port
+from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from app.settings import Settings
 
 HOST = "127.0.0.1"
-__all__ = ["HOST", "ServerProcess", "ServerSpec", "free_port", "running"]
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 20.0
+
+
+def base_env(**values: str) -> dict[str, str]:
+    """PATH, LANG and HOME from this environment, then `values`: nothing else."""
+    home = {"HOME": os.environ["HOME"]} if "HOME" in os.environ else {}
+    return {"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", **home, **values}
+
+
+def overridden(explicit: frozenset[str]) -> list[str]:
+    """Settings this environment sets beyond those a benchmark passes explicitly."""
+    fields = Settings.model_fields
+    return sorted(k for k in os.environ if k.lower() in fields and k.lower() not in explicit)
+
+
+@contextmanager
+def data_servers(workdir: Path) -> Iterator[tuple[EmbeddedPostgres, EmbeddedNats]]:
+    """PostgreSQL and nats-server under `workdir`, stopped on the way out."""
+    with ExitStack() as stack:
+        pg = EmbeddedPostgres(workdir / "postgres")
+        stack.callback(pg.stop)
+        pg.start()
+        nats = EmbeddedNats(workdir / "nats")
+        stack.callback(nats.stop)
+        nats.start()
+        yield pg, nats
 
 
 @dataclass(frozen=True)
 class ServerSpec:
     label: str
     argv: Sequence[str]
-    env: Mapping[str, str]
-    cwd: Path
-    ready_path: str  # GET this until it answers with a status in ready_statuses
+    env: Mapping[str, str]  # PORT is added
+    cwd: Path  # the manager's is not the repo: a developer's .env must not change a thing
+    ready_path: str = "/readyz"  # GET this until it answers with one of ready_statuses
     ready_statuses: frozenset[int] = frozenset({200})
 
 
+def manager_spec(env: Mapping[str, str], cwd: Path, ready_path: str = "/readyz") -> ServerSpec:
+    return ServerSpec("manager", (sys.executable, "-m", "app", "serve"), env, cwd, ready_path)
+
+
 class ServerProcess:
-    def __init__(self, spec: ServerSpec, *, port: int, cpus: set[int] | None, log: Path) -> None:
-        self.spec = spec
-        self.port = port
-        self.cpus = cpus
-        self.log_path = log
+    """A server on a free port: `start` returns once it answers as ready."""
+
+    def __init__(self, spec: ServerSpec, *, log: Path, cpus: set[int] | None = None) -> None:
+        self.spec, self.log_path, self.cpus = spec, log, cpus
+        self.port = free_port()
         self._popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -52,37 +81,21 @@ class ServerProcess:
 
     def start(self) -> None:
         cpus = self.cpus
-
-        def pin() -> None:
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
+        env = {**self.spec.env, "PORT": str(self.port), "PYTHONPATH": str(REPO)}
         with open(self.log_path, "ab") as log:
             self._popen = subprocess.Popen(
-                list(self.spec.argv),
-                cwd=self.spec.cwd,
-                env={**self.spec.env, "PYTHONPATH": str(REPO)},
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=pin,
-            )
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT
-        last = "no answer"
+                list(self.spec.argv), cwd=self.spec.cwd, env=env, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            )  # fmt: skip
+        deadline, last = time.monotonic() + READY_TIMEOUT, "no answer"
         while time.monotonic() < deadline:
-            assert self._popen is not None
-            if self._popen.poll() is not None:
-                raise RuntimeError(
-                    f"{self.spec.label} exited with {self._popen.returncode}:\n{self.log()}"
-                )
+            if (code := self.poll()) is not None:
+                raise RuntimeError(f"{self.spec.label} exited with {code}:\n{self.log()}")
             conn = http.client.HTTPConnection(HOST, self.port, timeout=2)
             try:
                 conn.request("GET", self.spec.ready_path)
-                status = conn.getresponse().status
-                if status in self.spec.ready_statuses:
+                if (status := conn.getresponse().status) in self.spec.ready_statuses:
                     return
                 last = f"HTTP {status}"
             except OSError as exc:
@@ -102,7 +115,15 @@ class ServerProcess:
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL if it does not go within STOP_TIMEOUT; returns the exit code."""
-        return None if self._popen is None else stop_process(self._popen)
+        popen = self._popen
+        if popen is not None and popen.poll() is None:
+            popen.send_signal(signal.SIGTERM)
+            try:
+                popen.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait(timeout=STOP_TIMEOUT)
+        return None if popen is None else popen.returncode
 
     def loaded_extensions(self, *names: str) -> dict[str, bool]:
         """Which of these packages have a shared object mapped in the process."""
@@ -112,23 +133,11 @@ class ServerProcess:
 
 @contextmanager
 def running(
-    spec: ServerSpec, *, port: int, cpus: set[int] | None, log: Path
+    spec: ServerSpec, *, log: Path, cpus: set[int] | None = None
 ) -> Iterator[ServerProcess]:
-    server = ServerProcess(spec, port=port, cpus=cpus, log=log)
+    server = ServerProcess(spec, log=log, cpus=cpus)
     try:
         server.start()
         yield server
     finally:
         server.stop()
-
-
-def stop_process(popen: subprocess.Popen[bytes]) -> int | None:
-    """SIGTERM, then SIGKILL if it does not go within STOP_TIMEOUT; returns the exit code."""
-    if popen.poll() is None:
-        popen.send_signal(signal.SIGTERM)
-        try:
-            popen.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait(timeout=STOP_TIMEOUT)
-    return popen.returncode

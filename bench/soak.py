@@ -61,7 +61,7 @@ from bench import proc, tools
 from bench.cluster import ApiserverRequests, Requests, Snapshot, start, write_manager_kubeconfig
 from bench.machine import facts, headline
 from bench.report import MB, say, show
-from bench.servers import HOST, ServerProcess, ServerSpec, free_port
+from bench.servers import HOST, ServerProcess, ServerSpec
 from bench.soak_report import LedgerCheck, Outcome, QuietReading, Sample, build, server_errors
 from standins.backend import LocalBackend
 from standins.control_plane import ControlPlane
@@ -243,10 +243,9 @@ def started(config: Config) -> Iterator[World]:
             "NODE_PRIVATE_KEY": base64.b64encode(seed).decode(),
             "KUBECONFIG": str(write_manager_kubeconfig(plane, workdir / "kubeconfig", NAMESPACE)),
         }, config)  # fmt: skip
-        port = free_port()
-        spec = ServerSpec("manager", (sys.executable, "-m", "app", "serve"),
-                          {**env, "PORT": str(port)}, workdir, "/readyz")  # fmt: skip
-        manager = ServerProcess(spec, port=port, cpus=None, log=workdir / "manager.log")
+        spec = ServerSpec("manager", (sys.executable, "-m", "app", "serve"), env, workdir)
+        manager = ServerProcess(spec, log=workdir / "manager.log")
+        port = manager.port
         at_start = requests.settled_snapshot()
         world = World(workdir, pg, nats, backend, plane, requests, at_start, manager, server.port)
         world.desire({f"soak-{i:03d}": FIRST_VERSION for i in range(config.workloads)})

@@ -272,7 +272,7 @@ def _counts(values: Mapping[str, float]) -> str:
 
 def _tables(o: Outcome, found: Sequence[Check]) -> list[dict[str, Any]]:
     b, f, s0, s1 = o.baseline, o.final, o.load_start_sample, o.load_end_sample
-    targets = [
+    targets: list[list[Any]] = [
         ["manager RSS, MB (quiet)", mb(b.rss_bytes), mb(f.rss_bytes),
          f"{(f.rss_bytes - b.rss_bytes) / MB:+.1f}", f"< {RSS_GROWTH_TARGET_MB} MB growth"],
         ["manager RSS, MB (under load)", mb(s0.rss_bytes), mb(s1.rss_bytes),

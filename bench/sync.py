@@ -495,7 +495,7 @@ def _targets(runs: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "steady_state_requests": {
             "target": f"exactly {STEADY_TARGET}: GET desired -> 304, one LIST",
-            "observed_per_concurrency": observed,
+            "measured": observed,
             "met": met,
         }
     }
@@ -613,8 +613,7 @@ def _notes(
             for phase, seconds in rollouts.items()) + ".")  # fmt: skip
     steady = targets["steady_state_requests"]
     observed = "; ".join(
-        f"SYNC_CONCURRENCY={c}: {counts}"
-        for c, counts in steady["observed_per_concurrency"].items()
+        f"SYNC_CONCURRENCY={c}: {counts}" for c, counts in steady["measured"].items()
     )
     verdict = {True: "MET", False: "NOT MET", None: "not measured in every run"}[steady["met"]]
     notes.append(f"steady-state target ({steady['target']}, in every sync): {verdict}; "
