@@ -1,33 +1,33 @@
 """The registry benchmark: 10,000 simulated nodes heartbeating every 30 s against one PostgreSQL.
 
-Registers the nodes through AsyncpgRegistry.upsert, then measures the sustained heartbeat
-rate (closed loop) and the real load paced at nodes / 30 s (open loop) with pgbench,
-running the adapter's own heartbeat statement (registry._HEARTBEAT, prepared), and the
-latency of eligible() ("live nodes that can run X"), idle and under that paced load. All
-of it runs twice: on EmbeddedPostgres as it starts (fsync=off) and on a second server with
-fsync=on.
-
-Two parts still go through the manager's own code, because that path is what they
-measure: registration (AsyncpgRegistry.upsert, which also writes the fleet the rest reads)
-and the queries (AsyncpgRegistry.eligible() and nodes() end to end: the wire, asyncpg's
-decoding and the NodeProfile built per row, next to PostgreSQL's own execution time).
+Registers the nodes through AsyncpgRegistry.upsert (which writes the fleet the rest reads),
+then pgbench runs the adapter's own heartbeat statement (registry._HEARTBEAT, prepared, -j 2)
+for a random node: closed loop (the sustained rate) and paced at nodes / 30 s (-R, Poisson
+arrivals, latency from each scheduled start). eligible() ("live nodes that can run X") and
+nodes() are timed end to end through the adapter (the wire, asyncpg's decoding, a
+NodeProfile per row), idle after moving every last_heartbeat to now() and under the paced
+load, beside PostgreSQL's own execution time (EXPLAIN ANALYZE, TIMING OFF, median of
+EXPLAIN_RUNS, idle); a generic plan cannot use the GIN index. All of it twice: on
+EmbeddedPostgres as it starts (fsync=off) and on a second server with fsync=on.
+Client and server share the cores, unpinned: CPU% is per process (100 = one core), other
+CPU% the rest of the machine's busy time (for '+ queries', mostly this process's queries).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import math
-import os
 import random
 import re
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,29 +37,20 @@ import psutil
 from app.adapters import registry as registry_sql
 from app.adapters.embedded import EmbeddedError, EmbeddedPostgres
 from app.adapters.registry import AsyncpgRegistry, RegistryUnavailable
-from app.domain.requirements import (
-    HardwareRequirements,
-    NodeProfile,
-    Requirements,
-    Tier,
-    match_requirements,
-)
+from app.domain.requirements import HardwareRequirements as Hardware
+from app.domain.requirements import NodeProfile, Requirements, Tier, match_requirements
 from app.services import migrating
 from bench import Options, proc
-from bench.report import latency_ms, mib, num, percent, say, table
+from bench.report import cell, latency_ms, mib, noisy, percent, say, table
 
 NAME = "registry"
 DESCRIPTION = "capability registry on PostgreSQL: heartbeat rate and eligible-node query latency"
+_say = functools.partial(say, NAME)
 
-
-def _say(message: str) -> None:
-    say(NAME, message)
-
-
-REPO = Path(__file__).resolve().parent.parent
-MIGRATIONS = REPO / "migrations"
-NODES = 10_000
-QUICK_NODES = 1_000
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+PGBENCH = EmbeddedPostgres._bin("pgbench")  # the one shipped with the server's binaries
+PG_TEST_FSYNC = EmbeddedPostgres._bin("pg_test_fsync")
+NODES, QUICK_NODES = 10_000, 1_000
 INTERVAL_SECONDS = 30  # every node heartbeats this often: the load to carry is NODES / 30 per s
 SEED = 20_250_611
 CONNECTIONS = (8, 32)  # closed-loop heartbeat phases
@@ -67,14 +58,15 @@ PGBENCH_THREADS = 2
 PACED_SIGMAS = 4  # pgbench -R draws Poisson arrivals: the count may fall this many sigma short
 REGISTER_CONNECTIONS = 8
 REGISTER = "register (upsert)"
-QUERY_REPEATS = 200
-QUICK_QUERY_REPEATS = 30
+QUERY_REPEATS, QUICK_QUERY_REPEATS = 200, 30
 QUICK_DURATION = 2.0
 TIMEOUT = 5.0  # the manager's default DATABASE_TIMEOUT_SECONDS
 SETUP_TIMEOUT = 60.0
 EXPLAIN_RUNS = 5
 EXPLAIN_LINES = 16
 NOISY_OTHER_CPU_PERCENT = 15.0  # above this, say the phase ran on a busy machine
+SETTINGS = ("fsync", "synchronous_commit", "wal_sync_method", "full_page_writes",
+            "shared_buffers", "max_connections", "plan_cache_mode", "autovacuum")  # fmt: skip
 
 REGIONS = ("eu-west", "eu-central", "us-east", "us-west", "ap-south", None)
 REGION_WEIGHTS = (30, 15, 25, 15, 10, 5)
@@ -85,36 +77,19 @@ TIER_WEIGHTS = (20, 50, 30)
 CAPABILITIES = ("embeddings", "inference", "scraping", "transcoding", "training", "ocr", "storage")
 CAPABILITY_ODDS = (0.45, 0.35, 0.3, 0.15, 0.1, 0.2, 0.25)
 
-
-@dataclass(frozen=True)
-class Query:
-    label: str
-    requirements: Requirements
-
-
-QUERIES: tuple[Query, ...] = (
-    Query("none", Requirements()),
-    Query("tier A", Requirements(tier=[Tier.A])),
-    Query(
-        "tier A + eu-west + embeddings",
-        Requirements(tier=[Tier.A], region="eu-west", capabilities=["embeddings"]),
+QUERIES: dict[str, Requirements] = {
+    "none": Requirements(),
+    "tier A": Requirements(tier=[Tier.A]),
+    "tier A + eu-west + embeddings": Requirements(
+        tier=[Tier.A], region="eu-west", capabilities=["embeddings"]
     ),
-    Query(
-        "gpu + >= 64 GB",
-        Requirements(hardware=HardwareRequirements(gpu=True, min_memory_gb=64)),
+    "gpu + >= 64 GB": Requirements(hardware=Hardware(gpu=True, min_memory_gb=64)),
+    "zone z1 + embeddings,inference": Requirements(
+        trust_zone="z1", capabilities=["embeddings", "inference"]
     ),
-    Query(
-        "zone z1 + embeddings,inference",
-        Requirements(trust_zone="z1", capabilities=["embeddings", "inference"]),
-    ),
-)
-EXPLAINED = QUERIES[-1]  # the one that can use the GIN index on capabilities
+}
+EXPLAINED = "zone z1 + embeddings,inference"  # the one that can use the GIN index
 NODES_QUERY = "nodes(liveness=online)"
-LOAD_COLUMNS = (
-    "server|phase|conns|ops|ops/s|x req|worst 1 s|p50 ms|p99 ms|max ms|errors|"
-    "client CPU%|server CPU%|other CPU%"
-)
-QUERY_COLUMNS = "server|load|requirements|rows|p50 ms|p99 ms|max ms|server ms|scans"
 
 
 def run(options: Options) -> dict[str, Any]:
@@ -122,51 +97,34 @@ def run(options: Options) -> dict[str, Any]:
     duration = min(options.duration, QUICK_DURATION) if options.quick else options.duration
     repeats = QUICK_QUERY_REPEATS if options.quick else QUERY_REPEATS
     profiles = make_profiles(count, SEED)
+    pgbench = subprocess.run([PGBENCH, "--version"], capture_output=True, text=True, check=False)
     setup: dict[str, Any] = {
-        "nodes": count,
-        "heartbeat_interval_seconds": INTERVAL_SECONDS,
+        "nodes": count, "heartbeat_interval_seconds": INTERVAL_SECONDS,
         "required_heartbeats_per_second": round(count / INTERVAL_SECONDS, 1),
-        "closed_loop_connections": list(CONNECTIONS),
-        "register_connections": REGISTER_CONNECTIONS,
-        "duration_seconds": duration,
-        "warmup_seconds": options.warmup,
-        "query_repeats": repeats,
-        "seed": SEED,
-        "statement_timeout_seconds": TIMEOUT,
-        "client": f"{_pgbench_version()} (heartbeats, -M prepared, {PGBENCH_THREADS} threads); "
-        f"asyncpg on the asyncio event loop, Python {sys.version.split()[0]} (register, queries)",
+        "closed_loop_connections": list(CONNECTIONS), "register_connections": REGISTER_CONNECTIONS,
+        "duration_seconds": duration, "warmup_seconds": options.warmup, "query_repeats": repeats,
+        "seed": SEED, "statement_timeout_seconds": TIMEOUT,
+        "client": f"{pgbench.stdout.strip() or 'pgbench'} (heartbeats, -M prepared, "
+        f"{PGBENCH_THREADS} threads); asyncpg on the asyncio event loop, Python "
+        f"{sys.version.split()[0]} (register, queries)",
         "cpu_pinning": "none: client and server share every core",
-    }
+    }  # fmt: skip
     servers: dict[str, dict[str, Any]] = {}
-    raw: dict[str, tuple[list[Phase], list[QueryResult]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-registry-") as tmp:
-        setup["data_filesystem"] = _filesystem(Path(tmp))
-        setup["fsync_8k"] = test_fsync(Path(tmp), 1 if options.quick else 2)
+        workdir = Path(tmp)
+        setup["data_filesystem"] = _filesystem(workdir)
+        setup["fsync_8k"] = test_fsync(workdir, 1 if options.quick else 2)
         for label, server_class in (("fsync=off", EmbeddedPostgres), ("fsync=on", FsyncOnPostgres)):
             _say(f"{label}: starting PostgreSQL")
-            server = server_class(data_dir=Path(tmp) / label.replace("=", "-"))
+            server = server_class(data_dir=workdir / label.replace("=", "-"))
             server.start()
             try:
-                assert server.pid is not None
-                measured, phases, queries = asyncio.run(
-                    _measure(
-                        server.url,
-                        server.pid,
-                        profiles,
-                        options,
-                        duration,
-                        repeats,
-                        label,
-                        Path(tmp),
-                    )
-                )
+                servers[label] = asyncio.run(_measure(server, label, profiles, setup, workdir))
             finally:
                 server.stop()
-            servers[label] = measured
-            raw[label] = (phases, queries)
     failures = [f"{label}: {f}" for label, s in servers.items() for f in s["failures"]]
     result: dict[str, Any] = {"setup": setup, "servers": servers, "failures": failures}
-    result["tables"] = _tables(raw, servers, count)
+    result["tables"] = _tables(servers, setup)
     result["notes"] = _notes(servers, setup, failures)
     return result
 
@@ -181,8 +139,8 @@ class FsyncOnPostgres(EmbeddedPostgres):
 
 
 def test_fsync(directory: Path, seconds: int) -> dict[str, Any]:
-    """pg_test_fsync (shipped beside the server and pgbench): ops/s and microseconds per
-    op of each wal_sync_method for one 8 kB write, on the data directories' file system."""
+    """pg_test_fsync (shipped beside the server): ops/s and microseconds per op of each
+    wal_sync_method for one 8 kB write, on the data directories' file system."""
     done = subprocess.run(
         [str(PG_TEST_FSYNC), "-s", str(seconds), "-f", str(directory / "pg_test_fsync.out")],
         capture_output=True, text=True, check=False, timeout=SETUP_TIMEOUT + 20 * seconds,
@@ -197,7 +155,12 @@ def test_fsync(directory: Path, seconds: int) -> dict[str, Any]:
     return {"tool": "pg_test_fsync", "seconds_per_test": seconds, "one_8k_write": methods}
 
 
-# --- the simulated fleet -----------------------------------------------------------------
+def _filesystem(path: Path) -> str:
+    resolved = str(path.resolve()) + "/"
+    mounts = [p for p in psutil.disk_partitions(all=True)
+              if resolved.startswith(p.mountpoint.rstrip("/") + "/")]  # fmt: skip
+    best = max(mounts, key=lambda p: len(p.mountpoint), default=None)
+    return "unknown" if best is None else f"{best.fstype} ({best.device} on {best.mountpoint})"
 
 
 def make_profiles(count: int, seed: int) -> list[NodeProfile]:
@@ -219,94 +182,157 @@ def make_profiles(count: int, seed: int) -> list[NodeProfile]:
         }
         if hardware.get("gpu"):
             capabilities.add("gpu")  # as the heartbeat service derives it
-        profiles.append(
-            NodeProfile(
-                node_id=f"node-{i:05d}",
-                tier=rng.choices(TIERS, TIER_WEIGHTS)[0],
-                region=rng.choices(REGIONS, REGION_WEIGHTS)[0],
-                trust_zone=rng.choices(ZONES, ZONE_WEIGHTS)[0],
-                hardware=hardware,
-                capabilities=sorted(capabilities),
-            )
-        )
+        profiles.append(NodeProfile(
+            node_id=f"node-{i:05d}", tier=rng.choices(TIERS, TIER_WEIGHTS)[0],
+            region=rng.choices(REGIONS, REGION_WEIGHTS)[0],
+            trust_zone=rng.choices(ZONES, ZONE_WEIGHTS)[0], hardware=hardware,
+            capabilities=sorted(capabilities),
+        ))  # fmt: skip
     return profiles
 
 
-# --- measurements ------------------------------------------------------------------------
+# --- load phases -------------------------------------------------------------------------
 
 
 @dataclass
 class Phase:
-    """Latencies and counts of one load phase."""
+    """Completions, errors and CPU of one load phase."""
 
     name: str
     connections: int
     target_rate: float | None = None
-    latencies_ns: list[int] = field(default_factory=list)
-    per_second: dict[int, int] = field(default_factory=dict)
-    errors: int = 0
-    first_errors: list[str] = field(default_factory=list)
+    done: list[tuple[int, int]] = field(default_factory=list)  # (completed at, latency), ns
+    errors: list[str] = field(default_factory=list)
     missing: int = 0  # heartbeat() returned False: the node had no row
-    sent: int = 0
     wall_seconds: float = 0.0
-    client_cpu_seconds: float = 0.0
-    server_cpu_seconds: float = 0.0
-    other_cpu_seconds: float = 0.0  # the machine's busy CPU time minus client and server
-    steal_seconds: float = 0.0
-    start_ns: int = field(default_factory=time.perf_counter_ns)
+    cpu: dict[str, float] = field(default_factory=dict)  # client, server, busy, steal seconds
 
-    def record(self, began_ns: int, ok: bool = True) -> None:
-        done = time.perf_counter_ns()
-        self.latencies_ns.append(done - began_ns)
-        second = (done - self.start_ns) // 1_000_000_000
-        self.per_second[second] = self.per_second.get(second, 0) + 1
-        if not ok:
-            self.missing += 1
-
-    def error(self, exc: BaseException | str) -> None:
-        self.errors += 1
-        if len(self.first_errors) < 5:
-            self.first_errors.append(
-                exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-            )
-
-    @property
-    def completed(self) -> int:
-        return len(self.latencies_ns)
-
-    @property
-    def rate(self) -> float:
-        return self.completed / self.wall_seconds if self.wall_seconds > 0 else 0.0
-
-    def worst_second(self) -> int | None:
-        """The fewest completions in any whole second of the phase (partial ones left out)."""
-        full = int(self.wall_seconds)
-        return min(self.per_second.get(s, 0) for s in range(full)) if full >= 1 else None
+    def short(self) -> bool:
+        """Fewer beats than a Poisson schedule at the target rate gives but for bad luck."""
+        if self.target_rate is None:
+            return False
+        expected = self.target_rate * self.wall_seconds
+        return len(self.done) < expected - PACED_SIGMAS * math.sqrt(expected)
 
     def summary(self, required_rate: float) -> dict[str, Any]:
-        lat = sorted(self.latencies_ns)
+        start = min((at - latency for at, latency in self.done), default=0)
+        per_second = Counter((at - start) // 1_000_000_000 for at, _ in self.done)
+        full, rate = int(self.wall_seconds), len(self.done) / max(self.wall_seconds, 1e-9)
+        cpu = self.cpu
         out: dict[str, Any] = {
-            "phase": self.name,
-            "connections": self.connections,
-            "completed": self.completed,
-            "wall_seconds": round(self.wall_seconds, 3),
-            "per_second": round(self.rate, 1),
-            "times_required": round(self.rate / required_rate, 2),
-            "worst_second": self.worst_second(),
-            "latency_ms": latency_ms(lat),
-            "errors": self.errors,
-            "first_errors": self.first_errors,
+            "phase": self.name, "connections": self.connections, "completed": len(self.done),
+            "wall_seconds": round(self.wall_seconds, 3), "per_second": round(rate, 1),
+            "times_required": round(rate / required_rate, 2),
+            "worst_second": min(per_second[s] for s in range(full)) if full >= 1 else None,
+            "latency_ms": latency_ms(sorted(latency for _, latency in self.done)),
+            "errors": len(self.errors), "first_errors": self.errors[:5],
             "missing_rows": self.missing,
-            "client_cpu_percent": percent(self.client_cpu_seconds, self.wall_seconds),
-            "server_cpu_percent": percent(self.server_cpu_seconds, self.wall_seconds),
-            "other_cpu_percent": percent(self.other_cpu_seconds, self.wall_seconds),
-            "steal_percent": percent(self.steal_seconds, self.wall_seconds),
-        }
+            "client_cpu_percent": percent(cpu["client"], self.wall_seconds),
+            "server_cpu_percent": percent(cpu["server"], self.wall_seconds),
+            "other_cpu_percent": percent(
+                max(0.0, cpu["busy"] - cpu["client"] - cpu["server"]), self.wall_seconds),
+            "steal_percent": percent(cpu["steal"], self.wall_seconds),
+        }  # fmt: skip
         if self.target_rate is not None:
             out["target_rate"] = round(self.target_rate, 1)
-            out["sent"] = self.sent
+            out["sent"] = len(self.done) + len(self.errors)
             out["latency_from"] = "scheduled send time"
         return out
+
+
+def _meter(server_pid: int, *, children: bool) -> proc.Meter:
+    """CPU of the client (this process, or the pgbench it waited for), of PostgreSQL's
+    processes, and the machine's busy and steal time."""
+    return proc.Meter(
+        client=proc.children_cpu if children else time.process_time,
+        server=lambda: proc.cpu_seconds(server_pid, tree=True),
+        busy=lambda: proc.machine_busy()[0], steal=lambda: proc.machine_busy()[1],
+    )  # fmt: skip
+
+
+async def _register(registry: AsyncpgRegistry, profiles: Sequence[NodeProfile], pid: int) -> Phase:
+    phase, todo = Phase(REGISTER, REGISTER_CONNECTIONS), iter(profiles)
+
+    async def worker() -> None:
+        for profile in todo:  # the workers share one iterator: each profile is sent once
+            began = time.perf_counter_ns()
+            try:
+                await registry.upsert(profile, status="online", interval_seconds=INTERVAL_SECONDS)
+            except RegistryUnavailable as exc:
+                phase.errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            done = time.perf_counter_ns()
+            phase.done.append((done, done - began))
+
+    meter, started = _meter(pid, children=False), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(REGISTER_CONNECTIONS)))
+    phase.wall_seconds, phase.cpu = time.perf_counter() - started, meter.spent()
+    return phase
+
+
+def heartbeat_script(count: int) -> str:
+    """A pgbench script of the adapter's heartbeat statement for a random node of `count`;
+    `\\gset` fails the client when no row came back (the node had no row for this instance)."""
+    sql = " ".join(registry_sql._HEARTBEAT.split())
+    for parameter, value in (("$1", "'node-' || lpad(:node::text, 5, '0')"), ("$2", "'online'"),
+                             ("$3", ":instance")):  # fmt: skip
+        if parameter not in sql:
+            raise RuntimeError(f"no {parameter} in the adapter's heartbeat statement: {sql}")
+        sql = sql.replace(parameter, value)
+    return f"\\set node random(0, {count - 1})\n{sql} \\gset\n"
+
+
+@dataclass
+class Pgbench:
+    """pgbench running the heartbeat script against one server, one phase at a time."""
+
+    url: str
+    instance: str
+    count: int
+    workdir: Path
+    pid: int  # the server's
+
+    def start(self, phase: Phase, seconds: int) -> subprocess.Popen[str]:
+        """Closed loop, or at phase.target_rate/s; one log line per transaction."""
+        script = self.workdir / "heartbeat.sql"
+        script.write_text(heartbeat_script(self.count))
+        log = re.sub(r"[^a-z0-9]+", "-", f"{phase.name} {phase.connections}")
+        argv = [str(PGBENCH), "-n", "-M", "prepared", "-f", str(script), "-D",
+                f"instance={self.instance}", "-c", str(phase.connections),
+                "-j", str(min(PGBENCH_THREADS, phase.connections)), "-T", str(seconds), "--log",
+                f"--log-prefix={self.workdir / log}"]  # fmt: skip
+        if phase.target_rate is not None:
+            argv += ["-R", f"{phase.target_rate:.3f}"]
+        return subprocess.Popen([*argv, self.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=self.workdir)  # fmt: skip
+
+    def finish(self, popen: subprocess.Popen[str], phase: Phase, seconds: int) -> Phase:
+        """Wait for pgbench and read its per-transaction logs: client_id, transaction_no,
+        latency (us), script_no, completion time (s, us)[, schedule lag]."""
+        _, stderr = popen.communicate(timeout=seconds + SETUP_TIMEOUT)
+        log = re.sub(r"[^a-z0-9]+", "-", f"{phase.name} {phase.connections}")
+        for path in sorted(self.workdir.glob(f"{log}.*")):
+            for line in path.read_text().splitlines():
+                f = line.split()
+                phase.done.append((int(f[4]) * 1_000_000_000 + int(f[5]) * 1000, int(f[2]) * 1000))
+            path.unlink()
+        phase.wall_seconds = float(seconds)
+        phase.errors += [
+            x.strip() for x in stderr.splitlines() if "aborted" in x or "error" in x.lower()
+        ]
+        if popen.returncode not in (0, 2) or (popen.returncode == 2 and not phase.errors):
+            phase.errors.append(f"pgbench exited with {popen.returncode}: {stderr.strip()[-300:]}")
+        return phase
+
+    def phase(self, name: str, connections: int, seconds: int, rate: float | None = None) -> Phase:
+        meter = _meter(self.pid, children=True)
+        phase = Phase(name, connections, rate)
+        self.finish(self.start(phase, seconds), phase, seconds)
+        phase.cpu = meter.spent()
+        return phase
+
+
+# --- queries -----------------------------------------------------------------------------
 
 
 class GcWatch:
@@ -333,248 +359,46 @@ class GcWatch:
         gc.unfreeze()
 
     def summary(self) -> dict[str, Any]:
-        return {
-            f"gen{g}": {
-                "collections": len(p),
-                "total_ms": round(sum(p) / 1e6, 1),
-                "max_ms": round(max(p) / 1e6, 1) if p else None,
-            }
-            for g, p in self.pauses_ns.items()
-        }
-
-
-class CpuMeter:
-    """CPU seconds of the client (this process, or with `children` the pgbench it waited
-    for), of the PostgreSQL server's processes (bench.proc) and of the rest of the machine."""
-
-    def __init__(self, server_pid: int) -> None:
-        self._pid = server_pid
-        self._children = False
-        self._at: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-
-    def _now(self) -> tuple[float, float, float, float]:
-        if self._children:
-            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-            client = usage.ru_utime + usage.ru_stime
-        else:
-            client = time.process_time()
-        return (client, proc.cpu_seconds(self._pid, tree=True), *proc.machine_busy())
-
-    def start(self, *, children: bool = False) -> None:
-        self._children = children
-        self._at = self._now()
-
-    def stop(self, phase: Phase) -> None:
-        client, server, busy, steal = (b - a for a, b in zip(self._at, self._now(), strict=True))
-        phase.client_cpu_seconds, phase.server_cpu_seconds = client, server
-        phase.other_cpu_seconds = max(0.0, busy - client - server)
-        phase.steal_seconds = steal
-
-
-async def _register(
-    registry: AsyncpgRegistry, profiles: Sequence[NodeProfile], meter: CpuMeter
-) -> Phase:
-    phase = Phase(REGISTER, REGISTER_CONNECTIONS)
-    todo = iter(profiles)
-
-    async def worker() -> None:
-        for profile in todo:  # the workers share one iterator: each profile is sent once
-            began = time.perf_counter_ns()
-            try:
-                await registry.upsert(profile, status="online", interval_seconds=INTERVAL_SECONDS)
-            except RegistryUnavailable as exc:
-                phase.error(exc)
-                continue
-            phase.record(began)
-
-    meter.start()
-    phase.start_ns = time.perf_counter_ns()
-    await asyncio.gather(*(worker() for _ in range(REGISTER_CONNECTIONS)))
-    phase.wall_seconds = (time.perf_counter_ns() - phase.start_ns) / 1e9
-    meter.stop(phase)
-    return phase
-
-
-def _pgbench_version() -> str:
-    done = subprocess.run([str(PGBENCH), "--version"], capture_output=True, text=True, check=False)
-    return done.stdout.strip() or "pgbench"
-
-
-PGBENCH = EmbeddedPostgres._bin("pgbench")  # the one shipped with the server's binaries
-PG_TEST_FSYNC = EmbeddedPostgres._bin("pg_test_fsync")
-
-
-def heartbeat_script(count: int) -> str:
-    """A pgbench script of the adapter's heartbeat statement for a random node of `count`;
-    `\\gset` fails the client when no row came back (the node had no row for this instance)."""
-    sql = " ".join(registry_sql._HEARTBEAT.split())
-    for parameter, value in (
-        ("$1", "'node-' || lpad(:node::text, 5, '0')"),
-        ("$2", "'online'"),
-        ("$3", ":instance"),
-    ):
-        if parameter not in sql:
-            raise RuntimeError(f"no {parameter} in the adapter's heartbeat statement: {sql}")
-        sql = sql.replace(parameter, value)
-    return f"\\set node random(0, {count - 1})\n{sql} \\gset\n"
-
-
-def start_pgbench(
-    url: str,
-    instance: str,
-    count: int,
-    workdir: Path,
-    *,
-    name: str,
-    connections: int,
-    seconds: int,
-    rate: float | None = None,
-) -> subprocess.Popen[str]:
-    """pgbench running the heartbeat script for `seconds`, closed loop or at `rate`/s (-R:
-    Poisson arrivals, latency logged from each transaction's scheduled start), one log line
-    per transaction under `workdir`/`name`.*."""
-    script = workdir / "heartbeat.sql"
-    script.write_text(heartbeat_script(count))
-    argv = [str(PGBENCH), "-n", "-M", "prepared", "-f", str(script), "-D", f"instance={instance}",
-            "-c", str(connections), "-j", str(min(PGBENCH_THREADS, connections)),
-            "-T", str(seconds), "--log", f"--log-prefix={workdir / name}"]  # fmt: skip
-    if rate is not None:
-        argv += ["-R", f"{rate:.3f}"]
-    return subprocess.Popen(
-        [*argv, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir
-    )
-
-
-def finish_pgbench(
-    proc: subprocess.Popen[str], workdir: Path, *, name: str, connections: int,
-    seconds: int, rate: float | None = None,
-) -> Phase:  # fmt: skip
-    """Wait for pgbench and read its per-transaction logs into a Phase: client_id,
-    transaction_no, latency (us), script_no, completion time (s, us)[, schedule lag]."""
-    _, stderr = proc.communicate(timeout=seconds + SETUP_TIMEOUT)
-    phase = Phase(name, connections, target_rate=rate)
-    done: list[tuple[int, int]] = []  # (completed at, latency) in ns
-    for log in sorted(workdir.glob(f"{name}.*")):
-        for line in log.read_text().splitlines():
-            fields = line.split()
-            latency = int(fields[2]) * 1000
-            done.append((int(fields[4]) * 1_000_000_000 + int(fields[5]) * 1000, latency))
-        log.unlink()
-    if done:
-        phase.start_ns = min(at - latency for at, latency in done)
-    for at, latency in done:
-        phase.latencies_ns.append(latency)
-        second = (at - phase.start_ns) // 1_000_000_000
-        phase.per_second[second] = phase.per_second.get(second, 0) + 1
-    phase.wall_seconds = float(seconds)
-    for line in stderr.splitlines():
-        if "aborted" in line or "error" in line.lower():
-            phase.error(line.strip())
-    if proc.returncode not in (0, 2) or (proc.returncode == 2 and not phase.errors):
-        phase.error(f"pgbench exited with {proc.returncode}: {stderr.strip()[-300:]}")
-    phase.sent = phase.completed + phase.errors
-    return phase
-
-
-def _pgbench_phase(
-    url: str, instance: str, count: int, workdir: Path, meter: CpuMeter, *,
-    name: str, connections: int, seconds: int, rate: float | None = None,
-) -> Phase:  # fmt: skip
-    meter.start(children=True)
-    proc = start_pgbench(url, instance, count, workdir, name=_log_name(name, connections),
-                         connections=connections, seconds=seconds, rate=rate)  # fmt: skip
-    phase = finish_pgbench(proc, workdir, name=_log_name(name, connections),
-                           connections=connections, seconds=seconds, rate=rate)  # fmt: skip
-    phase.name = name
-    meter.stop(phase)
-    return phase
-
-
-def _log_name(name: str, connections: int) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", f"{name} {connections}")
-
-
-def paced_short(phase: Phase) -> bool:
-    """Fewer beats than a Poisson schedule at the target rate gives but for bad luck."""
-    if phase.target_rate is None:
-        return False
-    expected = phase.target_rate * phase.wall_seconds
-    return phase.completed < expected - PACED_SIGMAS * math.sqrt(expected)
-
-
-@dataclass
-class QueryResult:
-    label: str
-    load: str
-    latencies_ns: list[int]
-    rows: int
-    expected: int
-    same_nodes: bool  # the node ids returned are exactly the expected ones
-    server_ms: float | None = None
-    scans: str = "-"  # the plan's scan nodes, idle
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "query": self.label,
-            "load": self.load,
-            "repeats": len(self.latencies_ns),
-            "rows": self.rows,
-            "expected_rows": self.expected,
-            "same_nodes": self.same_nodes,
-            "latency_ms": latency_ms(sorted(self.latencies_ns)),
-            "server_execution_ms": self.server_ms,
-            "scans": self.scans,
-        }
+        return {f"gen{g}": {"collections": len(p), "total_ms": round(sum(p) / 1e6, 1),
+                            "max_ms": round(max(p) / 1e6, 1) if p else None}
+                for g, p in self.pauses_ns.items()}  # fmt: skip
 
 
 async def _queries(
-    registry: AsyncpgRegistry,
-    profiles: Sequence[NodeProfile],
-    *,
-    repeats: int,
-    load: str,
-    refresh: bool,
-) -> list[QueryResult]:
+    registry: AsyncpgRegistry, profiles: Sequence[NodeProfile], repeats: int, load: str
+) -> list[dict[str, Any]]:
     """Each requirement set `repeats` times through eligible(), then nodes(liveness=online).
-
-    With `refresh`, every row's last_heartbeat is moved to now() before each set, so all
-    nodes are live (idle, nothing else keeps them so); under the paced load they stay live."""
+    Idle, every row's last_heartbeat is moved to now() before each set, so all nodes are
+    live; under the paced load they stay live."""
+    cases: list[tuple[str, Callable[[], Awaitable[Sequence[Any]]], set[str]]] = [
+        (label, functools.partial(registry.eligible, r),
+         {p.node_id for p in profiles if not match_requirements(r, p)})
+        for label, r in QUERIES.items()
+    ]  # fmt: skip
+    cases.append((NODES_QUERY, functools.partial(registry.nodes, liveness="online", limit=NODES),
+                  {p.node_id for p in profiles}))  # fmt: skip
     results = []
-    everyone = {p.node_id for p in profiles}
-    for query in QUERIES:
-        if refresh:
+    for label, call, expected in cases:
+        if load == "idle":
             await _refresh(registry)
-        expected = {p.node_id for p in profiles if not match_requirements(query.requirements, p)}
         latencies: list[int] = []
-        found: set[str] = set()
         counts: set[int] = set()
+        found: set[str] = set()
         for i in range(repeats):
             began = time.perf_counter_ns()
-            nodes = await registry.eligible(query.requirements)
+            nodes = await call()
             latencies.append(time.perf_counter_ns() - began)
             counts.add(len(nodes))
             if i == 0:
-                found = {n.node_id for n in nodes}
-        rows = min(counts) if len(counts) == 1 else -1
-        results.append(
-            QueryResult(query.label, load, latencies, rows, len(expected), found == expected)
-        )
-    if refresh:
-        await _refresh(registry)
-    latencies = []
-    counts = set()
-    found = set()
-    for i in range(repeats):
-        began = time.perf_counter_ns()
-        listed = await registry.nodes(liveness="online", limit=NODES)
-        latencies.append(time.perf_counter_ns() - began)
-        counts.add(len(listed))
-        if i == 0:
-            found = {str(n["node_id"]) for n in listed}
-    rows = min(counts) if len(counts) == 1 else -1
-    results.append(
-        QueryResult(NODES_QUERY, load, latencies, rows, len(everyone), found == everyone)
-    )
+                found = {
+                    n.node_id if isinstance(n, NodeProfile) else str(n["node_id"]) for n in nodes
+                }
+        results.append({
+            "query": label, "load": load, "repeats": repeats,
+            "rows": min(counts) if len(counts) == 1 else -1, "expected_rows": len(expected),
+            "same_nodes": found == expected, "latency_ms": latency_ms(sorted(latencies)),
+            "server_execution_ms": None, "scans": "-",
+        })  # fmt: skip
     return results
 
 
@@ -585,30 +409,25 @@ async def _refresh(registry: AsyncpgRegistry) -> None:
     )
 
 
-def _eligible_args(requirements: Requirements) -> list[Any]:
-    """The bind parameters AsyncpgRegistry.eligible sends, in order."""
-    hw = requirements.hardware
-    tiers = [t.value for t in requirements.tier] if requirements.tier is not None else None
-    caps = requirements.capabilities or None
-    return [
-        tiers,
-        requirements.region,
-        requirements.trust_zone,
-        caps,
-        hw.gpu,
-        hw.min_memory_gb,
-        hw.min_cpu_count,
-        None,
-    ]
+def _bind(label: str) -> tuple[str, list[Any]]:
+    """The statement and bind parameters the adapter sends for a query of the table."""
+    if label == NODES_QUERY:
+        return registry_sql._NODES, [None, "online", None, NODES]
+    r = QUERIES[label]
+    hw = r.hardware
+    tiers = [t.value for t in r.tier] if r.tier is not None else None
+    return registry_sql._ELIGIBLE, [tiers, r.region, r.trust_zone, r.capabilities or None,
+                                    hw.gpu, hw.min_memory_gb, hw.min_cpu_count, None]  # fmt: skip
 
 
-_EXECUTION = re.compile(r"Execution Time: ([0-9.]+) ms")
-
-
-async def _explain(registry: AsyncpgRegistry, sql: str, args: Sequence[Any], how: str) -> list[str]:
+async def _fetch(registry: AsyncpgRegistry, sql: str, *args: Any) -> list[Any]:
     async with registry.pool.acquire() as conn:
-        rows = await conn.fetch(f"EXPLAIN ({how}) {sql}", *args, timeout=SETUP_TIMEOUT)
-    return [str(r[0]) for r in rows]
+        return list(await conn.fetch(sql, *args, timeout=SETUP_TIMEOUT))
+
+
+async def _explain(registry: AsyncpgRegistry, label: str, how: str) -> list[str]:
+    sql, args = _bind(label)
+    return [str(r[0]) for r in await _fetch(registry, f"EXPLAIN ({how}) {sql}", *args)]
 
 
 _SCAN = re.compile(r"(Seq Scan|Bitmap Index Scan|Index Only Scan|Index Scan)(?: using (\S+))?")
@@ -616,377 +435,232 @@ _SCAN_NAMES = {"Seq Scan": "seq", "Bitmap Index Scan": "bitmap", "Index Only Sca
                "Index Scan": "index"}  # fmt: skip
 
 
-def _scans(plan: Sequence[str]) -> str:
-    """The plan's scans in short: "seq", "bitmap capabilities", "index tier"."""
-    found = []
+async def _server_ms(registry: AsyncpgRegistry, label: str) -> tuple[float | None, str]:
+    """Median execution time inside PostgreSQL (EXPLAIN ANALYZE without per-node timing),
+    and the scans of the last plan in short: "seq", "bitmap capabilities", "index tier"."""
+    times, plan = [], []
+    for _ in range(EXPLAIN_RUNS):
+        plan = await _explain(registry, label, "ANALYZE, TIMING OFF")
+        times += [float(m[1]) for x in plan if (m := re.search(r"Execution Time: ([0-9.]+)", x))]
+    scans = []
     for line in plan:
         if match := _SCAN.search(line):
             index = match[2] or (line.split(" on ", 1)[1].split()[0] if "Bitmap" in line else "")
-            found.append(
-                f"{_SCAN_NAMES[match[1]]} {index.removeprefix('idx_worker_capabilities_')}".strip()
-            )
-    return " + ".join(found) or "-"
-
-
-async def _server_ms(
-    registry: AsyncpgRegistry, sql: str, args: Sequence[Any]
-) -> tuple[float | None, str]:
-    """Median execution time inside PostgreSQL (EXPLAIN ANALYZE without per-node timing),
-    and the scans of the last plan."""
-    times = []
-    plan: list[str] = []
-    for _ in range(EXPLAIN_RUNS):
-        plan = await _explain(registry, sql, args, "ANALYZE, TIMING OFF")
-        for line in plan:
-            if match := _EXECUTION.search(line):
-                times.append(float(match[1]))
-    return (round(statistics.median(times), 3) if times else None), _scans(plan)
+            index = index.removeprefix("idx_worker_capabilities_")
+            scans.append(f"{_SCAN_NAMES[match[1]]} {index}".strip())
+    return (round(statistics.median(times), 3) if times else None), " + ".join(scans) or "-"
 
 
 async def _plan_choices(registry: AsyncpgRegistry) -> dict[str, Any]:
     """Generic vs custom plans of the adapter's own prepared statements, on its connection."""
-    async with registry.pool.acquire() as conn:
-        rows = await conn.fetch(
-            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
-            "WHERE statement NOT LIKE 'EXPLAIN%'"
-        )
-    out: dict[str, Any] = {}
-    for row in rows:
-        statement = str(row["statement"])
-        key = (
-            "eligible"
-            if "eligible_workers(" in statement
-            else "nodes"
-            if "worker_liveness_now" in statement
-            else None
-        )
-        if key is not None:
-            out[key] = {"generic_plans": row["generic_plans"], "custom_plans": row["custom_plans"]}
-    return out
+    rows = await _fetch(registry, "SELECT statement, generic_plans, custom_plans FROM "
+                        "pg_prepared_statements WHERE statement NOT LIKE 'EXPLAIN%'")  # fmt: skip
+    keys = {"eligible_workers(": "eligible", "worker_liveness_now": "nodes"}
+    return {
+        key: {"generic_plans": r["generic_plans"], "custom_plans": r["custom_plans"]}
+        for r in rows
+        for marker, key in keys.items()
+        if marker in str(r["statement"])
+    }
 
 
 async def _table_stats(registry: AsyncpgRegistry) -> dict[str, Any]:
-    async with registry.pool.acquire() as conn:
-        await conn.execute("SELECT pg_stat_force_next_flush()")
-        row = await conn.fetchrow(
-            "SELECT n_live_tup, n_dead_tup, n_tup_upd, n_tup_hot_upd, autovacuum_count, "
-            "autoanalyze_count, pg_table_size(relid) AS table_bytes, "
-            "pg_indexes_size(relid) AS index_bytes "
-            "FROM pg_stat_user_tables WHERE relname = 'worker_capabilities'"
-        )
-        indexes = await conn.fetch(
-            "SELECT indexrelname, pg_relation_size(indexrelid) AS bytes "
-            "FROM pg_stat_user_indexes WHERE relname = 'worker_capabilities' ORDER BY 1"
-        )
-    stats = dict(row) if row is not None else {}
+    await _fetch(registry, "SELECT pg_stat_force_next_flush()")
+    rows = await _fetch(
+        registry, "SELECT n_live_tup, n_dead_tup, n_tup_upd, n_tup_hot_upd, autovacuum_count, "
+        "autoanalyze_count, pg_table_size(relid) AS table_bytes, pg_indexes_size(relid) AS "
+        "index_bytes FROM pg_stat_user_tables WHERE relname = 'worker_capabilities'")  # fmt: skip
+    indexes = await _fetch(
+        registry, "SELECT indexrelname, pg_relation_size(indexrelid) AS bytes FROM "
+        "pg_stat_user_indexes WHERE relname = 'worker_capabilities' ORDER BY 1")  # fmt: skip
+    stats = dict(rows[0]) if rows else {}
     stats["index_bytes_each"] = {str(r["indexrelname"]): int(r["bytes"]) for r in indexes}
     return stats
 
 
-async def _settings(registry: AsyncpgRegistry) -> dict[str, str]:
-    async with registry.pool.acquire() as conn:
-        rows = await conn.fetch(
-            "SELECT name, setting, source FROM pg_settings WHERE name = ANY($1::text[])",
-            [
-                "fsync",
-                "synchronous_commit",
-                "wal_sync_method",
-                "full_page_writes",
-                "shared_buffers",
-                "max_connections",
-                "plan_cache_mode",
-                "autovacuum",
-            ],
-        )
-        version = await conn.fetchval("SHOW server_version")
-    out = {str(r["name"]): f"{r['setting']} ({r['source']})" for r in rows}
-    out["server_version"] = str(version)
-    return out
+# --- one server --------------------------------------------------------------------------
 
 
 async def _measure(
-    url: str,
-    server_pid: int,
-    profiles: Sequence[NodeProfile],
-    options: Options,
-    duration: float,
-    repeats: int,
+    server: EmbeddedPostgres,
     label: str,
+    profiles: Sequence[NodeProfile],
+    setup: dict[str, Any],
     workdir: Path,
-) -> tuple[dict[str, Any], list[Phase], list[QueryResult]]:
-    """Everything on one server; the JSON summary plus the raw phases for the tables."""
+) -> dict[str, Any]:
+    """Everything on one server, as its JSON summary."""
+    url, pid, repeats = server.url, server.pid, setup["query_repeats"]
+    assert pid is not None
     failures: list[str] = []
     required = len(profiles) / INTERVAL_SECONDS
-    meter = CpuMeter(server_pid)
     beats = AsyncpgRegistry(url, timeout=TIMEOUT, max_connections=max(CONNECTIONS))
     # One connection for queries and bookkeeping: its prepared statements can be inspected.
     reader = AsyncpgRegistry(url, timeout=SETUP_TIMEOUT, max_connections=1)
     await beats.open()
     await reader.open()
     try:
-        settings = await _settings(reader)
-        want_fsync = label.split("=", 1)[1]
-        if not settings["fsync"].startswith(want_fsync + " "):
-            failures.append(f"server runs with fsync {settings['fsync']}, wanted {want_fsync}")
+        rows = await _fetch(reader, "SELECT name, setting, source FROM pg_settings WHERE "
+                            "name = ANY($1::text[])", list(SETTINGS))  # fmt: skip
+        settings = {str(r["name"]): f"{r['setting']} ({r['source']})" for r in rows}
+        settings["server_version"] = str(await reader.pool.fetchval("SHOW server_version"))
+        if not settings["fsync"].startswith(label.split("=", 1)[1] + " "):
+            failures.append(f"server runs with fsync {settings['fsync']}, wanted {label}")
         applied = await migrating.migrate(reader, MIGRATIONS)
-        files = len(list(MIGRATIONS.glob("*.sql")))
-        if len(applied) != files:
+        if len(applied) != (files := len(list(MIGRATIONS.glob("*.sql")))):
             failures.append(f"{len(applied)} migrations applied to a fresh database, {files} files")
 
         _say(f"{label}: registering {len(profiles)} nodes")
-        register = await _register(beats, profiles, meter)
+        register = await _register(beats, profiles, pid)
         registered = await reader.pool.fetchval("SELECT count(*) FROM worker_capabilities")
-        if registered != len(profiles) or register.errors:
-            failures.append(
-                f"registration: {registered} rows for {len(profiles)} nodes, "
-                f"{register.errors} errors {register.first_errors}"
-            )
+        if registered != len(profiles):
+            failures.append(f"registration: {registered} rows for {len(profiles)} nodes")
         await reader.pool.execute("ANALYZE worker_capabilities")
         after_register = await _table_stats(reader)
 
-        _say(f"{label}: warm-up {options.warmup:g} s, then heartbeats (pgbench)")
-        count, instance, seconds = len(profiles), beats.instance, max(1, round(duration))
-
-        def pgbench(name: str, connections: int, seconds: int, rate: float | None = None) -> Any:
-            return asyncio.to_thread(
-                _pgbench_phase, url, instance, count, workdir, meter, name=name,
-                connections=connections, seconds=seconds, rate=rate,
-            )  # fmt: skip
-
-        await pgbench("warm-up", max(CONNECTIONS), max(1, round(options.warmup)))
-        heartbeats: list[Phase] = [
-            await pgbench("heartbeat, closed loop", connections, seconds)
-            for connections in CONNECTIONS
-        ]
-        paced_name = f"heartbeat, paced {required:.0f}/s"
-        heartbeats.append(await pgbench(paced_name, max(CONNECTIONS), seconds, required))
+        _say(f"{label}: warm-up {setup['warmup_seconds']:g} s, then heartbeats (pgbench)")
+        pgbench = Pgbench(url, beats.instance, len(profiles), workdir, pid)
+        seconds, wide = max(1, round(setup["duration_seconds"])), max(CONNECTIONS)
+        warmup = max(1, round(setup["warmup_seconds"]))
+        await asyncio.to_thread(pgbench.phase, "warm-up", wide, warmup)
+        phases = [await asyncio.to_thread(pgbench.phase, "heartbeat, closed loop", c, seconds)
+                  for c in CONNECTIONS]  # fmt: skip
+        paced = f"heartbeat, paced {required:.0f}/s"
+        phases.append(await asyncio.to_thread(pgbench.phase, paced, wide, seconds, required))
 
         _say(f"{label}: queries, idle")
         began = time.monotonic()
         with GcWatch() as idle_gc:
-            idle = await _queries(reader, profiles, repeats=repeats, load="idle", refresh=True)
+            idle = await _queries(reader, profiles, repeats, "idle")
         idle_seconds = time.monotonic() - began
         await _refresh(reader)
-        explain_args = _eligible_args(EXPLAINED.requirements)
-        plan = await _explain(reader, registry_sql._ELIGIBLE, explain_args, "ANALYZE, BUFFERS")
+        plan = await _explain(reader, EXPLAINED, "ANALYZE, BUFFERS")
         for result in idle:
-            if result.label == NODES_QUERY:
-                sql, args = registry_sql._NODES, [None, "online", None, NODES]
-            else:
-                query = next(q for q in QUERIES if q.label == result.label)
-                sql, args = registry_sql._ELIGIBLE, _eligible_args(query.requirements)
-            result.server_ms, result.scans = await _server_ms(reader, sql, args)
+            result["server_execution_ms"], result["scans"] = await _server_ms(
+                reader, result["query"]
+            )
         plans = await _plan_choices(reader)
 
         _say(f"{label}: queries under the paced heartbeat load")
         await _refresh(reader)  # every node live for 2 intervals from here, beats or not
         # the paced load outlasts the queries: twice what they took idle, at least `duration`
         loaded_seconds = max(seconds, math.ceil(2 * idle_seconds) + 2)
-        name = f"{paced_name} + queries"
-        log = _log_name(name, max(CONNECTIONS))
+        both = Phase(f"{paced} + queries", wide, required)
         with GcWatch() as loaded_gc:
-            meter.start(children=True)
-            proc = await asyncio.to_thread(
-                start_pgbench, url, instance, count, workdir, name=log,
-                connections=max(CONNECTIONS), seconds=loaded_seconds, rate=required,
-            )  # fmt: skip
-            loaded = await _queries(
-                reader, profiles, repeats=repeats, load=f"{required:.0f} beats/s", refresh=False
-            )
-            if proc.poll() is not None:
+            meter = _meter(pid, children=True)
+            popen = await asyncio.to_thread(pgbench.start, both, loaded_seconds)
+            loaded = await _queries(reader, profiles, repeats, f"{required:.0f} beats/s")
+            if popen.poll() is not None:
                 failures.append("the queries under load outlasted the paced pgbench run")
-            paced = await asyncio.to_thread(
-                finish_pgbench, proc, workdir, name=log, connections=max(CONNECTIONS),
-                seconds=loaded_seconds, rate=required,
-            )  # fmt: skip
-            paced.name = name
-            meter.stop(paced)
-        heartbeats.append(paced)
+            await asyncio.to_thread(pgbench.finish, popen, both, loaded_seconds)
+            both.cpu = meter.spent()
+        phases.append(both)
         final = await _table_stats(reader)
     finally:
         await reader.close()
         await beats.close()
 
-    for phase in [register, *heartbeats]:
+    for phase in [register, *phases]:
         if phase.errors or phase.missing:
             failures.append(
-                f"{phase.name} ({phase.connections} conns): {phase.errors} errors, "
-                f"{phase.missing} heartbeats found no row {phase.first_errors}"
+                f"{phase.name} ({phase.connections} conns): {len(phase.errors)} errors, "
+                f"{phase.missing} heartbeats found no row {phase.errors[:5]}"
             )
-        if paced_short(phase):
-            failures.append(
-                f"{phase.name}: achieved {phase.rate:.1f}/s of {phase.target_rate}/s paced"
-            )
-    for result in [*idle, *loaded]:
-        if result.rows != result.expected or not result.same_nodes or result.rows <= 0:
-            failures.append(
-                f"{result.label} ({result.load}): {result.rows} rows, expected "
-                f"{result.expected}{'' if result.same_nodes else ', different nodes'}"
-            )
-    return (
-        {
-            "settings": settings,
-            "register": register.summary(required),
-            "heartbeats": [p.summary(required) for p in heartbeats],
-            "queries": [r.summary() for r in [*idle, *loaded]],
-            "explain": {"query": EXPLAINED.label, "plan": plan},
-            "plan_choices": plans,
-            "query_gc_pauses": {"idle": idle_gc.summary(), "loaded": loaded_gc.summary()},
-            "table_after_register": after_register,
-            "table_at_end": final,
-            "failures": failures,
-        },
-        [register, *heartbeats],
-        [*idle, *loaded],
-    )
+        if phase.short():
+            rate = len(phase.done) / phase.wall_seconds
+            failures.append(f"{phase.name}: achieved {rate:.1f}/s of {phase.target_rate}/s paced")
+    for r in [*idle, *loaded]:
+        if r["rows"] != r["expected_rows"] or not r["same_nodes"] or r["rows"] <= 0:
+            other = "" if r["same_nodes"] else ", different nodes"
+            expected = f"expected {r['expected_rows']}{other}"
+            failures.append(f"{r['query']} ({r['load']}): {r['rows']} rows, {expected}")
+    return {
+        "settings": settings, "register": register.summary(required),
+        "heartbeats": [p.summary(required) for p in phases], "queries": [*idle, *loaded],
+        "explain": {"query": EXPLAINED, "plan": plan}, "plan_choices": plans,
+        "query_gc_pauses": {"idle": idle_gc.summary(), "loaded": loaded_gc.summary()},
+        "table_after_register": after_register, "table_at_end": final, "failures": failures,
+    }  # fmt: skip
 
 
-# --- report --------------------------------------------------------------------------------
+# --- report ------------------------------------------------------------------------------
 
 
-def _filesystem(path: Path) -> str:
-    resolved = str(path.resolve())
-    best: Any = None
-    for part in psutil.disk_partitions(all=True):
-        mount = part.mountpoint.rstrip("/") + "/"
-        if (resolved + "/").startswith(mount) and (
-            best is None or len(part.mountpoint) > len(best.mountpoint)
-        ):
-            best = part
-    return "unknown" if best is None else f"{best.fstype} ({best.device} on {best.mountpoint})"
-
-
-def _row_stats(phase: Phase, required: float) -> list[Any]:
-    lat = sorted(phase.latencies_ns)
-    return [
-        phase.connections, phase.completed, num(phase.rate, 0),
-        "-" if phase.name == REGISTER else num(phase.rate / required, 1),
-        "-" if (w := phase.worst_second()) is None else w,
-        *(num(v) for v in latency_ms(lat).values()), phase.errors + phase.missing,
-        *(num(percent(cpu, phase.wall_seconds), 0) for cpu in (
-            phase.client_cpu_seconds, phase.server_cpu_seconds, phase.other_cpu_seconds)),
-    ]  # fmt: skip
-
-
-def _tables(
-    raw: dict[str, tuple[list[Phase], list[QueryResult]]],
-    servers: dict[str, dict[str, Any]],
-    count: int,
-) -> list[dict[str, Any]]:
-    required = count / INTERVAL_SECONDS
+def _tables(servers: dict[str, dict[str, Any]], setup: dict[str, Any]) -> list[dict[str, Any]]:
+    count, required = setup["nodes"], setup["required_heartbeats_per_second"]
     loads = [
-        [label, p.name, *_row_stats(p, required)] for label, (ps, _) in raw.items() for p in ps
-    ]
-    queries = []
-    for label, (_, results) in raw.items():
-        for r in results:
-            rows = str(r.rows) + ("" if r.rows == r.expected and r.same_nodes
-                                  else f" (expected {r.expected})")  # fmt: skip
-            lat = latency_ms(sorted(r.latencies_ns))
-            queries.append([label, r.load, r.label, rows, *(num(v) for v in lat.values()),
-                            num(r.server_ms), r.scans if r.load == "idle" else ""])  # fmt: skip
+        [label, p["phase"], p["connections"], p["completed"], p["per_second"],
+         None if p["phase"] == REGISTER else p["times_required"], p["worst_second"],
+         *p["latency_ms"].values(), p["errors"] + p["missing_rows"], p["client_cpu_percent"],
+         p["server_cpu_percent"], p["other_cpu_percent"], p["steal_percent"]]
+        for label, s in servers.items() for p in [s["register"], *s["heartbeats"]]
+    ]  # fmt: skip
+    queries = [
+        [label, q["load"], q["query"], f"{q['rows']}" + ("" if q["rows"] == q["expected_rows"]
+         and q["same_nodes"] else f" (expected {q['expected_rows']})"), *q["latency_ms"].values(),
+         q["server_execution_ms"], q["scans"] if q["load"] == "idle" else ""]
+        for label, s in servers.items() for q in s["queries"]
+    ]  # fmt: skip
     per_server = []
-    for label, server in servers.items():
-        start, end = server["table_after_register"], server["table_at_end"]
+    for label, s in servers.items():
+        start, end = s["table_after_register"], s["table_at_end"]
         updates = (end.get("n_tup_upd") or 0) - (start.get("n_tup_upd") or 0)
         hot = (end.get("n_tup_hot_upd") or 0) - (start.get("n_tup_hot_upd") or 0)
-        idle = [q for q in server["queries"] if q["load"] == "idle"]
-        gin = [q["query"] for q in idle if "capabilities" in q["scans"]]
-        plans = server["plan_choices"].get("eligible", {})
-        none = next(q for q in idle if q["query"] == QUERIES[0].label)
-        gc2 = server["query_gc_pauses"]["idle"]["gen2"]
+        idle = [q for q in s["queries"] if q["load"] == "idle"]
+        plans = s["plan_choices"].get("eligible", {})
+        gc2 = s["query_gc_pauses"]["idle"]["gen2"]
         per_server.append([
             label, f"{updates:,} ({percent(hot, updates):.0f} % HOT)",
             f"{mib(start.get('table_bytes', 0))} -> {mib(end.get('table_bytes', 0))}",
             f"{mib(start.get('index_bytes', 0))} -> {mib(end.get('index_bytes', 0))}",
-            f"{end.get('n_dead_tup', 0):,}", end.get("autovacuum_count", 0),
-            ", ".join(gin) or "none",
+            end.get("n_dead_tup", 0), end.get("autovacuum_count", 0),
+            ", ".join(q["query"] for q in idle if "capabilities" in q["scans"]) or "none",
             f"{plans.get('custom_plans', '?')} / {plans.get('generic_plans', '?')}",
-            f"{num(none['latency_ms']['p50'])} / {num(none['server_execution_ms'])}",
+            f"{cell(idle[0]['latency_ms']['p50'], '.2f')} / "
+            f"{cell(idle[0]['server_execution_ms'], '.2f')}",
             f"{gc2['collections']}, {gc2['total_ms']} ms, max {gc2['max_ms']} ms",
         ])  # fmt: skip
+    first = next(iter(servers.values()))["settings"]
     return [
         table(f"Registration and heartbeats: {count:,} nodes, one beat each per "
-              f"{INTERVAL_SECONDS} s = {required:.0f}/s required", LOAD_COLUMNS, loads),
+              f"{INTERVAL_SECONDS} s = {required:.0f}/s required",
+              "server|phase|conns|ops|ops/s{,.0f}|x req{.1f}|worst 1 s|p50 ms{.2f}|p99 ms{.2f}|"
+              "max ms{.2f}|errors|client CPU%{.0f}|server CPU%{.0f}|other CPU%{.0f}|steal %{.0f}",
+              loads),
         table(f"'Live nodes that can run X' at {count:,} nodes: AsyncpgRegistry.eligible()",
-              QUERY_COLUMNS, queries),
+              "server|load|requirements|rows|p50 ms{.2f}|p99 ms{.2f}|max ms{.2f}|server ms{.2f}|"
+              "scans", queries),
         table("worker_capabilities after registration -> at the end; the idle queries",
-              "server|row updates|table MiB|indexes MiB|dead rows|autovacuums|GIN index in "
+              "server|row updates|table MiB|indexes MiB|dead rows{,}|autovacuums|GIN index in "
               "plan of|eligible plans custom / generic|'none' p50 ms client / server|full GC "
               "(idle queries)", per_server),
+        table("pg_settings", ["setting", *servers],
+              [[k, *(s["settings"].get(k) for s in servers.values())] for k in first]),
+        table(f"pg_test_fsync: one 8 kB write, data directories on {setup['data_filesystem']}",
+              "wal_sync_method|ops/s{,}|us/op",
+              [[m, v["per_second"], v["usecs_per_op"]]
+               for m, v in setup["fsync_8k"]["one_8k_write"].items()]),
     ]  # fmt: skip
 
 
 def _notes(
     servers: dict[str, dict[str, Any]], setup: dict[str, Any], failures: list[str]
 ) -> list[str]:
-    required = setup["required_heartbeats_per_second"]
-    notes = [f"FAILED: {f}" for f in failures] or [
-        "verified: every upsert landed, no heartbeat errored or missed its row, the paced "
-        "phases kept their rate, and every query returned exactly the nodes the Python "
-        "matcher (match_requirements) picks"
-    ]
-    noisy = [
-        f"{label} {p['phase']} ({p['connections']} conns): other {p['other_cpu_percent']:.0f} %, "
-        f"steal {p['steal_percent']:.0f} %"
-        for label, server in servers.items()
-        for p in [server["register"], *server["heartbeats"]]
-        if "+ queries" not in p["phase"]
-        and (p["other_cpu_percent"] > NOISY_OTHER_CPU_PERCENT or p["steal_percent"] > 5)
-    ]
-    if noisy:
-        notes.append("NOISY: something else used the CPU during " + "; ".join(noisy))
-    for label, server in servers.items():
-        best = max((p for p in server["heartbeats"] if "target_rate" not in p),
-                   key=lambda p: p["per_second"])  # fmt: skip
-        paced = "; ".join(
-            f"{p['phase']}: p50 {num(p['latency_ms']['p50'])} / p99 {num(p['latency_ms']['p99'])}"
-            f" / max {num(p['latency_ms']['max'])} ms"
-            for p in server["heartbeats"] if "target_rate" in p
-        )  # fmt: skip
-        notes.append(
-            f"{label}: sustained {best['per_second']:.0f} heartbeats/s with "
-            f"{best['connections']} connections = {best['times_required']:.1f}x the "
-            f"{required:.0f}/s that {setup['nodes']:,} nodes at one beat per "
-            f"{INTERVAL_SECONDS} s need; {paced} (latency from the scheduled time)"
-        )
-    sync = setup["fsync_8k"]["one_8k_write"]
-    off = servers.get("fsync=off", {}).get("settings", {})
-    on = servers.get("fsync=on", {}).get("settings", {})
-    notes.append(
-        "fsync: EmbeddedPostgres starts the server with `-c fsync=off` (pg_settings: fsync = "
-        f"{off.get('fsync', '?')}); the fsync=on rows come from a second server on the same "
-        f"binaries with `-c fsync=on` (fsync = {on.get('fsync', '?')}, synchronous_commit = "
-        f"{on.get('synchronous_commit', '?')}, wal_sync_method = "
-        f"{on.get('wal_sync_method', '?')}); data directories on {setup['data_filesystem']}, "
-        "where pg_test_fsync gives for one 8 kB write: "
-        + ", ".join(f"{m} {v['per_second']:,}/s ({v['usecs_per_op']} us)" for m, v in sync.items())
-        + ". Production runs with fsync on: plan with those rows."
-    )
-    notes.append(
-        f"client and PostgreSQL share the {len(os.sched_getaffinity(0))} cores, unpinned: "
-        "client CPU% and server CPU% (100 = one core) show where the time went; other CPU% is "
-        "the rest of the machine's busy time (for the '+ queries' rows, mostly this process's "
-        "queries). Heartbeats are pgbench (-M prepared, -j 2) running the adapter's own UPDATE "
-        f"for a random node, closed loop from {'/'.join(map(str, CONNECTIONS))} connections, "
-        "paced at nodes/30 per second (-R, Poisson arrivals) from a process of their own; "
-        f"the real fleet holds at least {setup['nodes']:,} connections against max_connections "
-        f"= {off.get('max_connections', '?')} here: a pooler (PgBouncer) is needed at that size"
-    )
-    first = next(iter(servers.values()))
+    label, first = next(iter(servers.items()))
     plan: list[str] = first["explain"]["plan"]
     inlined = not any("Function Scan" in line for line in plan)
-    notes.append(
-        f"EXPLAIN (ANALYZE, BUFFERS) of the adapter's eligible query for '{EXPLAINED.label}', "
-        f"idle, {next(iter(servers))}: eligible_workers() and worker_liveness() "
+    return [
+        *([f"FAILED: {f}" for f in failures] or [
+            "verified: every upsert landed, no heartbeat errored or missed its row, the paced "
+            "phases kept their rate, and every query returned exactly the nodes the Python "
+            "matcher (match_requirements) picks"]),
+        *noisy({f"{name} {p['phase']} ({p['connections']} conns)": p["other_cpu_percent"]
+                for name, s in servers.items() for p in [s["register"], *s["heartbeats"]]
+                if "+ queries" not in p["phase"]}, NOISY_OTHER_CPU_PERCENT),
+        f"the real fleet holds at least {setup['nodes']:,} connections against max_connections "
+        f"= {first['settings'].get('max_connections', '?')} here: a pooler (PgBouncer) is "
+        "needed at that size; production runs with fsync on: plan with the fsync=on rows",
+        f"EXPLAIN (ANALYZE, BUFFERS) of the adapter's eligible query for '{EXPLAINED}', idle, "
+        f"{label}: eligible_workers() and worker_liveness() "
         f"{'are inlined into the query' if inlined else 'are NOT inlined (Function Scan)'}; "
-        "top lines:\n    " + "\n    ".join(line[:160] for line in plan[:EXPLAIN_LINES])
-    )
-    notes.append(
-        "query latency is AsyncpgRegistry.eligible() end to end (nodes() for the last row); "
-        "'server ms' is the execution time inside PostgreSQL (EXPLAIN ANALYZE, TIMING OFF, "
-        f"median of {EXPLAIN_RUNS}, idle); each requirement set ran {setup['query_repeats']} "
-        "times from one connection, idle after moving every last_heartbeat to now(), and "
-        "again under the paced heartbeat load; a generic plan cannot use the GIN index"
-    )
-    return notes
+        "top lines:\n    " + "\n    ".join(line[:160] for line in plan[:EXPLAIN_LINES]),
+    ]  # fmt: skip

@@ -103,10 +103,6 @@ def mib(value: float | None) -> str:
     return "-" if value is None else f"{value / MIB:.1f}"
 
 
-def num(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
 def mb(value: float) -> str:
     return f"{value / MB:.1f}"
 
