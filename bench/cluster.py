@@ -1,24 +1,16 @@
 """The benchmarks' Kubernetes: a real control plane, and the manager's requests to it as
 the API server itself counts them.
 
-`start(workdir)` starts the control plane (standins/control_plane.py: etcd,
-kube-apiserver, kube-controller-manager, kube-scheduler and kwok with one fake node, from
-the binaries `make control-plane` builds) and applies the repo's namespaces, ServiceAccount
-and RBAC (k8s/), as the tests' `control_plane` fixture does; `write_manager_kubeconfig`
-gives the manager its own ServiceAccount token, so RBAC decides what it may do.
+`running(workdir)` starts the control plane (standins/control_plane.py, from the binaries
+`make control-plane` builds), applies the repo's namespaces, ServiceAccount and RBAC (k8s/)
+and writes the manager a kubeconfig with its own ServiceAccount token, so RBAC decides what
+it may do.
 
-The API server's /metrics
-counts every request in `apiserver_request_total` by verb, scope, subresource and answer.
-Only Deployments are counted (group "apps", resource "deployments", no subresource): the
-manager touches nothing else while it syncs. UPDATE (HTTP PUT, verb "PUT" in the metric:
-the deployment controller's writes) and WATCH (the controllers' informers) are left out, as
-is every subresource (the controller's status writes): the manager sends none of them (its
-RBAC grants no `update` or `watch`). Server-side apply is a PATCH the API server counts as
-verb APPLY; it is shown as PATCH, what the manager sends.
-
-The counter is per cluster, not per client: requests this module sends itself (the
-Deployment lists below) are subtracted, and whatever a controller sends with a counted verb
-would show up (none was seen: see the notes of bench/sync.py).
+Requests are read from the API server's `apiserver_request_total`, Deployments only (the
+manager touches nothing else while it syncs), without UPDATE (verb PUT: the deployment
+controller's writes), WATCH (the informers) and subresources (status writes): the manager
+sends none of them. Server-side apply, counted as APPLY, is shown as PATCH. The counter is
+per cluster: this module's own requests are subtracted, another client's would show.
 """
 
 from __future__ import annotations
@@ -26,41 +18,25 @@ from __future__ import annotations
 import ssl
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
 from bench import proc
 from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"
 K8S_FILES = ("namespace.yaml", "workloads-namespace.yaml", "serviceaccount.yaml", "rbac.yaml")
-
+NAMESPACE = "workloads"  # the managed namespace (k8s/workloads-namespace.yaml)
 METRIC = "apiserver_request_total"
-NOT_COUNTED_VERBS = frozenset({"PUT", "WATCH"})  # PUT: an UPDATE, as the metric names it
-SHOWN_AS = {"APPLY": "PATCH"}  # server-side apply: a PATCH with an apply-patch body
-STABLE_WAIT = 0.05  # seconds between the scrapes that must agree after a phase
-STABLE_TRIES = 40
-
-
-def start(workdir: Path) -> ControlPlane:
-    """The control plane up (a fake node Ready), with the repo's k8s/ objects applied."""
-    plane = ControlPlane.start(workdir)
-    try:
-        for name in K8S_FILES:
-            plane.kubectl("apply", "-f", str(K8S / name))
-    except BaseException:
-        plane.stop()
-        raise
-    return plane
-
-
-def write_manager_kubeconfig(plane: ControlPlane, path: Path, namespace: str) -> Path:
-    """The manager's kubeconfig: its own ServiceAccount's token, straight to the API server."""
-    token = plane.token_for(*MANAGER_ACCOUNT, hours=24)
-    return plane.write_kubeconfig(path, token=token, namespace=namespace)
+NOT_COUNTED_VERBS = frozenset({"PUT", "WATCH"})
+SHOWN_AS = {"APPLY": "PATCH"}
+STABLE_WAIT, STABLE_TRIES = 0.05, 40  # scrapes that must agree after a phase
 
 
 @dataclass(frozen=True, order=True)
@@ -94,30 +70,25 @@ class Requests:
     def total(self) -> int:
         return sum(self.counted.values())
 
-    def by_kind(self) -> dict[str, int]:
-        kinds: Counter[str] = Counter()
+    def by(self, what: str = "kind") -> dict[str, int]:
+        """Counts by `kind` (GET(404)), `status` (404) or `scope` (GET(404) resource)."""
+        found: Counter[str] = Counter()
         for key, count in self.counted.items():
-            kinds[key.kind] += count
-        return dict(kinds.most_common())
-
-    def by_status(self) -> dict[str, int]:
-        codes: Counter[str] = Counter()
-        for key, count in self.counted.items():
-            codes[str(key.code)] += count
-        return dict(codes.most_common())
+            found[{"kind": key.kind, "status": str(key.code),
+                   "scope": f"{key.kind} {key.scope}"}[what]] += count  # fmt: skip
+        return dict(found.most_common())
 
 
-class ApiserverRequests:
-    """Scrapes the API server's /metrics as its admin (client certificate, system:masters)."""
+class Cluster:
+    """The control plane, the manager's kubeconfig, and the API server's counts as its
+    admin reads them (client certificate, system:masters)."""
 
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: ControlPlane, kubeconfig: Path) -> None:
+        self.plane, self.kubeconfig = plane, kubeconfig
         context = ssl.create_default_context(cafile=str(plane.ca))
         context.load_cert_chain(plane.pki / "admin.crt", plane.pki / "admin.key")
         self._client = httpx.Client(base_url=plane.url, verify=context, timeout=60.0)
         self._own: Counter[Key] = Counter()
-
-    def close(self) -> None:
-        self._client.close()
 
     def snapshot(self) -> Snapshot:
         response = self._client.get("/metrics")
@@ -126,7 +97,7 @@ class ApiserverRequests:
         other: Counter[str] = Counter()
         lines = "\n".join(x for x in response.text.splitlines() if x.startswith(METRIC + "{"))
         for labels, value in proc.Metrics(lines).samples.get(METRIC, []):
-            if labels.get("group") != "apps" or labels.get("resource") != "deployments":
+            if (labels.get("group"), labels.get("resource")) != ("apps", "deployments"):
                 continue
             verb, subresource = labels.get("verb", ""), labels.get("subresource", "")
             if subresource or verb in NOT_COUNTED_VERBS:
@@ -137,11 +108,10 @@ class ApiserverRequests:
                 )
         return Snapshot(counted, other, Counter(self._own))
 
-    def settled_snapshot(self, previous: Snapshot | None = None) -> Snapshot:
-        """A snapshot once two in a row agree on the counted requests: the API server adds
-        a request to its metrics just after answering it, so the last answer of a phase
-        may not be counted yet in a scrape taken the moment the phase ends."""
-        current = previous or self.snapshot()
+    def settled_snapshot(self) -> Snapshot:
+        """A snapshot once two in a row agree: the API server counts a request just after
+        answering it, so a scrape the moment a phase ends may miss its last answer."""
+        current = self.snapshot()
         for _ in range(STABLE_TRIES):
             time.sleep(STABLE_WAIT)
             following = self.snapshot()
@@ -152,38 +122,55 @@ class ApiserverRequests:
 
     @staticmethod
     def between(before: Snapshot, after: Snapshot) -> Requests:
-        own = after.own - before.own
         counted = after.counted - before.counted
-        counted.subtract(own)
+        counted.subtract(after.own - before.own)
         return Requests(
-            counted=Counter({k: v for k, v in counted.items() if v != 0}),
-            other=after.other - before.other,
+            Counter({k: v for k, v in counted.items() if v}), after.other - before.other
         )
 
-    # -- the cluster's Deployments, as the admin sees them (one counted LIST each) -------
-
-    def delete_deployments(self, namespace: str) -> None:
-        """Every Deployment of `namespace` in one DELETECOLLECTION (their ReplicaSets and
-        Pods follow, by the garbage collector). Not subtracted from the counts: call it
-        between measured windows only."""
+    def delete_deployments(self) -> None:
+        """Every Deployment of the namespace in one DELETECOLLECTION (their ReplicaSets and
+        Pods follow). Not subtracted from the counts: only between measured windows."""
         response = self._client.request(
-            "DELETE",
-            f"/apis/apps/v1/namespaces/{namespace}/deployments",
+            "DELETE", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments",
             json={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
-        )
+        )  # fmt: skip
         response.raise_for_status()
 
-    def list_deployments(self, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
-        params = {"labelSelector": label_selector} if label_selector else {}
-        response = self._client.get(
-            f"/apis/apps/v1/namespaces/{namespace}/deployments", params=params
-        )
+    def managed(self) -> list[dict[str, Any]]:
+        """The managed Deployments (one LIST, subtracted from the counts)."""
+        response = self._client.get(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments",
+                                    params={"labelSelector": MANAGED_SELECTOR})  # fmt: skip
         self._own[Key("LIST", "namespace", response.status_code)] += 1
         response.raise_for_status()
         items: list[dict[str, Any]] = response.json().get("items") or []
         return items
 
+    def versions(self) -> dict[str, str]:
+        """The managed Deployments by name, with the version they are annotated with."""
+        return {d["metadata"]["name"]: (d["metadata"].get("annotations") or {}).get(
+            VERSION_ANNOTATION, "") for d in self.managed()}  # fmt: skip
 
-def cpu_seconds(plane: ControlPlane) -> float:
-    """User + system CPU seconds of every control-plane process so far."""
-    return sum(proc.cpu_seconds(p.pid) for p in plane.processes.values())
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of every control-plane process so far."""
+        return sum(proc.cpu_seconds(p.pid) for p in self.plane.processes.values())
+
+
+@contextmanager
+def running(workdir: Path) -> Iterator[Cluster]:
+    """The control plane up (a fake node Ready) with the repo's k8s/ objects applied."""
+    plane = ControlPlane.start(workdir / "control-plane")
+    try:
+        for name in K8S_FILES:
+            plane.kubectl("apply", "-f", str(K8S / name))
+        token = plane.token_for(*MANAGER_ACCOUNT, hours=24)
+        kubeconfig = plane.write_kubeconfig(
+            workdir / "kubeconfig", token=token, namespace=NAMESPACE
+        )
+        cluster = Cluster(plane, kubeconfig)
+        try:
+            yield cluster
+        finally:
+            cluster._client.close()
+    finally:
+        plane.stop()

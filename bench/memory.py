@@ -1,42 +1,33 @@
 """The manager's idle memory: `python -m app serve` at rest in three configurations, next to
 the import floor of the libraries it cannot do without.
 
-Floors are fresh interpreters that import the mandatory libraries and nothing else (no
-app code): the least any manager built on them could weigh. The managers run as child
-processes (a clean environment, their own working directory, so a developer's .env
-changes nothing) in these configurations:
-
-- off: every component that can be off is off (no database, no NATS, no backend, no
-  cluster, no reports, no worker, no registry, no self-update);
-- data: PostgreSQL and NATS configured, development defaults otherwise (the registry with
-  its heartbeat and the job worker run; nothing to sync, reports to the log only);
-- production: APP_ENV=production with every component that can run here on: PostgreSQL
-  and nats-server (embedded servers started by this benchmark), the registry, the job
-  worker, signed reports to and the desired state from the local backend
-  (standins/backend.py), the sync and self-update against the Kubernetes
-  control plane (when `make control-plane` has built it; otherwise they are off with
-  their reason, and the table says so), alerts to a local Matrix stand-in and errors to
-  a Sentry stand-in (one app serves the version file, Matrix and Sentry).
-
-A manager is measured once idle: /healthz answers, no enabled component is still
-starting (in production: the first sync and report are done), then IDLE_SECONDS of
-quiet; VmRSS, RssAnon, RssFile and threads come from /proc/<pid>/status (the median of
-READINGS readings a second apart). Every configuration runs RUNS times to show the noise.
+Floors are fresh interpreters that import the mandatory libraries and nothing else (the
+least of FLOOR_REPEATS). The managers run as child processes in these configurations:
+- off: every component that can be off is off;
+- data: PostgreSQL and NATS configured (the registry and the job worker run);
+- production: APP_ENV=production with every component that can run here: embedded
+  PostgreSQL and nats-server, signed reports to and the desired state from the local
+  backend, sync and self-update against the control plane (when `make control-plane` has
+  built it; else they are off, with their reason), alerts to a Matrix stand-in and errors
+  to a Sentry stand-in.
+A manager is measured once /healthz answers, no enabled component is starting (in
+production the first report and sync are done) and IDLE_SECONDS have passed: the median of
+READINGS readings of /proc/<pid>/status a second apart. Each configuration runs RUNS times.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 from starlette.applications import Starlette
@@ -45,34 +36,29 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app import __version__
-from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
-from bench import Options, proc
+from bench import Options, cluster, proc
 from bench.imports import rss_after
-from bench.report import MIB, mib, say
-from bench.servers import HOST, ServerProcess, ServerSpec
+from bench.report import MIB, mib, say, table
+from bench.servers import HOST, ServerProcess, base_env, data_servers, manager_spec
 from standins.backend import LocalBackend
 from standins.control_plane import ControlPlaneUnavailable
 from standins.servers import serve
-from standins.sync_world import KEY, NODE, key_seed, manifest
+from standins.sync_world import KEY, NODE, desire, key_seed
 
 NAME = "memory"
 DESCRIPTION = (
     "idle RSS of the manager (everything off; PostgreSQL + NATS; production with every "
     "component on) next to the import floor of its mandatory libraries"
 )
+_say = functools.partial(say, NAME)
 
-REPO = Path(__file__).resolve().parent.parent
 IMAGE_REPO = "ghcr.io/node-system/workload-manager"
 RUNS, QUICK_RUNS = 2, 1
 IDLE_SECONDS, QUICK_IDLE_SECONDS = 10.0, 5.0
 READINGS = 3  # a second apart, once idle; the median is reported
 FLOOR_REPEATS = 3  # fresh interpreters per floor; the least is reported
-READY_TIMEOUT = 60.0
 SETTLE_TIMEOUT = 45.0  # for every enabled component to leave "starting"
-POLL = 0.2
 API_TOKEN = "bench-api-token"  # only ever sent to 127.0.0.1
-PING_TOKEN_SECRET = "bench-ping-token-secret"
-NAMESPACE = "workloads"
 DESIRED_WORKLOADS = 5  # the production node's desired state: a few small Deployments
 
 # What every manager imports, whatever runs: the web stack as `serve` runs it (uvicorn with
@@ -85,9 +71,8 @@ WEB = (
 # The data plane's clients, mandatory for a node with PostgreSQL and NATS (nats-py imports
 # aiohttp itself when it is installed, as it is wherever kubernetes-asyncio is).
 DATA = ("asyncpg", "nats", "nats.js", "httpx", "stamina")
-MANDATORY = WEB + DATA
-# ... and what the production configuration adds: the cluster's client (the parts the
-# adapter loads, app/adapters/kube_lazy.py; the whole package is 30 MiB more) and Sentry's SDK.
+# ... and what production adds: the cluster's client (the parts the adapter loads,
+# app/adapters/kube_lazy.py; the whole package is 30 MiB more) and Sentry's SDK.
 PRODUCTION_EXTRA = (
     "kubernetes_asyncio.client.api_client", "kubernetes_asyncio.client.api.apps_v1_api",
     "kubernetes_asyncio.client.api.core_v1_api", "kubernetes_asyncio.config",
@@ -95,27 +80,28 @@ PRODUCTION_EXTRA = (
 )  # fmt: skip
 # kubernetes-asyncio's modules are imported as the adapter imports them: packages first lazy
 LAZY_KUBE = "import app.adapters.kube_lazy as lazy; lazy.install(); "
-
-FLOORS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+FLOORS = (
     ("python", "python, nothing imported", ()),
     ("web", "floor: web stack, settings, metrics, signing", WEB),
-    ("mandatory", "floor: + asyncpg, nats-py, httpx (mandatory)", MANDATORY),
-    (
-        "production",
-        "floor: + kubernetes-asyncio, sentry-sdk (production)",
-        MANDATORY + PRODUCTION_EXTRA,
-    ),
-)
+    ("mandatory", "floor: + asyncpg, nats-py, httpx (mandatory)", WEB + DATA),
+    ("production", "floor: + kubernetes-asyncio, sentry-sdk (production)",
+     WEB + DATA + PRODUCTION_EXTRA),
+)  # fmt: skip
 # (configuration, label, the floor it is compared with)
-MANAGERS: tuple[tuple[str, str, str], ...] = (
+MANAGERS = (
     ("off", "manager: everything off", "web"),
     ("data", "manager: PostgreSQL + NATS (registry, worker)", "mandatory"),
     ("production", "manager: production, every component on", "production"),
 )
-
-
-def _say(message: str) -> None:
-    say(NAME, message)
+COMMON = {
+    "HOST": HOST, "LOG_LEVEL": "WARNING", "API_TOKEN": API_TOKEN,
+    "PING_TOKEN_SECRET": "bench-ping-token-secret",
+    # never the developer's ~/.kube/config: a cluster is given explicitly or not at all
+    "KUBECONFIG": "/nonexistent/bench-memory.kubeconfig",
+}  # fmt: skip
+OFF = dict.fromkeys(("REPORT_ENABLED", "SYNC_ENABLED", "WORKER_ENABLED", "REGISTRY_ENABLED",
+                     "SELF_UPDATE_ENABLED", "UPTIME_RESTART_ENABLED", "EMBEDDED_SERVICES"),
+                    "false")  # fmt: skip
 
 
 def run(options: Options) -> dict[str, Any]:
@@ -123,101 +109,87 @@ def run(options: Options) -> dict[str, Any]:
     idle = QUICK_IDLE_SECONDS if options.quick else IDLE_SECONDS
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        floors = _floors(workdir)
+        _say("import floors: fresh interpreters importing the mandatory libraries only")
+        floors = {}
+        for key, label, modules in FLOORS:
+            statement = "import " + ", ".join(modules) if modules else "pass"
+            if any(m.startswith("kubernetes") for m in modules):
+                statement = LAZY_KUBE + statement
+            rss = [rss_after(statement, env=base_env(), cwd=workdir) for _ in range(FLOOR_REPEATS)]
+            floors[key] = {"label": label, "statement": statement, "rss_bytes": min(rss)}
         _say("starting PostgreSQL and nats-server")
-        pg = EmbeddedPostgres(workdir / "postgres").start()
-        stack.callback(pg.stop)
-        nats = EmbeddedNats(workdir / "nats").start()
-        stack.callback(nats.stop)
+        pg, nats = stack.enter_context(data_servers(workdir))
         data = {"DATABASE_URL": pg.url, "NATS_URL": nats.url}
-        world = stack.enter_context(_production_world(workdir))
+        production, cluster_note, settle = stack.enter_context(_production(workdir))
         envs = {
-            "off": _off_env(),
-            "data": _data_env(data),
-            "production": _production_env(data, world),
-        }
+            "off": base_env(**COMMON, **OFF),
+            "data": base_env(**COMMON, EMBEDDED_SERVICES="false", NODE_ID="bench-memory-data",
+                             **data),
+            "production": base_env(**(COMMON | data | production)),
+        }  # fmt: skip
         managers: dict[str, Any] = {}
         for config, label, floor in MANAGERS:
             samples = []
             for attempt in range(runs):
                 _say(f"{label}: run {attempt + 1} of {runs}")
-                samples.append(
-                    _measure(envs[config], workdir / f"{config}-{attempt}", idle, world.settle)
-                )
+                where = workdir / f"{config}-{attempt}"
+                samples.append(_measure(envs[config], where, idle, settle))
             managers[config] = _summary(label, floor, samples)
     setup = {
-        "runs": runs,
-        "idle_seconds": idle,
-        "readings": READINGS,
-        "floor_repeats": FLOOR_REPEATS,
-        "web_imports": list(WEB),
-        "data_imports": list(DATA),
-        "production_extra_imports": list(PRODUCTION_EXTRA),
-        "control_plane": world.cluster_note,
-        "desired_workloads": DESIRED_WORKLOADS if world.kubeconfig else 0,
-        "environments": {k: _redacted(v) for k, v in envs.items()},
-    }
+        "runs": runs, "idle_seconds": idle, "readings": READINGS, "floor_repeats": FLOOR_REPEATS,
+        "web_imports": list(WEB), "data_imports": list(DATA),
+        "production_extra_imports": list(PRODUCTION_EXTRA), "control_plane": cluster_note,
+        "desired_workloads": DESIRED_WORKLOADS if "KUBECONFIG" in production else 0,
+        "environments": {k: {n: "***" if any(h in n for h in ("TOKEN", "KEY", "SECRET", "DSN"))
+                             else v for n, v in sorted(env.items())
+                             if n not in ("PATH", "HOME", "LANG")} for k, env in envs.items()},
+    }  # fmt: skip
     result: dict[str, Any] = {"setup": setup, "floors": floors, "managers": managers}
     result["tables"] = _tables(floors, managers)
-    result["notes"] = _notes(setup, floors, managers)
+    result["notes"] = _notes(setup, managers)
     return result
-
-
-# --- floors ------------------------------------------------------------------------------
-
-
-def _floors(workdir: Path) -> dict[str, Any]:
-    _say("import floors: fresh interpreters importing the mandatory libraries only")
-    env = _base_env()
-    floors: dict[str, Any] = {}
-    for key, label, modules in FLOORS:
-        statement = "import " + ", ".join(modules) if modules else "pass"
-        if any(module.startswith("kubernetes_asyncio") for module in modules):
-            statement = LAZY_KUBE + statement
-        values = [rss_after(statement, env=env, cwd=workdir) for _ in range(FLOOR_REPEATS)]
-        floors[key] = {"label": label, "statement": statement, "rss_bytes": min(values)}
-    return floors
 
 
 # --- the world the production manager talks to -------------------------------------------
 
 
-@dataclass
-class World:
-    backend_url: str | None = None
-    private_key: str | None = None
-    node_id: str | None = None
-    version_url: str | None = None
-    matrix_url: str | None = None
-    sentry_dsn: str | None = None
-    kubeconfig: Path | None = None
-    cluster_note: str = ""
-    # what "idle" waits for in production, besides no component starting: a first sync
-    # (when the cluster is there) and a first report
-    settle: tuple[str, ...] = ()
-
-
 @contextmanager
-def _production_world(workdir: Path) -> Iterator[World]:
-    """The local backend, the version file, Matrix and Sentry stand-ins, and (when built)
-    the control plane with the repo's namespaces, ServiceAccount and RBAC."""
-    world = World(private_key=key_seed(), node_id=NODE, settle=("report",))
+def _production(workdir: Path) -> Iterator[tuple[dict[str, str], str, tuple[str, ...]]]:
+    """The production manager's environment with the local backend, the version file, Matrix
+    and Sentry stand-ins, and (when built) the control plane; what it says of the cluster;
+    the components whose first run "idle" waits for."""
     backend = LocalBackend(NODE, KEY.public_key())
-    names = [f"bench-memory-{i}" for i in range(DESIRED_WORKLOADS)]
-    for name in names:
-        backend.set_manifest(name, "1.0.0", manifest(name, "1.0.0"))
-    backend.set_desired([{"name": name, "version": "1.0.0"} for name in names])
+    desire(backend, *((f"bench-memory-{i}", "1.0.0") for i in range(DESIRED_WORKLOADS)))
     with ExitStack() as stack:
-        world.backend_url = stack.enter_context(backend.serve()).url
         peers = stack.enter_context(serve(_peers_app())).url
-        world.version_url, world.matrix_url = f"{peers}/version", peers
-        world.sentry_dsn = peers.replace("http://", "http://publickey@") + "/1"
-        plane = _control_plane(workdir, world)
-        if plane is not None:
-            stack.callback(plane.stop)
-            plane.apply(_own_deployment())
-            world.settle = ("report", "sync")
-        yield world
+        env = {
+            "APP_ENV": "production", "NODE_ID": NODE, "NODE_TIER": "C",
+            "NODE_SYSTEM_ENDPOINT": stack.enter_context(backend.serve()).url,
+            "NODE_PRIVATE_KEY": key_seed(), "MANAGED_NAMESPACE": cluster.NAMESPACE,
+            "POD_NAMESPACE": "workload-manager", "SELF_UPDATE_URL": f"{peers}/version",
+            "MATRIX_HOMESERVER": peers, "MATRIX_ROOM_ID": "!bench:localhost",
+            "MATRIX_ACCESS_TOKEN": "bench-matrix-token",
+            "SENTRY_DSN": peers.replace("http://", "http://publickey@") + "/1",
+            # one server here, where production has a cluster of three and an operator who
+            # migrated the database and created the streams before the first node started
+            "NATS_STREAM_REPLICAS": "1", "MIGRATE_ON_START": "true",
+            "NATS_AUTO_INIT_STREAMS": "true",
+        }  # fmt: skip
+        _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
+        settle: tuple[str, ...] = ("report",)
+        try:  # building the binaries takes minutes: `make control-plane` does it
+            with mock.patch.dict(os.environ, CONTROL_PLANE_NO_BUILD="1"):
+                found = stack.enter_context(cluster.running(workdir))
+        except (ControlPlaneUnavailable, OSError, TimeoutError) as exc:
+            note = (f"no Kubernetes API here ({type(exc).__name__}: {str(exc)[:200]}): sync "
+                    "and self-update are off in the production run")  # fmt: skip
+            _say(note)
+        else:
+            found.plane.apply(_own_deployment())
+            env["KUBECONFIG"] = str(found.kubeconfig)
+            note = f"the control plane (standins/) at {found.plane.url} (kwok node, no kubelet)"
+            settle = ("report", "sync")
+        yield env, note, settle
 
 
 def _own_deployment() -> dict[str, Any]:
@@ -233,142 +205,17 @@ def _own_deployment() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _control_plane(workdir: Path, world: World) -> Any:
-    """The control plane (standins/), or None (with the reason in `world.cluster_note`) when its
-    binaries are not built: building them takes minutes, `make control-plane` does it."""
-    from bench.cluster import start, write_manager_kubeconfig
-
-    _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
-    with _environment(CONTROL_PLANE_NO_BUILD="1"):
-        try:
-            plane = start(workdir / "control-plane")
-        except (ControlPlaneUnavailable, OSError, TimeoutError) as exc:
-            world.cluster_note = (
-                f"no Kubernetes API here ({type(exc).__name__}: {str(exc)[:200]}): "
-                "sync and self-update are off in the production run"
-            )
-            _say(world.cluster_note)
-            return None
-    try:
-        world.kubeconfig = write_manager_kubeconfig(plane, workdir / "kubeconfig", NAMESPACE)
-    except BaseException:
-        plane.stop()
-        raise
-    world.cluster_note = f"the control plane (standins/) at {plane.url} (kwok node, no kubelet)"
-    return plane
-
-
-@contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _peers_app() -> Starlette:
-    """What else the production manager talks to: the version file (the running version:
-    nothing to update), a Matrix homeserver's send route and Sentry's envelope endpoint."""
+    """The version file (the running version: nothing to update), a Matrix homeserver's send
+    route and Sentry's envelope endpoint, in one app."""
 
-    async def version(request: Request) -> Response:
-        return Response(__version__.encode())
-
-    async def send(request: Request) -> JSONResponse:
+    async def answer(request: Request) -> Response:
         await request.body()
-        return JSONResponse({"event_id": f"$bench-{request.path_params['txn']}"})
+        if request.url.path == "/version":
+            return Response(__version__.encode())
+        return JSONResponse({"event_id": "$bench"})
 
-    async def envelope(request: Request) -> JSONResponse:
-        await request.body()
-        return JSONResponse({})
-
-    return Starlette(
-        routes=[
-            Route("/version", version),
-            Route("/_matrix/client/v3/rooms/{room}/send/m.room.message/{txn}", send,
-                  methods=["PUT"]),
-            Route("/api/{project}/envelope/", envelope, methods=["POST"]),
-        ]
-    )  # fmt: skip
-
-
-# --- configurations ----------------------------------------------------------------------
-
-
-def _base_env() -> dict[str, str]:
-    env = {"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8"}
-    if "HOME" in os.environ:
-        env["HOME"] = os.environ["HOME"]
-    return env
-
-
-def _common_env() -> dict[str, str]:
-    return _base_env() | {
-        "HOST": HOST,
-        "LOG_LEVEL": "WARNING",
-        "API_TOKEN": API_TOKEN,
-        "PING_TOKEN_SECRET": PING_TOKEN_SECRET,
-        # never the developer's ~/.kube/config: a cluster is given explicitly or not at all
-        "KUBECONFIG": "/nonexistent/bench-memory.kubeconfig",
-    }
-
-
-def _off_env() -> dict[str, str]:
-    return _common_env() | {
-        "EMBEDDED_SERVICES": "false",
-        "REPORT_ENABLED": "false",
-        "SYNC_ENABLED": "false",
-        "WORKER_ENABLED": "false",
-        "REGISTRY_ENABLED": "false",
-        "SELF_UPDATE_ENABLED": "false",
-        "UPTIME_RESTART_ENABLED": "false",
-    }
-
-
-def _data_env(data: Mapping[str, str]) -> dict[str, str]:
-    return _common_env() | {"EMBEDDED_SERVICES": "false", "NODE_ID": "bench-memory-data", **data}
-
-
-def _production_env(data: Mapping[str, str], world: World) -> dict[str, str]:
-    assert world.backend_url and world.private_key and world.node_id
-    assert world.version_url and world.matrix_url and world.sentry_dsn
-    env = _common_env() | {
-        "APP_ENV": "production",
-        "NODE_ID": world.node_id,
-        "NODE_TIER": "C",
-        "NODE_SYSTEM_ENDPOINT": world.backend_url,
-        "NODE_PRIVATE_KEY": world.private_key,
-        "MANAGED_NAMESPACE": NAMESPACE,
-        "POD_NAMESPACE": "workload-manager",
-        "SELF_UPDATE_URL": world.version_url,
-        "MATRIX_HOMESERVER": world.matrix_url,
-        "MATRIX_ROOM_ID": "!bench:localhost",
-        "MATRIX_ACCESS_TOKEN": "bench-matrix-token",
-        "SENTRY_DSN": world.sentry_dsn,
-        # one server here, where production has a cluster of three and an operator who
-        # migrated the database and created the streams before the first node started
-        "NATS_STREAM_REPLICAS": "1",
-        "MIGRATE_ON_START": "true",
-        "NATS_AUTO_INIT_STREAMS": "true",
-        **data,
-    }
-    if world.kubeconfig is not None:
-        env["KUBECONFIG"] = str(world.kubeconfig)
-    return env
-
-
-def _redacted(env: Mapping[str, str]) -> dict[str, str]:
-    hidden = ("TOKEN", "KEY", "SECRET", "DSN")
-    return {
-        k: "***" if any(h in k for h in hidden) else v
-        for k, v in sorted(env.items())
-        if k not in ("PATH", "HOME", "LANG")
-    }
+    return Starlette(routes=[Route("/{path:path}", answer, methods=["GET", "PUT", "POST"])])
 
 
 # --- one manager -------------------------------------------------------------------------
@@ -378,12 +225,9 @@ def _measure(
     env: Mapping[str, str], workdir: Path, idle: float, settle: Sequence[str]
 ) -> dict[str, Any]:
     (workdir / "data").mkdir(parents=True)
-    env = {**env, "DATA_DIR": str(workdir / "data")}
-    # not in the repo: a developer's .env must not change what is measured
-    spec = ServerSpec("manager", (sys.executable, "-m", "app", "serve"), env, workdir, "/healthz")
+    spec = manager_spec({**env, "DATA_DIR": str(workdir / "data")}, workdir, "/healthz")
     started = time.monotonic()
     server = ServerProcess(spec, log=workdir / "manager.log")
-    port = server.port
     try:
         server.start()
         ready = time.monotonic() - started
@@ -394,13 +238,12 @@ def _measure(
         for i in range(READINGS):
             time.sleep(1.0 if i else 0.0)
             readings.append(proc.status(server.pid))
-        components = _components(port) or components
+        components = _components(server.port) or components
         alive = server.poll() is None
     finally:
         code = server.stop()
-    log = server.log()
     if not alive:
-        raise RuntimeError(f"the manager exited while measured:\n{log}")
+        raise RuntimeError(f"the manager exited while measured:\n{server.log()}")
     median = {k: int(statistics.median(r[k] for r in readings)) for k in readings[0]}
     return {
         "rss_bytes": median["VmRSS"], "rss_anon_bytes": median["RssAnon"],
@@ -422,99 +265,70 @@ def _components(port: int) -> dict[str, dict[str, Any]]:
 
 
 def _until_settled(server: ServerProcess, settle: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Until no enabled component is starting and those in `settle` (when enabled) have
-    done their first run; at SETTLE_TIMEOUT, the components as they are."""
+    """Until no enabled component is starting and those in `settle` (when enabled) have run
+    once, or failed; at SETTLE_TIMEOUT, the components as they are."""
     deadline = time.monotonic() + SETTLE_TIMEOUT
     components: dict[str, dict[str, Any]] = {}
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"the manager exited with {server.poll()}:\n{server.log()}")
         components = _components(server.port) or components
-        if components and _settled(components, settle):
+        waiting = [c for name, c in components.items() if c["enabled"] and (
+            c["state"] == "starting" or (name in settle and c["last_success_at"] is None
+            and c["last_error"] is None))]  # fmt: skip
+        if components and not waiting:
             return components
-        time.sleep(POLL)
+        time.sleep(0.2)
     return components
 
 
-def _settled(components: Mapping[str, Mapping[str, Any]], settle: Sequence[str]) -> bool:
-    if any(c["enabled"] and c["state"] == "starting" for c in components.values()):
-        return False
-    for name in settle:
-        c = components.get(name)
-        if c is not None and c["enabled"] and c["last_success_at"] is None:
-            if c["last_error"] is None:
-                return False
-    return True
-
-
 def _summary(label: str, floor: str, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def median(key: str) -> int:
+        return int(statistics.median(s[key] for s in samples))
+
     rss = [s["rss_bytes"] for s in samples]
     return {
-        "label": label,
-        "floor": floor,
-        "rss_bytes": int(statistics.median(rss)),
-        "rss_min_bytes": min(rss),
-        "rss_max_bytes": max(rss),
-        "rss_anon_bytes": int(statistics.median(s["rss_anon_bytes"] for s in samples)),
-        "rss_file_bytes": int(statistics.median(s["rss_file_bytes"] for s in samples)),
-        "threads": max(s["threads"] for s in samples),
-        "runs": list(samples),
-    }
+        "label": label, "floor": floor, "rss_bytes": median("rss_bytes"),
+        "rss_min_bytes": min(rss), "rss_max_bytes": max(rss),
+        "rss_anon_bytes": median("rss_anon_bytes"), "rss_file_bytes": median("rss_file_bytes"),
+        "threads": max(s["threads"] for s in samples), "runs": list(samples),
+    }  # fmt: skip
 
 
 # --- report ------------------------------------------------------------------------------
 
 
 def _tables(floors: Mapping[str, Any], managers: Mapping[str, Any]) -> list[dict[str, Any]]:
-    rows: list[list[str]] = []
     python = floors["python"]["rss_bytes"]
-    for key, floor in floors.items():
-        over = "-" if key == "python" else f"{(floor['rss_bytes'] - python) / MIB:+.1f}"
-        rows.append([floor["label"], mib(floor["rss_bytes"]), "-", "-", "-", "-", over])
-    for manager in managers.values():
-        base = floors[manager["floor"]]["rss_bytes"]
-        spread = f"{mib(manager['rss_min_bytes'])}-{mib(manager['rss_max_bytes'])}"
-        rows.append([
-            manager["label"], mib(manager["rss_bytes"]), spread,
-            mib(manager["rss_anon_bytes"]), mib(manager["rss_file_bytes"]),
-            str(manager["threads"]), f"{(manager['rss_bytes'] - base) / MIB:+.1f}",
-        ])  # fmt: skip
-    main = {
-        "title": "Idle RSS (MiB): the manager against the import floor of its libraries",
-        "columns": ["process", "RSS", "min-max", "anon", "file", "threads", "over floor"],
-        "rows": rows,
-    }
+    rows: list[list[Any]] = [
+        [f["label"], mib(f["rss_bytes"]), None, None, None, None,
+         None if key == "python" else (f["rss_bytes"] - python) / MIB]
+        for key, f in floors.items()
+    ]  # fmt: skip
+    rows += [
+        [m["label"], mib(m["rss_bytes"]), f"{mib(m['rss_min_bytes'])}-{mib(m['rss_max_bytes'])}",
+         mib(m["rss_anon_bytes"]), mib(m["rss_file_bytes"]), m["threads"],
+         (m["rss_bytes"] - floors[m["floor"]]["rss_bytes"]) / MIB]
+        for m in managers.values()
+    ]  # fmt: skip
     production = managers["production"]["runs"][-1]["components"]
-    components = {
-        "title": "Production run: components",
-        "columns": ["component", "state", "reason"],
-        "rows": [
-            [name, c["state"] or "-", _short(c["reason"] or "")] for name, c in production.items()
-        ],
-    }
-    return [main, components]
+    return [
+        table("Idle RSS (MiB): the manager against the import floor of its libraries",
+              "process|RSS|min-max|anon|file|threads|over floor{+.1f}", rows),
+        table("Production run: components", "component|state|reason",
+              [[name, c["state"], r if len(r) <= 90 else r[:87] + "..."]
+               for name, c in production.items() for r in [c["reason"] or ""]]),
+    ]  # fmt: skip
 
 
-def _short(text: str, width: int = 90) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _notes(
-    setup: Mapping[str, Any], floors: Mapping[str, Any], managers: Mapping[str, Any]
-) -> list[str]:
+def _notes(setup: Mapping[str, Any], managers: Mapping[str, Any]) -> list[str]:
+    production = managers["production"]["runs"][-1]["components"]
     notes = [
-        "floors: the least RSS of fresh interpreters importing "
-        f"{', '.join(setup['web_imports'])}; the mandatory floor adds "
-        f"{', '.join(setup['data_imports'])}; production adds "
-        f"{', '.join(setup['production_extra_imports'])}. 'over floor' compares each "
-        "manager with the floor of the libraries its configuration needs",
-        f"managers: median of {setup['runs']} run(s), each read {setup['readings']} times "
-        f"a second apart after {setup['idle_seconds']:g} s idle",
-        f"cluster: {setup['control_plane']}",
+        f"managers: median of {setup['runs']} run(s), each read {setup['readings']} times a "
+        f"second apart after {setup['idle_seconds']:g} s idle; floors: the least RSS of "
+        f"{setup['floor_repeats']} fresh interpreters; cluster: {setup['control_plane']}",
     ]
-    production = managers["production"]["runs"][-1]["components"]
-    off = [f"{name} ({c['reason']})" for name, c in production.items() if not c["enabled"]]
-    if off:
+    if off := [f"{name} ({c['reason']})" for name, c in production.items() if not c["enabled"]]:
         notes.append("off in the production run: " + "; ".join(off))
     for name, c in production.items():
         if c["enabled"] and c["state"] == "starting":

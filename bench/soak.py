@@ -53,18 +53,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from app.adapters.bus import JetStreamBus
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.domain.jobs import STREAMS, consumer_name
-from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
 from app.domain.nats_servers import NatsServers
 from app.domain.tokens import ping_token
 from app.services.streams import new_job, publish_job
 from bench import proc, tools
-from bench.cluster import ApiserverRequests, Requests, Snapshot, start, write_manager_kubeconfig
+from bench.cluster import Cluster, Requests, Snapshot, running
 from bench.machine import facts, headline
 from bench.report import MB, say, show
 from bench.servers import HOST, ServerProcess, ServerSpec
 from bench.soak_report import LedgerCheck, Outcome, QuietReading, Sample, build, server_errors
 from standins.backend import LocalBackend
-from standins.control_plane import ControlPlane
 from standins.sync_world import manifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,8 +148,7 @@ class World:
     pg: EmbeddedPostgres
     nats: EmbeddedNats
     backend: LocalBackend
-    plane: ControlPlane
-    requests: ApiserverRequests
+    requests: Cluster
     requests_at_start: Snapshot  # before the manager started
     manager: ServerProcess
     backend_port: int
@@ -178,22 +175,16 @@ class World:
 
     def peers(self) -> dict[int, str]:
         return {self.pg.port: "postgres", self.nats.port: "nats",
-                self.backend_port: "backend", self.plane.api_port: "kube API"}  # fmt: skip
+                self.backend_port: "backend", self.requests.plane.api_port: "kube API"}  # fmt: skip
 
     def deployed_versions(self) -> dict[str, str]:
         """Managed Deployments by name, with their version (one LIST as the admin, left out
         of `kube_requests`)."""
-        listed = self.requests.list_deployments(NAMESPACE, MANAGED_SELECTOR)
-        return {
-            d["metadata"]["name"]: (d["metadata"].get("annotations") or {}).get(
-                VERSION_ANNOTATION, ""
-            )
-            for d in listed
-        }
+        return self.requests.versions()
 
     def kube_requests(self) -> Requests:
         """The Deployment requests since the world started, as the API server counts them."""
-        return ApiserverRequests.between(self.requests_at_start, self.requests.settled_snapshot())
+        return Cluster.between(self.requests_at_start, self.requests.settled_snapshot())
 
 
 def manager_env(workdir: Path, world: dict[str, str], config: Config) -> dict[str, str]:
@@ -232,22 +223,19 @@ def started(config: Config) -> Iterator[World]:
         backend = LocalBackend(NODE, key.public_key())
         server = stack.enter_context(backend.serve())
         _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
-        plane = start(workdir / "control-plane")
-        stack.callback(plane.stop)
-        requests = ApiserverRequests(plane)
-        stack.callback(requests.close)
+        requests = stack.enter_context(running(workdir))
         seed = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                  serialization.NoEncryption())  # fmt: skip
         env = manager_env(workdir, {
             "DATABASE_URL": pg.url, "NATS_URL": nats.url, "NODE_SYSTEM_ENDPOINT": server.url,
             "NODE_PRIVATE_KEY": base64.b64encode(seed).decode(),
-            "KUBECONFIG": str(write_manager_kubeconfig(plane, workdir / "kubeconfig", NAMESPACE)),
+            "KUBECONFIG": str(requests.kubeconfig),
         }, config)  # fmt: skip
         spec = ServerSpec("manager", (sys.executable, "-m", "app", "serve"), env, workdir)
         manager = ServerProcess(spec, log=workdir / "manager.log")
         port = manager.port
         at_start = requests.settled_snapshot()
-        world = World(workdir, pg, nats, backend, plane, requests, at_start, manager, server.port)
+        world = World(workdir, pg, nats, backend, requests, at_start, manager, server.port)
         world.desire({f"soak-{i:03d}": FIRST_VERSION for i in range(config.workloads)})
         stack.callback(manager.stop)  # first to go: registered last
         _say(f"starting the manager on port {port}")
@@ -512,7 +500,7 @@ def _traffic(world: World) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     kube = world.kube_requests()
     return backend, {
-        "requests": kube.total, "by_status": kube.by_status(), "by_kind": kube.by_kind(),
+        "requests": kube.total, "by_status": kube.by("status"), "by_kind": kube.by(),
         "not_counted": dict(kube.other.most_common()),
         # 404: a create first reads the name; 409: an apply conflict is re-planned
         "errors": sum(n for k, n in kube.counted.items() if k.code >= 400
