@@ -103,10 +103,6 @@ def mib(value: float | None) -> str:
     return "-" if value is None else f"{value / MIB:.1f}"
 
 
-def mb(value: float) -> str:
-    return f"{value / MB:.1f}"
-
-
 def mib_over(value: float, base: float) -> str:
     return f"{(value - base) / MIB:+.1f}"
 

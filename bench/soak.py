@@ -1,30 +1,25 @@
 """The soak run: `python -m bench.soak`. Does the manager leak under steady, realistic load?
 
-The manager runs as a child process (`python -m app serve`) against real PostgreSQL and
-nats-server, the local backend and a real kube-apiserver and deployment controller (kwok
-nodes, bench/cluster.py), syncing every 10 s and reporting every 10 s, while 100 workloads
-ping it every 5 s (wrk at a fixed rate: one connection per workload, each waiting the
-interval after its answer, bench/load/pings.lua), noop jobs flow through JetStream at a
-fixed rate and a few desired versions change every minute. Every ~10 s its /metrics is
-read: RSS, CPU and open file descriptors from the process collector, the asyncio task
-gauge and the error counters (threads from /proc).
+The manager (`python -m app serve`) runs against real PostgreSQL and nats-server, the local
+backend and the control plane, syncing and reporting every 10 s, while wrk pings it for
+every workload every 5 s (a new connection each time, 2% 'degraded'), noop jobs flow
+through JetStream (the job kinds of one tier in turn) and a few desired versions change
+every minute; its /metrics is read every ~10 s. Leaks are judged between two quiet readings
+(load paused after the warm-up, stopped at the end; consumers drained, then QUIET_SECONDS;
+the least of QUIET_READS reads of the task gauge). Errors are whole-run totals and must be
+0; every job JetStream acked must be completed in the ledger; the cluster must end
+converged. Exit code 1 when a check fails, 2 for a bad setting, 130 when interrupted.
 
-Leaks are judged between two quiet readings (load paused after the warm-up, load stopped
-at the end): RSS growth < 5 MB and no more asyncio tasks. Errors (the manager's error
-counters, client-side failures, ERROR/Traceback lines in its log) must be 0, every job
-JetStream acked must be completed in the ledger, and the cluster must end converged.
-The report is printed and written to bench/results/soak.json; the exit code is 1 when
-any of that fails, 2 for a bad setting, 130 when interrupted.
-
-Environment: SOAK_SECONDS (600: the whole load, warm-up included), SOAK_WARMUP_SECONDS
-(60), SOAK_WORKLOADS (100), SOAK_JOB_RATE (10 jobs/s), SOAK_BUMP_SECONDS (60; 0: never),
-SOAK_OUTPUT (bench/results/soak.json), SOAK_KEEP_LOG (a path to copy the manager's log to).
+Environment: SOAK_SECONDS (600, warm-up included), SOAK_WARMUP_SECONDS (60), SOAK_WORKLOADS
+(100), SOAK_JOB_RATE (10 jobs/s), SOAK_BUMP_SECONDS (60; 0: never), SOAK_OUTPUT
+(bench/results/soak.json), SOAK_KEEP_LOG (a path to copy the manager's log to).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
+import contextlib
+import functools
 import itertools
 import json
 import os
@@ -32,60 +27,52 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import asyncpg
 import httpx
 import psutil
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from app.adapters.bus import JetStreamBus
-from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.domain.jobs import STREAMS, consumer_name
 from app.domain.nats_servers import NatsServers
 from app.domain.tokens import ping_token
 from app.services.streams import new_job, publish_job
-from bench import proc, tools
-from bench.cluster import Cluster, Requests, Snapshot, running
+from bench import cluster, proc, tools
+from bench.cluster import Cluster, Snapshot
 from bench.machine import facts, headline
-from bench.report import MB, say, show
-from bench.servers import HOST, ServerProcess, ServerSpec
-from bench.soak_report import LedgerCheck, Outcome, QuietReading, Sample, build, server_errors
+from bench.proc import Labels, Metrics
+from bench.report import MB, say, show, table
+from bench.servers import ServerProcess, base_env, data_servers, manager_spec
 from standins.backend import LocalBackend
-from standins.sync_world import manifest
+from standins.sync_world import KEY, desire, key_seed
 
-REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 WRK_SCRIPT = Path(__file__).resolve().parent / "load" / "pings.lua"
-NODE, TIER, NAMESPACE, FIRST_VERSION = "soak-node", "A", "workloads", "1.0.0"
-PING_TOKEN_SECRET = "soak-ping-token-secret"  # only ever sent to 127.0.0.1
-PREFIX = "workload_manager"
+NODE, SECRET, PREFIX = "soak-node", "soak-ping-token-secret", "workload_manager"
 TASKS = f"{PREFIX}_asyncio_tasks"
 QUIET_SECONDS = 6.0  # > uvicorn's 5 s keep-alive: every idle connection is closed by then
-QUIET_READS, QUIET_READ_STEP = 10, 0.5  # gauge reads in a quiet reading; the minimum is taken
+QUIET_READS = 10  # task gauge reads, 0.5 s apart, in a quiet reading
 DRAIN_TIMEOUT = 60.0  # seconds for the job consumers to empty once the load stops
 READY_TIMEOUT = 30.0  # seconds for the manager's job streams to exist after /readyz
-PING_TIMEOUT = 5.0  # seconds; a ping slower than this counts as an error
-DEGRADED_SHARE = 0.02  # of pings; the rest say healthy
-PUBLISH_TIMEOUT = 5.0
-JOB_KINDS: tuple[str, ...] = tuple(STREAMS)  # online, offline, write: every tier consumer works
-JOB_MAX_DELAY = 0.02  # seconds a noop job sleeps at most (uniform), so jobs overlap a little
-LOST_KEYS_SHOWN = 10
-
-
-def _say(message: str) -> None:
-    say("soak", message)
+TIMEOUT = 5.0  # seconds for a ping or a publish; slower is an error
+RSS_GROWTH_TARGET_MB = 5.0
+SAMPLE_ROWS = 14  # rows of the resource table; the JSON has every sample
+TREND_MIN_SECONDS = 300.0  # a shorter measured phase makes a slope of noise
+_NUMBER = re.compile(r"\d+(\.\d+)?")
+# The text format: "%H:%M:%S LEVEL   logger: message" (app/logs.py TextFormatter)
+_LINE = re.compile(r"^\d\d:\d\d:\d\d (?P<level>[A-Z]+)\s+(?P<logger>\S+): (?P<message>.*)$")
+_say = functools.partial(say, "soak")
 
 
 @dataclass(frozen=True)
@@ -93,116 +80,75 @@ class Config:
     seconds: float = 600.0
     warmup_seconds: float = 60.0
     workloads: int = 100
-    ping_interval: float = 5.0
     job_rate: float = 10.0
     bump_seconds: float = 60.0
+    ping_interval: float = 5.0
     bump_count: int = 5
     sample_seconds: float = 10.0
     sync_interval: float = 10.0
     report_interval: float = 10.0
     quiet_seconds: float = QUIET_SECONDS
-    tier: str = TIER
+    tier: str = "A"
 
     @classmethod
-    def from_env(cls, env: dict[str, str]) -> Config:
+    def from_env(cls, env: Mapping[str, str]) -> Config:
         """Read the SOAK_* variables; ValueError names the one that is wrong."""
-
-        def number(name: str, default: float, low: float) -> float:
-            raw = env.get(name, "").strip()
-            if not raw:
-                return default
-            try:
-                value = float(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a number") from None
-            if value < low:
-                raise ValueError(f"{name}={raw} must be at least {low:g}")
-            return value
-
-        config = cls(
-            seconds=number("SOAK_SECONDS", cls.seconds, 10.0),
-            warmup_seconds=number("SOAK_WARMUP_SECONDS", cls.warmup_seconds, 0.0),
-            workloads=int(number("SOAK_WORKLOADS", cls.workloads, 1)),
-            job_rate=number("SOAK_JOB_RATE", cls.job_rate, 0.1),
-            bump_seconds=number("SOAK_BUMP_SECONDS", cls.bump_seconds, 0.0),
-        )
+        values: dict[str, Any] = {}
+        lows = {"seconds": 10, "warmup_seconds": 0, "workloads": 1, "job_rate": 0.1,
+                "bump_seconds": 0}  # fmt: skip
+        for name, low in lows.items():
+            if raw := env.get(key := f"SOAK_{name.upper()}", "").strip():
+                try:
+                    values[name] = type(getattr(cls, name))(float(raw))
+                except ValueError:
+                    raise ValueError(f"{key}={raw!r} is not a number") from None
+                if values[name] < low:
+                    raise ValueError(f"{key}={raw} must be at least {low:g}")
+        config = cls(**values)
         if config.workloads > 500:
             raise ValueError("SOAK_WORKLOADS must be at most 500 (MAX_TRACKED_WORKLOADS)")
         if config.seconds - config.warmup_seconds < 2 * config.sample_seconds:
-            raise ValueError(
-                f"SOAK_SECONDS ({config.seconds:g}) must exceed SOAK_WARMUP_SECONDS "
-                f"({config.warmup_seconds:g}) by at least {2 * config.sample_seconds:g} s"
-            )
+            least = f"by at least {2 * config.sample_seconds:g} s"
+            warmup = f"SOAK_WARMUP_SECONDS ({config.warmup_seconds:g})"
+            raise ValueError(f"SOAK_SECONDS ({config.seconds:g}) must exceed {warmup} {least}")
         return config
-
-
-# --- the world ---------------------------------------------------------------------------
 
 
 @dataclass
 class World:
-    """PostgreSQL, nats-server, the local backend, the control plane and the manager, all
-    on free loopback ports under one temporary directory."""
+    """Every server on loopback under one temporary directory, and what the load shares."""
 
+    config: Config
     workdir: Path
-    pg: EmbeddedPostgres
-    nats: EmbeddedNats
+    nats_url: str
+    pg_url: str
     backend: LocalBackend
-    requests: Cluster
-    requests_at_start: Snapshot  # before the manager started
+    cluster: Cluster
+    at_start: Snapshot  # the API server's counts before the manager started
     manager: ServerProcess
-    backend_port: int
+    peers: dict[int, str]  # port -> what listens there
     desired: dict[str, str] = field(default_factory=dict)  # name -> version desired now
-
-    @property
-    def manager_url(self) -> str:
-        return f"http://{HOST}:{self.manager.port}"
-
-    @property
-    def versions_file(self) -> Path:
-        return self.workdir / "ping-versions.txt"  # what the pings report (pings.lua)
+    running: asyncio.Event = field(default_factory=asyncio.Event)  # the load may run
+    over: asyncio.Event = field(default_factory=asyncio.Event)  # the load has stopped
 
     def desire(self, versions: Mapping[str, str]) -> None:
-        """Serve these versions (and their manifests) as the backend's desired state."""
-        for name, version in versions.items():
-            if self.desired.get(name) != version:
-                self.backend.set_manifest(name, version, manifest(name, version))
+        """Serve these versions as the desired state; the pings report them (pings.lua)."""
         self.desired.update(versions)
-        self.backend.set_desired([{"name": n, "version": v} for n, v in self.desired.items()])
-        part = self.versions_file.with_suffix(".part")
+        desire(self.backend, *self.desired.items())
+        part = self.workdir / "ping-versions.part"
         part.write_text("".join(f"{n} {v}\n" for n, v in self.desired.items()))
-        part.replace(self.versions_file)
+        part.replace(self.workdir / "ping-versions.txt")
 
-    def peers(self) -> dict[int, str]:
-        return {self.pg.port: "postgres", self.nats.port: "nats",
-                self.backend_port: "backend", self.requests.plane.api_port: "kube API"}  # fmt: skip
+    async def tick(self, seconds: float) -> bool:
+        """Sleep, then wait while the load is paused; False once it is over."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.over.wait(), timeout=max(seconds, 0.0))
+        await self.running.wait()
+        return not self.over.is_set()
 
-    def deployed_versions(self) -> dict[str, str]:
-        """Managed Deployments by name, with their version (one LIST as the admin, left out
-        of `kube_requests`)."""
-        return self.requests.versions()
-
-    def kube_requests(self) -> Requests:
-        """The Deployment requests since the world started, as the API server counts them."""
-        return Cluster.between(self.requests_at_start, self.requests.settled_snapshot())
-
-
-def manager_env(workdir: Path, world: dict[str, str], config: Config) -> dict[str, str]:
-    """Only what is set here reaches the manager: not the shell's environment, not a `.env`
-    (it runs in the temporary directory)."""
-    env = {"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", "HOME": str(workdir)}
-    return env | world | {
-        "HOST": HOST, "DATA_DIR": str(workdir / "data"), "EMBEDDED_SERVICES": "false",
-        "LOG_LEVEL": "INFO", "LOG_FORMAT": "text",  # the log scan reads the level column
-        "NODE_ID": NODE, "NODE_TIER": TIER, "MANAGED_NAMESPACE": NAMESPACE,
-        "PING_TOKEN_SECRET": PING_TOKEN_SECRET,
-        "SYNC_INTERVAL_SECONDS": str(config.sync_interval),
-        "REPORT_INTERVAL_SECONDS": str(config.report_interval),
-        "REPORT_ENABLED": "true", "SYNC_ENABLED": "true", "WORKER_ENABLED": "true",
-        # every simulated workload pings from this one address (pods each have their own)
-        "HTTP_MAX_CONNECTIONS_PER_CLIENT": "1000",
-        "MAX_DESIRED_WORKLOADS": "500",  # the soak's own bound on its workloads
-    }  # fmt: skip
+    def halt(self) -> None:
+        self.over.set()
+        self.running.set()
 
 
 @contextmanager
@@ -211,55 +157,52 @@ def started(config: Config) -> Iterator[World]:
     order on any exit, an exception or Ctrl-C included."""
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        (workdir / "data").mkdir()
         _say(f"starting PostgreSQL and nats-server under {workdir}")
-        pg = EmbeddedPostgres(workdir / "postgres")
-        stack.callback(pg.stop)
-        pg.start()
-        nats = EmbeddedNats(workdir / "nats")
-        stack.callback(nats.stop)
-        nats.start()
-        key = Ed25519PrivateKey.generate()
-        backend = LocalBackend(NODE, key.public_key())
+        pg, nats = stack.enter_context(data_servers(workdir))
+        backend = LocalBackend(NODE, KEY.public_key())
         server = stack.enter_context(backend.serve())
         _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
-        requests = stack.enter_context(running(workdir))
-        seed = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-                                 serialization.NoEncryption())  # fmt: skip
-        env = manager_env(workdir, {
-            "DATABASE_URL": pg.url, "NATS_URL": nats.url, "NODE_SYSTEM_ENDPOINT": server.url,
-            "NODE_PRIVATE_KEY": base64.b64encode(seed).decode(),
-            "KUBECONFIG": str(requests.kubeconfig),
-        }, config)  # fmt: skip
-        spec = ServerSpec("manager", (sys.executable, "-m", "app", "serve"), env, workdir)
-        manager = ServerProcess(spec, log=workdir / "manager.log")
-        port = manager.port
-        at_start = requests.settled_snapshot()
-        world = World(workdir, pg, nats, backend, requests, at_start, manager, server.port)
-        world.desire({f"soak-{i:03d}": FIRST_VERSION for i in range(config.workloads)})
+        found = stack.enter_context(cluster.running(workdir))
+        env = base_env(  # only this reaches the manager: it runs in the temporary directory
+            HOME=str(workdir), DATA_DIR=str(workdir / "data"), EMBEDDED_SERVICES="false",
+            LOG_LEVEL="INFO", LOG_FORMAT="text",  # the log scan reads the level column
+            NODE_ID=NODE, NODE_TIER=config.tier, MANAGED_NAMESPACE=cluster.NAMESPACE,
+            PING_TOKEN_SECRET=SECRET, SYNC_INTERVAL_SECONDS=str(config.sync_interval),
+            REPORT_INTERVAL_SECONDS=str(config.report_interval), REPORT_ENABLED="true",
+            SYNC_ENABLED="true", WORKER_ENABLED="true",
+            # every simulated workload pings from this one address (pods each have their own)
+            HTTP_MAX_CONNECTIONS_PER_CLIENT="1000", MAX_DESIRED_WORKLOADS="500",
+            DATABASE_URL=pg.url, NATS_URL=nats.url, NODE_SYSTEM_ENDPOINT=server.url,
+            NODE_PRIVATE_KEY=key_seed(), KUBECONFIG=str(found.kubeconfig),
+        )  # fmt: skip
+        (workdir / "data").mkdir()
+        manager = ServerProcess(manager_spec(env, workdir), log=workdir / "manager.log")
+        peers = {pg.port: "postgres", nats.port: "nats", server.port: "backend",
+                 found.plane.api_port: "kube API"}  # fmt: skip
+        world = World(config, workdir, nats.url, pg.url, backend, found,
+                      found.settled_snapshot(), manager, peers)  # fmt: skip
+        world.desire({f"soak-{i:03d}": "1.0.0" for i in range(config.workloads)})
         stack.callback(manager.stop)  # first to go: registered last
-        _say(f"starting the manager on port {port}")
+        _say(f"starting the manager on port {manager.port}")
         manager.start()
-        _say(f"manager ready (pid {manager.pid})")
         yield world
 
 
 # --- the load ----------------------------------------------------------------------------
 
 
-async def pings(world: World, config: Config, seconds: float) -> dict[str, Any]:
+async def pings(world: World, seconds: float) -> dict[str, Any]:
     """wrk for `seconds`: one connection per workload, each pinging every `ping_interval`
-    (after the answer; a new connection each time, as a pod's client would)."""
-    tokens = [f"{n}={ping_token(PING_TOKEN_SECRET, n)}" for n in sorted(world.desired)]
-    env = os.environ | {
-        "PINGS_DELAY_MS": str(int(config.ping_interval * 1000)),
-        "PINGS_VERSIONS": str(world.versions_file), "PINGS_DEGRADED": str(DEGRADED_SHARE),
-        "PINGS_CLOSE": "1", "PINGS_STATUSES": "1",
-    }  # fmt: skip
+    after its answer, on a new connection each time."""
+    tokens = [f"{n}={ping_token(SECRET, n)}" for n in sorted(world.desired)]
+    env = os.environ | {"PINGS_DELAY_MS": str(int(world.config.ping_interval * 1000)),
+                        "PINGS_VERSIONS": str(world.workdir / "ping-versions.txt"),
+                        "PINGS_DEGRADED": "0.02", "PINGS_CLOSE": "1",
+                        "PINGS_STATUSES": "1"}  # fmt: skip
     child = await asyncio.create_subprocess_exec(
         tools.find("wrk"), "-t1", f"-c{len(tokens)}", f"-d{max(1, round(seconds))}s",
-        f"--timeout={PING_TIMEOUT:g}s", "-s", str(WRK_SCRIPT), world.manager_url, "--", "-",
-        *tokens, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        f"--timeout={TIMEOUT:g}s", "-s", str(WRK_SCRIPT), f"http://127.0.0.1:{world.manager.port}",
+        "--", "-", *tokens, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await child.communicate()
     if child.returncode != 0:
@@ -269,79 +212,44 @@ async def pings(world: World, config: Config, seconds: float) -> dict[str, Any]:
 
 
 @dataclass
-class Gate:
-    """Open: the publishers run. Closed: they finish what is in flight and wait."""
-
-    running: asyncio.Event = field(default_factory=asyncio.Event)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def tick(self, seconds: float) -> bool:
-        """Sleep, then wait while closed; False once stopping."""
-        if seconds > 0:
-            try:
-                await asyncio.wait_for(self.stop.wait(), timeout=seconds)
-            except TimeoutError:
-                pass
-        await self.running.wait()
-        return not self.stop.is_set()
-
-    def halt(self) -> None:
-        self.stop.set()
-        self.running.set()
-
-
-@dataclass
-class JobStats:
+class Jobs:
+    prefix: str = field(default_factory=lambda: f"soak-{uuid.uuid4().hex[:8]}-")
     published: list[str] = field(default_factory=list)  # idempotency keys JetStream acked
     attempted: int = 0
     failures: Counter[str] = field(default_factory=Counter)  # by exception type
     by_kind: Counter[str] = field(default_factory=Counter)
 
-    def as_dict(self) -> dict[str, object]:
-        return {"attempted": self.attempted, "published": len(self.published),
-                "publish_failures": dict(self.failures), "by_kind": dict(self.by_kind)}  # fmt: skip
+    async def publish(self, world: World, bus: JetStreamBus) -> None:
+        """noop jobs at a steady rate (open loop), the job kinds in turn; keys unique per
+        run, so every acked publish must end as one completed ledger row."""
+        next_at, rate = time.monotonic(), world.config.job_rate
+        for seq in itertools.count():
+            if not await world.tick(next_at - time.monotonic()):
+                return
+            kind, key = list(STREAMS)[seq % len(STREAMS)], f"{self.prefix}{seq:07d}"
+            payload = {"seq": seq, "delay_seconds": round(random.uniform(0, 0.02), 4)}
+            self.attempted += 1
+            try:
+                async with asyncio.timeout(TIMEOUT):
+                    job = new_job("noop", idempotency_key=key, payload=payload)
+                    await publish_job(bus, job, kind=kind, tier=world.config.tier)
+            except Exception as exc:  # any failure to get JetStream's ack is a client-side error
+                self.failures[type(exc).__name__] += 1
+            else:
+                self.published.append(key)
+                self.by_kind[kind] += 1
+            # fallen behind by more than a second (a slow publish): do not burst to catch up
+            next_at = max(next_at + 1.0 / rate, time.monotonic() - 1.0)
 
 
-async def publish_jobs(bus: JetStreamBus, config: Config, gate: Gate, stats: JobStats,
-                       prefix: str) -> None:  # fmt: skip
-    """noop jobs at a steady rate (open loop), the job kinds of one tier in turn; keys
-    unique per run, so every acked publish must end as one completed ledger row."""
-    next_at = time.monotonic()
-    for seq in itertools.count():
-        if not await gate.tick(next_at - time.monotonic()):
-            return
-        kind = JOB_KINDS[seq % len(JOB_KINDS)]
-        key = f"{prefix}{seq:07d}"
-        payload = {"seq": seq, "delay_seconds": round(random.uniform(0, JOB_MAX_DELAY), 4)}
-        stats.attempted += 1
-        try:
-            async with asyncio.timeout(PUBLISH_TIMEOUT):
-                job = new_job("noop", idempotency_key=key, payload=payload)
-                await publish_job(bus, job, kind=kind, tier=config.tier)
-        except Exception as exc:  # any failure to get JetStream's ack is a client-side error
-            stats.failures[type(exc).__name__] += 1
-        else:
-            stats.published.append(key)
-            stats.by_kind[kind] += 1
-        # fallen behind by more than a second (a slow publish): do not burst to catch up
-        next_at = max(next_at + 1.0 / config.job_rate, time.monotonic() - 1.0)
-
-
-async def bump_versions(world: World, config: Config, gate: Gate, bumped: list[int]) -> None:
-    """Every `bump_seconds`, a new minor version for the next `bump_count` workloads (round
-    robin), so syncs keep fetching manifests, applying and reporting versions."""
-    if config.bump_seconds <= 0:
-        return
+async def bump_versions(world: World, bumped: list[int]) -> None:
+    """Every `bump_seconds`, a new minor version for the next `bump_count` workloads."""
     names = itertools.cycle(sorted(world.desired))
-    while await gate.tick(config.bump_seconds):
-        chosen = [next(names) for _ in range(min(config.bump_count, len(world.desired)))]
-        world.desire({n: _next_minor(world.desired[n]) for n in chosen})
+    while world.config.bump_seconds > 0 and await world.tick(world.config.bump_seconds):
+        chosen = {next(names) for _ in range(min(world.config.bump_count, len(world.desired)))}
+        parts = {n: world.desired[n].split(".") for n in chosen}
+        world.desire({n: f"{v[0]}.{int(v[1]) + 1}.0" for n, v in parts.items()})
         bumped[0] += len(chosen)
-
-
-def _next_minor(version: str) -> str:
-    major, minor, _patch = (int(part) for part in version.split("."))
-    return f"{major}.{minor + 1}.0"
 
 
 # --- observing the manager ---------------------------------------------------------------
@@ -351,88 +259,67 @@ class Probe:
     """The manager's /metrics and, for what no metric says, its process."""
 
     def __init__(self, world: World) -> None:
-        self._pid = world.manager.pid
-        self._port = world.manager.port
-        self._peers = world.peers()
-        self._client = httpx.AsyncClient(base_url=world.manager_url, timeout=10.0)
-        self.started = time.monotonic()
-        self.phase = "warm-up"
-        self.samples: list[Sample] = []
+        self.world, self.pid = world, world.manager.pid
+        url = f"http://127.0.0.1:{world.manager.port}"
+        self.client = httpx.AsyncClient(base_url=url, timeout=10.0)
+        self.started, self.phase = time.monotonic(), "warm-up"
+        self.samples: list[dict[str, Any]] = []
         self.scrape_failures: Counter[str] = Counter()
 
-    async def scrape(self) -> proc.Metrics | None:
+    async def scrape(self) -> Metrics | None:
         try:
-            response = await self._client.get("/metrics")
+            response = await self.client.get("/metrics")
             response.raise_for_status()
         except httpx.HTTPError as exc:
             self.scrape_failures[type(exc).__name__] += 1
             return None
-        return proc.Metrics(response.text)
+        return Metrics(response.text)
 
-    async def sample(self) -> Sample:
-        m = await self.scrape()
+    def facts(self, m: Metrics) -> dict[str, Any]:
+        return {"rss_mb": round((m.value("process_resident_memory_bytes") or 0) / MB, 2),
+                "fds": int(m.value("process_open_fds") or 0),
+                "threads": proc.status(self.pid)["Threads"]}  # fmt: skip
 
-        def metric(name: str) -> float | None:
-            return None if m is None else m.value(name)
+    async def sample(self) -> dict[str, Any]:
+        m = await self.scrape() or Metrics("")
+        gauges = {k: None if (v := m.value(name)) is None else int(v) for k, name in (
+            ("asyncio_tasks", TASKS), ("jobs_in_flight", f"{PREFIX}_jobs_in_flight"))}  # fmt: skip
+        down = [x.get("component", "?") for x, v in m.samples.get(f"{PREFIX}_component_up", [])
+                if v == 0]  # fmt: skip
+        s = {"t": round(time.monotonic() - self.started, 1), "phase": self.phase, **self.facts(m),
+             "cpu_seconds": round(m.value("process_cpu_seconds_total") or 0.0, 2), **gauges,
+             "components_down": down, "server_errors": sum(server_errors(m).values())}  # fmt: skip
+        self.samples.append(s)
+        _say(f"t={s['t']:4.0f}s {s['phase']:<8} RSS {s['rss_mb']:6.1f} MB, tasks "
+             f"{s['asyncio_tasks']}, fds {s['fds']}, errors {s['server_errors']}; pings "
+             f"accepted {int(m.total(f'{PREFIX}_pings_total'))}")  # fmt: skip
+        return s
 
-        down = [] if m is None else [
-            labels.get("component", "?")
-            for labels, value in m.samples.get(f"{PREFIX}_component_up", []) if value == 0
-        ]  # fmt: skip
-        sample = Sample(
-            t=time.monotonic() - self.started, phase=self.phase,
-            rss_bytes=int(metric("process_resident_memory_bytes") or 0),
-            fds=int(metric("process_open_fds") or 0), threads=proc.status(self._pid)["Threads"],
-            cpu_seconds=metric("process_cpu_seconds_total") or 0.0,
-            tasks=_int(metric(TASKS)), jobs_in_flight=_int(metric(f"{PREFIX}_jobs_in_flight")),
-            components_down=tuple(down), errors=sum(server_errors(m).values()) if m else 0,
-            pings=int(m.total(f"{PREFIX}_pings_total")) if m else 0,
-        )  # fmt: skip
-        self.samples.append(sample)
-        return sample
-
-    async def record(self, every: float) -> None:
+    async def record(self) -> None:
         while True:
-            s = await self.sample()
-            _say(f"t={s.t:4.0f}s {s.phase:<8} RSS {s.rss_bytes / MB:6.1f} MB, tasks {s.tasks}, "
-                 f"fds {s.fds}, errors {s.errors}; pings accepted {s.pings}")  # fmt: skip
-            await asyncio.sleep(every)
+            await self.sample()
+            await asyncio.sleep(self.world.config.sample_seconds)
 
-    async def quiet_reading(self) -> tuple[QuietReading, proc.Metrics | None]:
+    async def quiet_reading(self) -> tuple[dict[str, Any], Metrics]:
+        """The least of the task gauge's reads (a loop that happens to run, or the scrape
+        itself, only ever adds), the process facts and its TCP sockets by peer."""
         seen: list[int] = []
-        m = None
         for i in range(QUIET_READS):
-            if i:
-                await asyncio.sleep(QUIET_READ_STEP)
-            m = await self.scrape()
-            if m is not None and (tasks := m.value(TASKS)) is not None:
+            await asyncio.sleep(0.5 if i else 0)
+            if (m := await self.scrape()) is not None and (tasks := m.value(TASKS)) is not None:
                 seen.append(int(tasks))
         if not seen or m is None:
             raise RuntimeError(f"the manager exported no {TASKS} gauge in {QUIET_READS} scrapes")
-        reading = QuietReading(
-            tasks_min=min(seen), tasks_seen=tuple(seen),
-            rss_bytes=int(m.value("process_resident_memory_bytes") or 0),
-            fds=int(m.value("process_open_fds") or 0), threads=proc.status(self._pid)["Threads"],
-            sockets=self.sockets(),
-        )  # fmt: skip
-        return reading, m
-
-    def sockets(self) -> dict[str, int]:
-        """TCP sockets of the manager by the server at the other end (or listening)."""
-        counts: Counter[str] = Counter()
-        for conn in psutil.Process(self._pid).net_connections(kind="tcp"):
+        sockets: Counter[str] = Counter()
+        for conn in psutil.Process(self.pid).net_connections(kind="tcp"):
             port: int | None = getattr(conn.raddr, "port", None)  # () when not connected
             if conn.status == psutil.CONN_LISTEN or port is None:
-                counts["listening"] += 1
-            elif conn.laddr.port == self._port:
-                counts["incoming"] += 1  # pings, or the soak's own scrapes
-            else:
-                counts[self._peers.get(port, "other")] += 1
-        return dict(sorted(counts.items()))
-
-
-def _int(value: float | None) -> int | None:
-    return None if value is None else int(value)
+                sockets["listening"] += 1
+            else:  # incoming: pings, or the soak's own scrapes
+                local = conn.laddr.port == self.world.manager.port
+                sockets["incoming" if local else self.world.peers.get(port, "other")] += 1
+        return {"asyncio_tasks_min": min(seen), "asyncio_tasks_seen": seen, **self.facts(m),
+                "sockets_by_peer": dict(sorted(sockets.items()))}, m  # fmt: skip
 
 
 # --- phases ------------------------------------------------------------------------------
@@ -442,80 +329,56 @@ async def _consumers(bus: JetStreamBus, tier: str) -> dict[str, dict[str, int]]:
     return {s: await bus.consumer_state(s, consumer_name(tier)) for s in STREAMS.values()}
 
 
-async def _drain(bus: JetStreamBus, config: Config) -> tuple[bool, dict[str, dict[str, int]]]:
-    """Publishers paused or stopped: wait for the job consumers to empty, then be quiet."""
+async def _drained(bus: JetStreamBus, config: Config) -> tuple[bool, dict[str, dict[str, int]]]:
+    """The job consumers emptied (or DRAIN_TIMEOUT passed), then QUIET_SECONDS of quiet."""
     deadline = time.monotonic() + DRAIN_TIMEOUT
     while True:
         state = await _consumers(bus, config.tier)
-        drained = all(s["pending"] == 0 and s["ack_pending"] == 0 for s in state.values())
+        drained = all(s["pending"] == s["ack_pending"] == 0 for s in state.values())
         if drained or time.monotonic() > deadline:
-            break
+            await asyncio.sleep(config.quiet_seconds)
+            return drained, state
         await asyncio.sleep(0.2)
-    await asyncio.sleep(config.quiet_seconds)
-    return drained, state
 
 
 async def _converged(world: World, within: float) -> dict[str, list[str]]:
     """Wait for the syncs to make the cluster match the desired versions; what still differs."""
     deadline = time.monotonic() + within
     while True:
-        deployed = world.deployed_versions()
+        deployed = world.cluster.versions()
         differ = {n: [v, deployed.get(n, "")] for n, v in world.desired.items()
-                  if deployed.get(n) != v}  # fmt: skip
-        differ |= {n: ["", v] for n, v in deployed.items() if n not in world.desired}
+                  if deployed.get(n) != v} | {n: ["", v] for n, v in deployed.items()
+                                              if n not in world.desired}  # fmt: skip
         if not differ or time.monotonic() > deadline:
             return differ
         await asyncio.sleep(0.5)
 
 
-async def _ledger(url: str, published: list[str], prefix: str) -> LedgerCheck:
+async def _ledger(url: str, jobs: Jobs) -> dict[str, Any]:
+    """Every job JetStream acked must be one completed ledger row."""
     conn = await asyncpg.connect(url, timeout=10)
     try:
         rows = await conn.fetch("SELECT idempotency_key, status, attempts FROM job_ledger "
-                                "WHERE idempotency_key LIKE $1", prefix + "%")  # fmt: skip
+                                "WHERE idempotency_key LIKE $1", jobs.prefix + "%")  # fmt: skip
     finally:
         await conn.close()
     status = {r["idempotency_key"]: r["status"] for r in rows}
-    lost = [key for key in published if status.get(key) != "completed"]
-    return LedgerCheck(
-        published=len(published),
-        completed=sum(1 for key in published if status.get(key) == "completed"),
-        lost=lost[:LOST_KEYS_SHOWN], lost_count=len(lost),
-        not_completed=dict(Counter(s for s in status.values() if s != "completed")),
-        claimed_more_than_once=sum(1 for r in rows if r["attempts"] > 1),
-        unconfirmed_in_ledger=len(set(status) - set(published)),
-    )  # fmt: skip
-
-
-def _traffic(world: World) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What the local backend and the API server saw: counts by status, unexpected answers."""
-    seen = world.backend.requests
-    backend = {
-        "requests": len(seen),
-        "by_status": dict(Counter(str(r.status) for r in seen)),
-        "rejected": len(world.backend.rejected),
-        "errors": sum(1 for r in seen if r.status >= 400),
-        "reports": sum(1 for r in seen if r.route == "health" and r.status == 202),
-        "versions": len(world.backend.versions),
-    }
-    kube = world.kube_requests()
-    return backend, {
-        "requests": kube.total, "by_status": kube.by("status"), "by_kind": kube.by(),
-        "not_counted": dict(kube.other.most_common()),
-        # 404: a create first reads the name; 409: an apply conflict is re-planned
-        "errors": sum(n for k, n in kube.counted.items() if k.code >= 400
-                      and k.code not in (404, 409)),
+    lost = [key for key in jobs.published if status.get(key) != "completed"]
+    return {
+        "published": len(jobs.published), "completed": len(jobs.published) - len(lost),
+        "lost": len(lost), "lost_keys_first": lost[:10],
+        "not_completed_by_status": dict(Counter(s for s in status.values() if s != "completed")),
+        "claimed_more_than_once": sum(1 for r in rows if r["attempts"] > 1),
+        # rows whose publish the soak saw fail (the ack was lost)
+        "completed_without_publish_ack": len(set(status) - set(jobs.published)),
     }  # fmt: skip
 
 
-async def _soak(config: Config, world: World) -> Outcome:
-    probe = Probe(world)
-    bus = JetStreamBus(
-        NatsServers.parse(world.nats.url), name="soak-publisher", timeout=PUBLISH_TIMEOUT
-    )
+async def _soak(world: World) -> dict[str, Any]:
+    config, probe, jobs, bumped = world.config, Probe(world), Jobs(), [0]
+    bus = JetStreamBus(NatsServers.parse(world.nats_url), name="soak-publisher", timeout=TIMEOUT)
     await bus.connect()
-    gate, jobs, bumped = Gate(), JobStats(), [0]
-    prefix = f"soak-{uuid.uuid4().hex[:8]}-"
+    o: dict[str, Any] = {}
     try:
         deadline = time.monotonic() + READY_TIMEOUT
         while True:  # the manager creates its streams and consumers at start
@@ -529,70 +392,60 @@ async def _soak(config: Config, world: World) -> Outcome:
         _say(f"load on: {config.workloads} workloads, {config.job_rate:g} jobs/s, "
              f"{config.seconds:.0f} s ({config.warmup_seconds:.0f} s warm-up)")  # fmt: skip
         probe.started = load_started = time.monotonic()
-        gate.running.set()
-        background = [
-            asyncio.create_task(c)
-            for c in (
-                publish_jobs(bus, config, gate, jobs, prefix),
-                bump_versions(world, config, gate, bumped),
-                probe.record(config.sample_seconds),
-            )
-        ]
+        world.running.set()
+        background = [asyncio.create_task(c) for c in (
+            jobs.publish(world, bus), bump_versions(world, bumped), probe.record())]  # fmt: skip
         try:
-            warmup = await pings(world, config, config.warmup_seconds)
+            o["warmup_pings"] = await pings(world, config.warmup_seconds)
             _say("warm-up over: pausing the load for a quiet reading")
             probe.phase = "quiet"
-            gate.running.clear()
-            await _drain(bus, config)
-            baseline, start_scrape = await probe.quiet_reading()
-            _say(f"after warm-up: tasks {baseline.tasks_min}, RSS {baseline.rss_bytes / MB:.1f} MB")
-            probe.phase = "measured"
-            gate.running.set()
-            measured_started = time.monotonic()
-            measuring = asyncio.create_task(
-                pings(world, config, load_started + config.seconds - measured_started)
-            )
+            world.running.clear()
+            await _drained(bus, config)
+            o["baseline"], o["start_scrape"] = await probe.quiet_reading()
+            probe.phase, measured_started = "measured", time.monotonic()
+            world.running.set()
+            left = load_started + config.seconds - measured_started
+            measuring = asyncio.create_task(pings(world, left))
             await asyncio.sleep(min(config.sample_seconds, config.seconds))
-            first = await probe.sample()
-            measured = await measuring
-            last = await probe.sample()
-            measured_seconds = time.monotonic() - measured_started
+            o["load_start_sample"] = await probe.sample()
+            o["pings"] = await measuring
+            o["load_end_sample"] = await probe.sample()
+            o["measured_seconds"] = round(time.monotonic() - measured_started, 1)
             _say("load off: stopping the generators")
             probe.phase = "drain"
-            gate.halt()
+            world.halt()
             await asyncio.gather(*background[:2])
-            mismatched = await _converged(world, 3 * config.sync_interval + 15)
-            drained, consumers = await _drain(bus, config)
+            o["not_converged"] = await _converged(world, 3 * config.sync_interval + 15)
+            o["drained"], o["consumers_at_end"] = await _drained(bus, config)
             probe.phase = "quiet"
-            final, end_scrape = await probe.quiet_reading()
-            _say(f"at the end: tasks {final.tasks_min}, RSS {final.rss_bytes / MB:.1f} MB")
+            o["final"], o["end_scrape"] = await probe.quiet_reading()
         finally:
-            gate.halt()
+            world.halt()
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-        ledger = await _ledger(world.pg.url, jobs.published, prefix)
-        backend, kube = _traffic(world)
+        o["ledger"] = await _ledger(world.pg_url, jobs)
     finally:
         await bus.drain()
-        await probe._client.aclose()
-    return Outcome(
-        config=asdict(config), samples=probe.samples, baseline=baseline, final=final,
-        load_start_sample=first, load_end_sample=last, start_scrape=start_scrape,
-        end_scrape=end_scrape, warmup_pings=warmup, pings=measured, jobs=jobs.as_dict(),
-        job_failures=dict(jobs.failures), job_kinds=dict(jobs.by_kind), ledger=ledger,
-        drained=drained, consumers=consumers, converged=not mismatched, mismatched=mismatched,
-        bumped=bumped[0], backend=backend, kube=kube,
-        scrape_failures=dict(probe.scrape_failures), measured_seconds=measured_seconds,
-    )  # fmt: skip
-
-
-# --- the log -----------------------------------------------------------------------------
-
-# The text format: "%H:%M:%S LEVEL   logger: message" (app/logs.py TextFormatter)
-_LINE = re.compile(r"^\d\d:\d\d:\d\d (?P<level>[A-Z]+)\s+(?P<logger>\S+): (?P<message>.*)$")
-_NUMBERS = re.compile(r"\d+(\.\d+)?")
-EXCERPT = 20  # lines of each kind kept for the report
+        await probe.client.aclose()
+    seen = world.backend.requests
+    kube = Cluster.between(world.at_start, world.cluster.settled_snapshot())
+    return o | {
+        "samples": probe.samples, "versions_bumped": bumped[0],
+        "jobs": {"attempted": jobs.attempted, "published": len(jobs.published),
+                 "publish_failures": dict(jobs.failures), "by_kind": dict(jobs.by_kind)},
+        "scrape_failures": dict(probe.scrape_failures),
+        "backend": {"requests": len(seen), "by_status": dict(Counter(str(r.status) for r in seen)),
+                    "rejected": len(world.backend.rejected),
+                    "errors": sum(1 for r in seen if r.status >= 400),
+                    "reports": sum(1 for r in seen if r.route == "health" and r.status == 202),
+                    "versions": len(world.backend.versions)},
+        # 404: a create first reads the name; 409: an apply conflict is re-planned
+        "kube": {"requests": kube.total, "by_status": kube.by("status"), "by_kind": kube.by(),
+                 "not_counted": dict(kube.other.most_common()),
+                 "errors": sum(n for k, n in kube.counted.items() if k.code not in (404, 409)
+                               and k.code >= 400)},
+    }  # fmt: skip
 
 
 def scan_log(path: Path) -> dict[str, Any]:
@@ -600,39 +453,251 @@ def scan_log(path: Path) -> dict[str, Any]:
     levels: Counter[str] = Counter()
     warnings: Counter[str] = Counter()
     errors: list[str] = []
-    lines = tracebacks = 0
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        lines += 1
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    for line in lines:
         match = _LINE.match(line)
-        if line.startswith("Traceback (most recent call last)"):
-            tracebacks += 1
-        elif match is None:
-            continue
-        elif match["level"] == "WARNING":
-            warnings[f"{match['logger']}: {_NUMBERS.sub('N', match['message'])}"] += 1
         if match is not None:
             levels[match["level"]] += 1
-        if (match is None or match["level"] in ("ERROR", "CRITICAL")) and len(errors) < EXCERPT:
+            if match["level"] == "WARNING":
+                warnings[f"{match['logger']}: {_NUMBER.sub('N', match['message'])}"] += 1
+        elif not line.startswith("Traceback (most recent call last)"):
+            continue
+        if (match is None or match["level"] in ("ERROR", "CRITICAL")) and len(errors) < 20:
             errors.append(line)
-    return {
-        "lines": lines, "by_level": dict(levels),
-        "error_lines": levels["ERROR"] + levels["CRITICAL"], "tracebacks": tracebacks,
-        "first_errors": errors, "warnings_by_message": dict(warnings.most_common(EXCERPT)),
+    tracebacks = sum(1 for line in lines if line.startswith("Traceback (most recent call last)"))
+    return {"lines": len(lines), "by_level": dict(levels),
+            "error_lines": levels["ERROR"] + levels["CRITICAL"], "tracebacks": tracebacks,
+            "first_errors": errors,
+            "warnings_by_message": dict(warnings.most_common(20))}  # fmt: skip
+
+
+# --- the verdict and the report ----------------------------------------------------------
+
+
+def _outcome(*names: str, bad: bool = False) -> Callable[[Labels], bool]:
+    """The samples that count as errors: an outcome not among `names` (`bad`: among them)."""
+    return lambda labels: (labels.get("outcome") in names) == bad
+
+
+# Server-side error counters: (what, counter, which samples). Every one must stay at 0;
+# a skipped (the cluster lock held elsewhere) or cancelled (shutdown) run attempted nothing.
+ERROR_COUNTERS: tuple[tuple[str, str, Callable[[Labels], bool] | None], ...] = (
+    ("scheduled loop runs failed, raised or unavailable", "scheduled_runs_total",
+     _outcome("failed", "error", "unavailable", bad=True)),
+    ("job deliveries not completed", "jobs_total", _outcome("completed")),
+    ("syncs not ok (partial, aborted)", "syncs_total", _outcome("ok")),
+    ("sync actions failed", "sync_actions_total", _outcome("failed", bad=True)),
+    ("reports failed", "reports_total", _outcome("failed", bad=True)),
+    ("heartbeats failed", "heartbeats_total", _outcome("failed", bad=True)),
+    ("pings rejected", "ping_rejections_total", None),
+    ("alerts dropped", "alerts_total", _outcome("dropped", bad=True)),
+)  # fmt: skip
+
+
+def server_errors(m: Metrics) -> dict[str, int]:
+    return {what: int(m.total(f"{PREFIX}_{name}", where)) for what, name, where in ERROR_COUNTERS}
+
+
+# What the manager says it did: its counters by their labels, for the traffic table.
+ACTIVITY = {
+    "pings_by_status": ("pings_total", "status"),
+    "ping_rejections": ("ping_rejections_total", "reason"), "jobs": ("jobs_total", "outcome"),
+    "syncs": ("syncs_total", "outcome"),
+    "sync_actions": ("sync_actions_total", "action", "outcome"),
+    "reports": ("reports_total", "outcome"), "heartbeats": ("heartbeats_total", "outcome"),
+    "scheduled_runs": ("scheduled_runs_total", "loop", "outcome"),
+    "alerts": ("alerts_total", "outcome"), "workloads_by_status": ("workloads", "status"),
+}  # fmt: skip
+
+
+def activity(m: Metrics) -> dict[str, Any]:
+    return {"pings_accepted": int(m.total(f"{PREFIX}_pings_total")),
+            "jobs_unroutable": int(m.total(f"{PREFIX}_jobs_unroutable_total")),
+            **{key: m.by(f"{PREFIX}_{name}", *labels)
+               for key, (name, *labels) in ACTIVITY.items()}}  # fmt: skip
+
+
+def _pings(o: Mapping[str, Any]) -> dict[str, Any]:
+    """Both wrk runs: sent, failed, by status, transport errors; latency measured only."""
+    runs = (o["warmup_pings"], o["pings"])
+    statuses: Counter[str] = Counter()
+    for run in runs:
+        statuses.update(run["statuses"])
+    transport = {k: sum(r[k] for r in runs) for k in ("connect", "read", "write", "timeout")}
+    bad = sum(n for s, n in statuses.items() if not 200 <= int(s) < 300)
+    return {"sent": sum(statuses.values()) + sum(transport.values()),
+            "failed": bad + sum(transport.values()), "statuses": dict(sorted(statuses.items())),
+            "transport_errors": {k: v for k, v in transport.items() if v},
+            "latency_ms_measured_phase": {k: round(o["pings"]["latency_us"][k] / 1000, 2)
+                                          for k in ("p50", "p99", "max")}}  # fmt: skip
+
+
+def _client_errors(o: Mapping[str, Any]) -> dict[str, int]:
+    return {"pings without a 2xx": _pings(o)["failed"],
+            "job publishes without an ack": sum(o["jobs"]["publish_failures"].values()),
+            "/metrics scrapes failed": sum(o["scrape_failures"].values()),
+            "backend: requests rejected (contract)": o["backend"]["rejected"],
+            "backend: answers >= 400": o["backend"]["errors"],
+            "kube API: unexpected answers": o["kube"]["errors"]}  # fmt: skip
+
+
+def _errors(o: Mapping[str, Any]) -> dict[str, int]:
+    """Every error source: the manager's counters, the client side, the log."""
+    manager = {f"manager: {k}": v for k, v in server_errors(o["end_scrape"]).items()}
+    log = {"log: ERROR/CRITICAL lines": o["log"]["error_lines"],
+           "log: Traceback lines": o["log"]["tracebacks"]}  # fmt: skip
+    return manager | _client_errors(o) | log
+
+
+def _trend(samples: list[dict[str, Any]]) -> float | None:
+    """Least-squares RSS trend over the measured phase, MB/h: a leak shows as a steady slope."""
+    points = [(s["t"], s["rss_mb"]) for s in samples if s["phase"] == "measured"]
+    if len(points) < 2 or points[-1][0] - points[0][0] < TREND_MIN_SECONDS:
+        return None
+    return round(statistics.linear_regression(*zip(*points, strict=True))[0] * 3600, 2)
+
+
+def checks(o: Mapping[str, Any]) -> list[dict[str, Any]]:
+    b, f, ledger, down = o["baseline"], o["final"], o["ledger"], set()
+    for s in o["samples"]:
+        down.update(s["components_down"])
+    growth, errors = f["rss_mb"] - b["rss_mb"], sum(_errors(o).values())
+    leaked = f["asyncio_tasks_min"] - b["asyncio_tasks_min"]
+    found = [
+        ("manager RSS growth (quiet, after warm-up -> end)", f"< {RSS_GROWTH_TARGET_MB} MB",
+         f"{growth:+.1f} MB", growth < RSS_GROWTH_TARGET_MB),
+        ("asyncio tasks leaked (quiet, end - after warm-up)", "0", f"{leaked:+d}", leaked <= 0),
+        ("errors (manager counters + client side + log)", "0", str(errors), errors == 0),
+        ("jobs lost (JetStream acked, not completed in the ledger)", "0",
+         f"{ledger['lost']} of {ledger['published']}",
+         ledger["lost"] == 0 and ledger["completed"] == ledger["published"]),
+        ("job consumers drained at the end", "nothing pending or unacked",
+         "yes" if o["drained"] else f"no: {o['consumers_at_end']}", o["drained"]),
+        ("cluster converged to the desired versions at the end", "yes",
+         f"no: {len(o['not_converged'])} differ" if o["not_converged"] else "yes",
+         not o["not_converged"]),
+        ("components never down (component_up, every sample)", "none",
+         ", ".join(sorted(down)) or "none", not down),
+        ("manager stopped cleanly on SIGTERM", "exit 0 or -15", str(o["manager_exit"]),
+         o["manager_exit"] in (0, -15)),
+    ]  # fmt: skip
+    return [dict(zip(("what", "target", "observed", "met"), c, strict=True)) for c in found]
+
+
+def _counts(values: Mapping[str, float]) -> str:
+    return ", ".join(f"{k} {int(v):,}" for k, v in values.items()) or "-"
+
+
+def _tables(o: Mapping[str, Any], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    b, f, s0, s1 = o["baseline"], o["final"], o["load_start_sample"], o["load_end_sample"]
+    peers = sorted({*b["sockets_by_peer"], *f["sockets_by_peer"]})
+    moved = {p: f["sockets_by_peer"].get(p, 0) - b["sockets_by_peer"].get(p, 0) for p in peers}
+    targets: list[list[Any]] = [
+        ["manager RSS, MB (quiet)", f"{b['rss_mb']:.1f}", f"{f['rss_mb']:.1f}",
+         f"{f['rss_mb'] - b['rss_mb']:+.1f}", f"< {RSS_GROWTH_TARGET_MB} MB growth"],
+        ["manager RSS, MB (under load)", f"{s0['rss_mb']:.1f}", f"{s1['rss_mb']:.1f}",
+         f"{s1['rss_mb'] - s0['rss_mb']:+.1f}", None],
+        *([what, b[k], f[k], f"{f[k] - b[k]:+d}", target] for what, k, target in (
+            ("asyncio tasks (quiet, min of reads)", "asyncio_tasks_min", "0 leaked"),
+            ("open file descriptors (quiet)", "fds", None), ("threads (quiet)", "threads", None))),
+        ["TCP sockets (quiet; change by peer)", sum(b["sockets_by_peer"].values()),
+         sum(f["sockets_by_peer"].values()),
+         ", ".join(f"{p} {n:+d}" for p, n in moved.items() if n) or "+0", None],
+    ]  # fmt: skip
+    if (slope := _trend(o["samples"])) is not None:
+        targets.append(
+            ["RSS trend over the measured phase", None, None, f"{slope:+.1f} MB/h", None]
+        )
+    targets += [[c["what"], None, None, c["observed"], f"{c['target']}: "
+                 f"{'met' if c['met'] else 'NOT MET'}"] for c in found[2:]]  # fmt: skip
+    seen, p, ledger, backend = activity(o["end_scrape"]), _pings(o), o["ledger"], o["backend"]
+    lat = p["latency_ms_measured_phase"]
+    traffic = [
+        ["pings sent (client, wrk)", p["sent"], f"answers {_counts(p['statuses'])}; transport "
+         f"errors {sum(p['transport_errors'].values())}; measured phase p50 / p99 / max "
+         f"{lat['p50']} / {lat['p99']} / {lat['max']} ms"],
+        ["pings accepted (manager)", seen["pings_accepted"], f"by status: "
+         f"{_counts(seen['pings_by_status'])}; rejected: {_counts(seen['ping_rejections'])}"],
+        ["jobs published (JetStream acked)", ledger["published"],
+         f"attempted {o['jobs']['attempted']:,}; failures {_counts(o['jobs']['publish_failures'])}"
+         f"; by kind {_counts(o['jobs']['by_kind'])}"],
+        ["jobs completed (ledger)", ledger["completed"], f"lost {ledger['lost']}; claimed twice "
+         f"{ledger['claimed_more_than_once']}; worker outcomes: {_counts(seen['jobs'])}"],
+        ["syncs done", sum(seen["syncs"].values()), f"by outcome: "
+         f"{_counts(seen['syncs'])}; actions: {_counts(seen['sync_actions'])}; "
+         f"versions bumped {o['versions_bumped']}, reported to the backend {backend['versions']}"],
+        ["reports", sum(seen["reports"].values()), f"by outcome: "
+         f"{_counts(seen['reports'])}; backend accepted {backend['reports']}"],
+        *([what, sum(seen[k].values()), f"by outcome: {_counts(seen[k])}"]
+          for what, k in (("heartbeats", "heartbeats"), ("alerts", "alerts"))),
+        ["backend requests", backend["requests"], _counts(backend["by_status"])],
+        ["kube API requests", o["kube"]["requests"], _counts(o["kube"]["by_status"])],
+    ]  # fmt: skip
+    warnings = o["log"]["by_level"].get("WARNING", 0)
+    errors = [*_errors(o).items(), ("log: WARNING lines (not counted as errors)", warnings)]
+    samples = o["samples"]
+    shown = samples[:: max(1, -(-len(samples) // SAMPLE_ROWS))]
+    shown += samples[-1:] if samples and shown[-1] is not samples[-1] else []
+    rows = [[s["t"], s["phase"], s["rss_mb"], s["asyncio_tasks"], s["fds"], s["threads"],
+             100 * (s["cpu_seconds"] - prev["cpu_seconds"]) / (s["t"] - prev["t"])
+             if prev and s["t"] > prev["t"] else None, s["server_errors"]]
+            for prev, s in zip([None, *shown], shown, strict=False)]  # fmt: skip
+    return [
+        table("soak: targets", "measure|after warm-up|at the end|change|target", targets),
+        table("soak: traffic (whole run)", "what|count{,.0f}|detail", traffic),
+        table("soak: errors (whole run)", "source|count", errors),
+        table(f"soak: the manager every ~{o['config']['sample_seconds']:.0f} s ({len(shown)} of "
+              f"{len(samples)} samples; RSS, CPU, fds from its /metrics)", "t s{.0f}|phase|"
+              "RSS MB{.1f}|asyncio tasks|fds|threads|CPU % since prev row{.0f}|errors", rows),
+    ]  # fmt: skip
+
+
+def build(o: Mapping[str, Any]) -> dict[str, Any]:
+    found, c, log = checks(o), o["config"], o["log"]
+    missed = "; ".join(f"{x['what']}: {x['observed']} (target {x['target']})"
+                       for x in found if not x["met"])  # fmt: skip
+    b, f = o["baseline"], o["final"]
+    warnings = list(log["warnings_by_message"].items())[:5]
+    notes = [
+        f"load for {c['seconds']:.0f} s ({c['warmup_seconds']:.0f} s warm-up, measured "
+        f"{o['measured_seconds']:.0f} s): {c['workloads']} workloads pinging every "
+        f"{c['ping_interval']:.0f} s, {c['job_rate']:g} noop jobs/s (tier {c['tier']}), "
+        f"{c['bump_count']} versions bumped every {c['bump_seconds']:.0f} s; syncs every "
+        f"{c['sync_interval']:.0f} s, reports every {c['report_interval']:.0f} s.",
+        *(["first ERROR/Traceback lines: " + " | ".join(log["first_errors"][:5])]
+          if log["first_errors"] else []),
+        *(["most frequent WARNING lines (numbers masked): " + "; ".join(
+            f"{n}x {msg}" for msg, n in warnings)] if warnings else []),
+        *([f"lost job keys (first few): {', '.join(o['ledger']['lost_keys_first'])}"]
+          if o["ledger"]["lost_keys_first"] else []),
+        *([f"not converged (desired, deployed): {list(o['not_converged'].items())[:5]}"]
+          if o["not_converged"] else []),
+    ]  # fmt: skip
+    hidden = ("baseline", "final", "start_scrape", "end_scrape", "warmup_pings", "pings",
+              "load_start_sample", "load_end_sample", "scrape_failures", "ledger")  # fmt: skip
+    return {k: v for k, v in o.items() if k not in hidden} | {
+        "passed": not missed, "verdict": f"SOAK FAILED: {missed}" if missed
+        else "SOAK PASSED: every target met, nothing lost", "checks": found,
+        "rss_mb": {"after_warmup_quiet": b["rss_mb"], "end_quiet": f["rss_mb"],
+                   "growth_quiet": round(f["rss_mb"] - b["rss_mb"], 2),
+                   "measured_start_under_load": o["load_start_sample"]["rss_mb"],
+                   "measured_end_under_load": o["load_end_sample"]["rss_mb"],
+                   "trend_mb_per_hour": _trend(o["samples"])},
+        "asyncio_tasks": {"after_warmup": b, "end": f,
+                          "leaked": f["asyncio_tasks_min"] - b["asyncio_tasks_min"]},
+        "server_errors": server_errors(o["end_scrape"]), "client_errors": _client_errors(o),
+        "pings": _pings(o) | {"wrk": {"warm_up": o["warmup_pings"], "measured": o["pings"]}},
+        "jobs": o["jobs"] | {"ledger": o["ledger"]}, "converged": not o["not_converged"],
+        "manager_activity": activity(o["end_scrape"]),
+        "manager_activity_after_warmup": activity(o["start_scrape"]),
+        "tables": _tables(o, found), "notes": notes,
     }  # fmt: skip
 
 
-# --- main --------------------------------------------------------------------------------
-
-
-def _sigterm_as_sigint(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM takes Ctrl-C's path, so the servers are stopped either way."""
-    signal.raise_signal(signal.SIGINT)
-
-
-def _run(config: Config) -> Outcome:
+def _run(config: Config) -> dict[str, Any]:
     with started(config) as world:
         try:
-            outcome = asyncio.run(_soak(config, world))
+            outcome = asyncio.run(_soak(world))
         except Exception:
             print(f"--- manager log (tail) ---\n{world.manager.log()}", file=sys.stderr)
             raise
@@ -641,14 +706,13 @@ def _run(config: Config) -> Outcome:
             code = world.manager.stop()
             if keep := os.environ.get("SOAK_KEEP_LOG", "").strip():
                 shutil.copyfile(world.manager.log_path, keep)
-        outcome.manager_exit = code
-        outcome.log = scan_log(world.manager.log_path)
-    return outcome
+        return outcome | {"config": asdict(config), "manager_exit": code,
+                          "log": scan_log(world.manager.log_path)}  # fmt: skip
 
 
 def main() -> int:
     try:
-        config = Config.from_env(dict(os.environ))
+        config = Config.from_env(os.environ)
     except ValueError as exc:
         print(f"soak: {exc}", file=sys.stderr)
         return 2
@@ -656,20 +720,18 @@ def main() -> int:
     # Ctrl-C and SIGTERM both end in KeyboardInterrupt, SIGINT even when inherited as
     # ignored (a shell's background job), so the servers are always stopped
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _sigterm_as_sigint)
-    machine = facts(REPO)
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    machine = facts(RESULTS.parent.parent)
     print(headline(machine), flush=True)
     try:
-        outcome = _run(config)
+        report = build(_run(config))
     except KeyboardInterrupt:
         print("soak: interrupted; every server it started has been stopped", file=sys.stderr)
         return 130
-    report = build(outcome)
     show(report)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({"machine": machine} | report, indent=2, default=str) + "\n")
-    print(f"\nresults: {output}")
-    print(report["verdict"])
+    print(f"\nresults: {output}\n{report['verdict']}")
     return 0 if report["passed"] else 1
 
 
