@@ -1,8 +1,8 @@
 """Benchmarks for the workload manager: `python -m bench` (or `make bench`) runs them all.
 
 A benchmark is a module listed in BENCHMARKS with `NAME`, `DESCRIPTION` and
-`run(options) -> dict`: the dict goes as-is to bench/results/latest.json; its "tables",
-"targets" and "notes" are printed (bench/report.py).
+`run(options) -> dict`, stored as-is in bench/results/latest.json; its "tables", "targets"
+and "notes" are printed (bench/report.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ class Options:
     warmup: float = 3.0  # seconds of unmeasured load before the measured phases
     quick: bool = False  # smoke-test mode: short phases, fewer repetitions
     pin_cpus: bool = True  # server on one core, load generator on the other(s)
-    connections: int = 50  # keep-alive connections in the saturation phase
-    rate: float = 1000.0  # requests/s in the fixed-rate phase
     profile: bool = False  # sample the manager with py-spy during an extra saturation phase
 
 

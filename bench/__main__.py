@@ -1,8 +1,8 @@
 """`python -m bench`: run the benchmarks in bench.BENCHMARKS, print tables, save JSON.
 
-Results, with the machine's facts and the options used, go to bench/results/latest.json.
-A missed target is reported, never an error; the exit code is non-zero only when a
-benchmark could not run at all.
+Results, with the machine's facts and the options used, go to bench/results/latest.json. A
+missed target is reported, never an error; the exit code is non-zero only when a benchmark
+could not run at all.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,48 +25,27 @@ from bench.report import show
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[Options, list[str], Path]:
+def main(argv: Sequence[str] | None = None) -> int:
     names = {p.rsplit(".", 1)[-1]: p for p in BENCHMARKS}
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    add = parser.add_argument
-    add("--only", choices=list(names), action="append", help="run only this (repeatable)")
-    add("--duration", type=float, help="seconds per measured phase (default 10)")
-    add("--quick", action="store_true", help="short phases: a smoke test")
-    add("--connections", type=int, help="keep-alive connections (default 50)")
-    add("--rate", type=float, help="fixed-rate phase, req/s (default 1000)")
-    add("--profile", action="store_true", help="py-spy the manager under load (pip install py-spy)")
-    add("--no-pin", action="store_true", help="do not pin processes to cores")
-    add("--output", type=Path, default=RESULTS / "latest.json", help="JSON file")
+    parser.add_argument("--only", choices=list(names), action="append", help="run only this")
+    parser.add_argument("--quick", action="store_true", help="short phases: a smoke test")
+    parser.add_argument("--profile", action="store_true", help="py-spy the manager under load")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    parser.add_argument("--output", type=Path, default=RESULTS / "latest.json", help="JSON file")
     args = parser.parse_args(argv)
     options = Options(quick=args.quick, pin_cpus=not args.no_pin, profile=args.profile)
     if args.quick:
-        options = replace(options, duration=2.0, warmup=1.0)
-    if args.duration is not None:
-        if not 0.1 <= args.duration <= 600:
-            parser.error("--duration must be between 0.1 and 600 seconds")
-        options = replace(
-            options, duration=args.duration, warmup=min(options.warmup, args.duration)
-        )
-    if args.connections is not None:
-        options = replace(options, connections=max(1, args.connections))
-    if args.rate is not None:
-        options = replace(options, rate=max(1.0, args.rate))
-    return (
-        options,
-        [p for n, p in names.items() if args.only is None or n in args.only],
-        args.output,
-    )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    options, selected, output = parse_args(argv)
+        options = Options(2.0, 1.0, True, options.pin_cpus, options.profile)
     machine = facts(RESULTS.parent.parent)
     print(headline(machine))
     results: dict[str, Any] = {"machine": machine, "options": asdict(options), "benchmarks": {}}
     failed = False
-    for path in selected:
+    for name, path in names.items():
+        if args.only and name not in args.only:
+            continue
         module = cast(Benchmark, importlib.import_module(path))
-        print(f"\n== {module.NAME}: {module.DESCRIPTION}", flush=True)
+        print(f"\n== {name}: {module.DESCRIPTION}", flush=True)
         started = time.monotonic()
         try:
             result = module.run(options)
@@ -75,11 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
             result = {"error": f"{type(exc).__name__}: {exc}"}
         result["elapsed_seconds"] = round(time.monotonic() - started, 1)
-        results["benchmarks"][module.NAME] = result
+        results["benchmarks"][name] = result
         show(result)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    print(f"\nresults: {output}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"\nresults: {args.output}")
     return 1 if failed else 0
 
 

@@ -15,14 +15,6 @@ import psutil
 PACKAGES = ("fastapi", "starlette", "pydantic", "pydantic-core", "uvicorn", "uvloop", "httptools")
 
 
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as info:
-        for line in info:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
@@ -30,32 +22,24 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _git_revision(repo: Path) -> str | None:
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, timeout=10,
-                              capture_output=True, text=True, check=False)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return (done.stdout.strip() or None) if done.returncode == 0 else None
-
-
 def facts(repo: Path) -> dict[str, Any]:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    model = [x.split(":", 1)[1].strip() for x in cpuinfo if x.startswith("model name")]
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
+                         text=True, timeout=10)  # fmt: skip
     memory, freq = psutil.virtual_memory(), psutil.cpu_freq()
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu_model": cpu_model(),
-        "cpu_count_logical": os.cpu_count(),
-        "cpu_count_physical": psutil.cpu_count(logical=False),
-        "cpu_mhz": round(freq.current) if freq else None,
-        "memory_total_bytes": memory.total,
+        "cpu_model": model[0] if model else platform.processor() or "unknown",
+        "cpu_count_logical": os.cpu_count(), "cpu_count_physical": psutil.cpu_count(False),
+        "cpu_mhz": round(freq.current) if freq else None, "memory_total_bytes": memory.total,
         "memory_available_bytes": memory.available,
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "python": platform.python_version(),
+        "load_average_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(),
         "python_implementation": platform.python_implementation(),
         "platform": platform.platform(),
-        "git_revision": _git_revision(repo),
+        "git_revision": git.stdout.strip() or None if git.returncode == 0 else None,
         "packages": {name: _version(name) for name in PACKAGES},
-    }
+    }  # fmt: skip
 
 
 def headline(machine: dict[str, Any]) -> str:

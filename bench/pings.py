@@ -1,12 +1,12 @@
 """The ping benchmark: `POST /v1/workloads/{name}/health`, manager against a bare-ASGI floor.
 
 Both servers run under uvicorn with the same options, one after the other, each pinned to
-one core with the load generator on the other. Each gets a warm-up, a saturation phase (wrk:
-keep-alive connections, closed loop, the 50 workloads in turn with their own ping tokens,
-bench/load/pings.lua), a fixed-rate phase (oha -q -w --latency-correction: latency from
-each request's scheduled send time) and RSS readings idle after start and after the load.
-CPU outside both = the machine's busy CPU minus the server's and the load generator's.
-Also: what importing costs.
+one core with the load generator on the other: a warm-up, a saturation phase (wrk, closed
+loop, the 50 workloads in turn with their own ping tokens, bench/load/pings.lua), a
+fixed-rate phase (oha -q -w --latency-correction: latency from each request's scheduled
+send time, one workload since oha sends one set of headers) and RSS idle after start and
+after the load. CPU outside both: the machine's busy CPU less the server's and the load
+generator's. Also: what importing costs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from app.domain.tokens import ping_token
 from bench import Options, proc, sampling, tools
 from bench.imports import costs
 from bench.report import MIB, mib, mib_over, noisy, percent, say, table
-from bench.servers import HOST, REPO, ServerProcess, ServerSpec, base_env, manager_spec, running
+from bench.servers import HOST, REPO, ServerSpec, base_env, manager_spec, running
 
 NAME = "pings"
 DESCRIPTION = "POST /v1/workloads/{name}/health: the manager against a bare ASGI floor"
@@ -35,19 +35,15 @@ WRK_SCRIPT = Path(__file__).resolve().parent / "load" / "pings.lua"
 WORKLOADS = tuple(f"bench-workload-{i:02d}" for i in range(50))
 BODY = '{"status":"healthy","version":"1.2.0"}'
 SECRET = "bench-ping-token-secret"  # only ever sent to 127.0.0.1
-SETTLE_SECONDS = 1.0  # quiet time before an RSS reading
-TARGET_THROUGHPUT_RATIO = 0.8
-TARGET_P99_MS = 20.0
+CONNECTIONS, RATE = 50, 1000.0  # keep-alive connections; the fixed rate, req/s
+TARGET_THROUGHPUT_RATIO, TARGET_P99_MS = 0.8, 20.0
 NOISY_OUTSIDE_CPU_PERCENT = 15.0  # above this, say the phase ran on a busy machine
-TOOL_TIMEOUT = 60.0  # seconds a load tool may run past its phase
 # RSS of a fresh interpreter after each statement: what each layer of the stack costs.
 RSS_STEPS = (
-    ("python, nothing imported", "pass"),
-    ("import uvicorn", "import uvicorn"),
+    ("python, nothing imported", "pass"), ("import uvicorn", "import uvicorn"),
     ("uvicorn + uvloop + httptools protocol",
      "import uvicorn, uvloop, uvicorn.protocols.http.httptools_impl"),
-    ("import fastapi", "import fastapi"),
-    ("import app.main", "import app.main"),
+    ("import fastapi", "import fastapi"), ("import app.main", "import app.main"),
     ("app.main.create_app()", "import app.main; app.main.create_app()"),
 )  # fmt: skip
 
@@ -74,61 +70,78 @@ def run(options: Options) -> dict[str, Any]:
                        for s in (floor, manager_spec(env, workdir))}  # fmt: skip
         finally:
             os.sched_setaffinity(0, affinity)
+    wrk = " ".join(tools.version("wrk", "-v").split()[:2])
     setup = {
         "workloads": len(WORKLOADS), "body": BODY,
         "auth": "bearer ping token per workload (PING_TOKEN_SECRET set on the manager)",
-        "connections": options.connections, "duration_seconds": options.duration,
-        "warmup_seconds": options.warmup, "fixed_rate": options.rate,
-        "server_cpus": sorted(server_cpus) if server_cpus else None,
-        "client_cpus": sorted(client_cpus) if client_cpus else None,
-        "client": f"{' '.join(tools.version('wrk', '-v').split()[:2])} (saturation, one "
-        f"thread), {tools.version('oha', '--version')} (fixed rate, one workload: oha sends "
-        "one set of headers and the ping token is per workload)",
-        "server_options": "uvicorn.run(app, log_config=None, access_log=False, "
-        "server_header=False, timeout_graceful_shutdown=20), loop/http 'auto', one process",
+        "connections": CONNECTIONS, "duration_seconds": options.duration,
+        "warmup_seconds": options.warmup, "fixed_rate": RATE,
+        "server_cpus": sorted(server_cpus or []) or None,
+        "client_cpus": sorted(client_cpus or []) or None,
+        "client": f"{wrk} (saturation, one thread), {tools.version('oha', '--version')} (fixed "
+        "rate, one workload)", "server_options": "uvicorn.run(app, log_config=None, "
+        "access_log=False, server_header=False, timeout_graceful_shutdown=20), loop/http "
+        "'auto', one process",
     }  # fmt: skip
-    result: dict[str, Any] = {"setup": setup, "servers": servers, "imports": imports}
-    result["targets"] = _targets(servers["floor"], servers["manager"])
-    result["tables"] = _tables(servers, imports, options)
-    result["notes"] = _notes(setup, servers, imports)
-    return result
-
-
-# --- measuring ---------------------------------------------------------------------------
+    floor_rps = servers["floor"]["saturation"]["requests_per_second"]
+    ratio = servers["manager"]["saturation"]["requests_per_second"] / floor_rps if floor_rps else 0
+    fixed = servers["manager"]["fixed_rate"]
+    p99 = fixed["latency_ms"]["p99"]
+    targets = {
+        "throughput_ratio": {"measured": round(ratio, 3), "met": ratio >= TARGET_THROUGHPUT_RATIO,
+                             "target": f">= {TARGET_THROUGHPUT_RATIO}x floor"},
+        "p99_at_fixed_rate_ms": {"measured": p99, "target": f"< {TARGET_P99_MS:g} ms",
+                                 "met": p99 is not None and p99 < TARGET_P99_MS
+                                 and fixed["errors"] == fixed["aborted"] == 0},
+        "idle_rss_mib": {"measured": round(servers["manager"]["idle"]["rss_bytes"] / MIB, 1),
+                         "target": "as low as possible", "met": None},
+    }  # fmt: skip
+    tables, notes = _tables(servers, imports), _notes(setup, servers, imports)
+    return {"setup": setup, "servers": servers, "imports": imports, "targets": targets,
+            "tables": tables, "notes": notes}  # fmt: skip
 
 
 def _measure(
     spec: ServerSpec, options: Options, cpus: set[int] | None, workdir: Path
 ) -> dict[str, Any]:
     _say(f"{spec.label}: warm-up {options.warmup:g} s, saturation {options.duration:g} s, "
-         f"{options.rate:g} req/s for {options.duration:g} s")  # fmt: skip
+         f"{RATE:g} req/s for {options.duration:g} s")  # fmt: skip
     with running(spec, cpus=cpus, log=workdir / f"{spec.label}.log") as server:
-        pid, port, conns, seconds = server.pid, server.port, options.connections, options.duration
-        time.sleep(SETTLE_SECONDS)
-        out: dict[str, Any] = {"idle": _memory(pid), "process": {
+        pid, port, seconds = server.pid, server.port, options.duration
+
+        def memory() -> dict[str, int]:
+            time.sleep(1.0)  # quiet before an RSS reading
+            return {"rss_bytes": proc.status(pid)["VmRSS"], "uss_bytes": proc.uss(pid)}
+
+        out: dict[str, Any] = {"idle": memory(), "process": {
             "pid": pid, "threads": proc.status(pid)["Threads"],
             "affinity": sorted(os.sched_getaffinity(pid)),
             "loaded": server.loaded_extensions("uvloop", "httptools")}}  # fmt: skip
-        out["warmup"] = _closed_loop(port, conns, options.warmup)
-        out["saturation"] = _with_cpu(pid, lambda: _closed_loop(port, conns, seconds))
-        time.sleep(SETTLE_SECONDS)
-        out["fixed_rate"] = _with_cpu(pid, lambda: _fixed_rate(port, conns, options.rate, seconds))
-        time.sleep(SETTLE_SECONDS)
-        out["after_load"] = _memory(pid)
-        if options.profile and spec.label == "manager":
-            out["profile"] = _profile(server, options, workdir)
+        out["warmup"] = _closed_loop(port, options.warmup)
+        out["saturation"] = _with_cpu(pid, lambda: _closed_loop(port, seconds))
+        time.sleep(1.0)
+        out["fixed_rate"] = _with_cpu(pid, lambda: _fixed_rate(port, seconds))
+        out["after_load"] = memory()
+        if options.profile and spec.label == "manager":  # an extra, unmeasured saturation
+            _say("manager: profiling under load with py-spy")
+            seconds, output = max(2.0, min(options.duration, 10.0)), workdir / "pyspy.txt"
+            try:
+                sampler = sampling.start(pid, seconds, output)
+            except FileNotFoundError as exc:
+                out["profile"] = {"error": str(exc)}
+            else:
+                try:
+                    _closed_loop(port, seconds + 1.0)
+                finally:
+                    out["profile"] = sampling.finish(sampler, output, seconds)
         out["log_tail"] = server.log()
     return out
 
 
-def _memory(pid: int) -> dict[str, int]:
-    return {"rss_bytes": proc.status(pid)["VmRSS"], "uss_bytes": proc.uss(pid)}
-
-
-def _phase(mode: str, connections: int, ran: tools.Ran, wall: float, completed: int,
-           status_errors: int, transport_errors: int, **extra: Any) -> dict[str, Any]:  # fmt: skip
+def _phase(mode: str, ran: tools.Ran, wall: float, completed: int, status_errors: int,
+           transport_errors: int, **extra: Any) -> dict[str, Any]:  # fmt: skip
     return {
-        "mode": mode, "connections": connections, "wall_seconds": round(wall, 3),
+        "mode": mode, "connections": CONNECTIONS, "wall_seconds": round(wall, 3),
         "completed": completed, "requests_per_second": round(completed / wall, 1),
         "errors": status_errors + transport_errors, "status_errors": status_errors,
         "transport_errors": transport_errors,
@@ -136,32 +149,31 @@ def _phase(mode: str, connections: int, ran: tools.Ran, wall: float, completed: 
     }  # fmt: skip
 
 
-def _closed_loop(port: int, connections: int, seconds: float) -> dict[str, Any]:
+def _closed_loop(port: int, seconds: float) -> dict[str, Any]:
     """wrk, one thread: every connection sends again as soon as its response arrives."""
     tokens = [f"{name}={ping_token(SECRET, name)}" for name in WORKLOADS]
     ran = tools.run(
-        [tools.find("wrk"), "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
+        [tools.find("wrk"), "-t1", f"-c{CONNECTIONS}", f"-d{max(1, round(seconds))}s",
          "-s", str(WRK_SCRIPT), f"http://{HOST}:{port}", "--", BODY, *tokens],
-        timeout=seconds + TOOL_TIMEOUT,
+        timeout=seconds + 60,
     )  # fmt: skip
     out = json.loads(ran.stdout.strip().splitlines()[-1])
     transport = sum(out[k] for k in ("connect", "read", "write", "timeout"))
     latency = {k: round(v / 1000, 3) for k, v in out["latency_us"].items()}
-    wall, completed = out["duration_us"] / 1e6, out["completed"]
-    return _phase("closed-loop (wrk)", connections, ran, wall, completed, out["status_errors"],
-                  transport, latency_ms=latency)  # fmt: skip
+    return _phase("closed-loop (wrk)", ran, out["duration_us"] / 1e6, out["completed"],
+                  out["status_errors"], transport, latency_ms=latency)  # fmt: skip
 
 
-def _fixed_rate(port: int, connections: int, rate: float, seconds: float) -> dict[str, Any]:
-    """oha at `rate` req/s, latency from each request's scheduled send time."""
+def _fixed_rate(port: int, seconds: float) -> dict[str, Any]:
+    """oha at RATE req/s, latency from each request's scheduled send time."""
     name = WORKLOADS[0]
     ran = tools.run(
         [tools.find("oha"), "--no-tui", "--output-format", "json", "-z", f"{seconds:g}s",
-         "-w", "-q", f"{rate:g}", "--latency-correction", "-c", str(connections),
+         "-w", "-q", f"{RATE:g}", "--latency-correction", "-c", str(CONNECTIONS),
          "-m", "POST", "-H", f"Authorization: Bearer {ping_token(SECRET, name)}",
          "-H", "Content-Type: application/json", "-d", BODY,
          f"http://{HOST}:{port}/v1/workloads/{name}/health"],
-        timeout=seconds + TOOL_TIMEOUT,
+        timeout=seconds + 60,
     )  # fmt: skip
     out = json.loads(ran.stdout)
     statuses = {str(k): int(v) for k, v in sorted(out["statusCodeDistribution"].items())}
@@ -171,9 +183,9 @@ def _fixed_rate(port: int, connections: int, rate: float, seconds: float) -> dic
     latency = {k: None if pct.get(k) is None else round(1000 * pct[k], 3)
                for k in ("p50", "p90", "p99", "p99.9")}  # fmt: skip
     latency["max"] = round(1000 * out["summary"]["slowest"], 3)
-    return _phase("fixed rate (oha --latency-correction)", connections, ran,
-                  out["summary"]["total"], completed, completed - statuses.get("204", 0),
-                  sum(failures.values()), statuses=statuses, target_rate=rate, aborted=aborted,
+    return _phase("fixed rate (oha --latency-correction)", ran, out["summary"]["total"],
+                  completed, completed - statuses.get("204", 0), sum(failures.values()),
+                  statuses=statuses, target_rate=RATE, aborted=aborted,
                   latency_ms=latency)  # fmt: skip
 
 
@@ -186,40 +198,6 @@ def _with_cpu(pid: int, phase: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     summary["server_cpu_percent"] = percent(spent["server"], wall)
     summary["outside_cpu_percent"] = percent(max(0.0, outside), wall)
     return summary
-
-
-def _profile(server: ServerProcess, options: Options, workdir: Path) -> dict[str, Any]:
-    """An extra, unmeasured saturation phase with py-spy sampling the server."""
-    _say(f"{server.spec.label}: profiling under load with py-spy")
-    seconds, output = max(2.0, min(options.duration, 10.0)), workdir / "manager.pyspy.txt"
-    try:
-        sampler = sampling.start(server.pid, seconds, output)
-    except FileNotFoundError as exc:
-        return {"error": str(exc)}
-    try:
-        _closed_loop(server.port, options.connections, seconds + 1.0)
-    finally:
-        profile = sampling.finish(sampler, output, seconds)
-    return profile
-
-
-# --- report ------------------------------------------------------------------------------
-
-
-def _targets(floor: Mapping[str, Any], manager: Mapping[str, Any]) -> dict[str, Any]:
-    floor_rps = floor["saturation"]["requests_per_second"]
-    ratio = manager["saturation"]["requests_per_second"] / floor_rps if floor_rps else 0.0
-    fixed = manager["fixed_rate"]
-    p99 = fixed["latency_ms"]["p99"]
-    return {
-        "throughput_ratio": {"measured": round(ratio, 3), "met": ratio >= TARGET_THROUGHPUT_RATIO,
-                             "target": f">= {TARGET_THROUGHPUT_RATIO}x floor"},
-        "p99_at_fixed_rate_ms": {"measured": p99, "target": f"< {TARGET_P99_MS:g} ms",
-                                 "met": p99 is not None and p99 < TARGET_P99_MS
-                                 and fixed["errors"] == fixed["aborted"] == 0},
-        "idle_rss_mib": {"measured": round(manager["idle"]["rss_bytes"] / MIB, 1),
-                         "target": "as low as possible", "met": None},
-    }  # fmt: skip
 
 
 def _errors(phase: Mapping[str, Any]) -> str:
@@ -241,13 +219,15 @@ _ROWS: tuple[tuple[str, str, str | Callable[[Any], str], bool], ...] = (
     ("saturation: load generator CPU (% of its core)", "saturation.client_cpu_percent", ".0f",
      False),
     ("saturation: CPU outside both (% of a core)", "saturation.outside_cpu_percent", ".0f", False),
-    ("{rate}: achieved (req/s)", "fixed_rate.requests_per_second", ",.0f", False),
-    ("{rate}: latency p50 (ms)", "fixed_rate.latency_ms.p50", ".2f", True),
-    ("{rate}: latency p99 (ms)", "fixed_rate.latency_ms.p99", ".2f", True),
-    ("{rate}: latency max (ms)", "fixed_rate.latency_ms.max", ".2f", False),
-    ("{rate}: errors (non-204 / transport / aborted)", "fixed_rate", _errors, False),
-    ("{rate}: server CPU (% of its core)", "fixed_rate.server_cpu_percent", ".0f", False),
-    ("{rate}: CPU outside both (% of a core)", "fixed_rate.outside_cpu_percent", ".0f", False),
+    (f"at {RATE:g} req/s: achieved (req/s)", "fixed_rate.requests_per_second", ",.0f", False),
+    (f"at {RATE:g} req/s: latency p50 (ms)", "fixed_rate.latency_ms.p50", ".2f", True),
+    (f"at {RATE:g} req/s: latency p99 (ms)", "fixed_rate.latency_ms.p99", ".2f", True),
+    (f"at {RATE:g} req/s: latency max (ms)", "fixed_rate.latency_ms.max", ".2f", False),
+    (f"at {RATE:g} req/s: errors (non-204 / transport / aborted)", "fixed_rate", _errors, False),
+    (f"at {RATE:g} req/s: server CPU (% of its core)", "fixed_rate.server_cpu_percent", ".0f",
+     False),
+    (f"at {RATE:g} req/s: CPU outside both (% of a core)", "fixed_rate.outside_cpu_percent",
+     ".0f", False),
     ("RSS, idle after start (MiB)", "idle.rss_bytes", mib, True),
     ("USS, idle after start (MiB)", "idle.uss_bytes", mib, True),
     ("RSS after the load (MiB)", "after_load.rss_bytes", mib, True),
@@ -255,23 +235,20 @@ _ROWS: tuple[tuple[str, str, str | Callable[[Any], str], bool], ...] = (
 )  # fmt: skip
 
 
-def _tables(
-    servers: Mapping[str, Any], imports: Mapping[str, Any], options: Options
-) -> list[dict[str, Any]]:
+def _tables(servers: Mapping[str, Any], imports: Mapping[str, Any]) -> list[dict[str, Any]]:
     floor, manager = servers["floor"], servers["manager"]
     rows = []
     for label, path, fmt, ratio in _ROWS:
         f, m = (functools.reduce(lambda d, k: d[k], path.split("."), s) for s in (floor, manager))
         shown = [fmt(v) if callable(fmt) else format(v, fmt) if v is not None else "-"
                  for v in (f, m)]  # fmt: skip
-        rows.append([label.format(rate=f"at {options.rate:g} req/s"), *shown,
-                     f"{m / f:.2f}x" if ratio and m is not None and f else ""])  # fmt: skip
+        rows.append([label, *shown, f"{m / f:.2f}x" if ratio and m is not None and f else ""])
     bare = imports["rss_steps"][0]["rss_bytes"]
     alone = {a["package"]: a["rss_bytes"] for a in imports["rss_package_alone"]}
     steps = [(s["label"], s["rss_bytes"]) for s in imports["rss_steps"]] + [
         ("floor server, idle after start", floor["idle"]["rss_bytes"]),
         ("manager server, idle after start", manager["idle"]["rss_bytes"])]  # fmt: skip
-    tables = [
+    return [
         table("pings: POST /v1/workloads/{name}/health, floor (bare ASGI) vs manager",
               "metric|floor|manager|mgr/floor", rows),
         table(f"import app.main: {imports['total_ms']:.0f} ms, {imports['modules']} modules; "
@@ -287,20 +264,17 @@ def _tables(
         table("RSS: a fresh interpreter after each step, and the servers",
               "step|RSS MiB|MiB over bare python",
               [[label, mib(value), mib_over(value, bare)] for label, value in steps]),
+        *(sampling.tables("manager under saturation", manager["profile"])
+          if "profile" in manager else []),
     ]  # fmt: skip
-    if "profile" in manager:
-        tables += sampling.tables("manager under saturation", manager["profile"])
-    return tables
 
 
 def _notes(
     setup: Mapping[str, Any], servers: Mapping[str, Any], imports: Mapping[str, Any]
 ) -> list[str]:
-    fs = servers["floor"]["saturation"]
-    stacks = ", ".join(
-        f"{label} {'+'.join(k for k, v in s['process']['loaded'].items() if v) or 'asyncio+h11'}"
-        for label, s in servers.items()
-    )
+    fs, stacks = servers["floor"]["saturation"], []
+    for label, s in servers.items():
+        stacks.append(f"{label} {'+'.join(k for k, v in s['process']['loaded'].items() if v)}")
     pinning = (f"each server on core {setup['server_cpus']}, load generator on "
                f"{setup['client_cpus']}" if setup["server_cpus"] else "off")  # fmt: skip
     if fs["client_cpu_percent"] >= 90:
@@ -309,11 +283,10 @@ def _notes(
         verdict = "the server, not the load generator, is the bottleneck"
     else:
         verdict = "neither was saturated: other work on the machine, or too few connections"
-    uvicorn = imports["rss_steps"][1]["rss_bytes"]
-    idle = servers["manager"]["idle"]["rss_bytes"]
+    uvicorn, idle = imports["rss_steps"][1]["rss_bytes"], servers["manager"]["idle"]["rss_bytes"]
     return [
-        f"{setup['workloads']} workloads, {setup['connections']} connections; clients: "
-        f"{setup['client']}; loaded: {stacks}; CPU pinning: {pinning}.",
+        f"{setup['workloads']} workloads, {CONNECTIONS} connections; clients: {setup['client']}; "
+        f"loaded: {', '.join(stacks)} (none: asyncio+h11); CPU pinning: {pinning}.",
         f"load generator: {fs['client_cpu_percent']:.0f}% of its core while the floor served "
         f"{fs['requests_per_second']:,.0f} req/s at {fs['server_cpu_percent']:.0f}% of its "
         f"own: {verdict}.",

@@ -15,7 +15,6 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 Labels = Mapping[str, str]
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 class Metrics:
@@ -48,18 +47,16 @@ def status(pid: int) -> dict[str, int]:
     values: dict[str, int] = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-            values[key] = int(value.split()[0]) * 1024
-        elif key == "Threads":
-            values[key] = int(value)
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "Threads"):
+            values[key] = int(value.split()[0]) * (1 if key == "Threads" else 1024)
     return values
 
 
 def uss(pid: int) -> int:
     """Unique set size: the private pages (clean + dirty) of /proc/<pid>/smaps_rollup."""
     rows = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
-    private = [r for r in rows if r.startswith(("Private_Clean:", "Private_Dirty:"))]
-    return sum(int(r.split()[1]) * 1024 for r in private)
+    return sum(int(r.split()[1]) * 1024 for r in rows if r.startswith(("Private_Clean:",
+               "Private_Dirty:")))  # fmt: skip
 
 
 def reset_peak(pid: int) -> None:
@@ -68,16 +65,14 @@ def reset_peak(pid: int) -> None:
 
 
 def cpu_seconds(pid: int, tree: bool = False) -> float:
-    """User + system CPU seconds of a process; with `tree`, of its live descendants too
-    and of the children it has reaped (a PostgreSQL backend that exited)."""
+    """User + system CPU seconds of a process; with `tree`, of its live descendants too and
+    of the children it has reaped (a PostgreSQL backend that exited)."""
     total = 0.0
     with contextlib.suppress(OSError, psutil.Error):
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        total = int(fields[11]) + int(fields[12]) + tree * (int(fields[13]) + int(fields[14]))
-        total /= TICK
+        total = sum(map(int, fields[11 : 15 if tree else 13])) / os.sysconf("SC_CLK_TCK")
         if tree:
-            for child in psutil.Process(pid).children(recursive=True):
-                total += cpu_seconds(child.pid)
+            total += sum(cpu_seconds(c.pid) for c in psutil.Process(pid).children(recursive=True))
     return total
 
 

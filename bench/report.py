@@ -1,14 +1,13 @@
 """What every benchmark reports with: tables, targets, units, percentiles, progress, checks.
 
-A table is {"title", "columns", "rows"} of strings. `table` formats the cells: a column
-named "name{spec}" formats its numbers with that format spec (`{,.0f}`, `{.2f}`); None is
-"-". A result's "targets" ({name: {"target", "measured", "met"}}) print as one more table.
+A table is {"title", "columns", "rows"} of strings; a column named "name{spec}" formats its
+numbers with that format spec, None shows as "-". A result's "targets" ({name: {"target",
+"measured", "met"}}) print as one more table.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,36 +31,29 @@ def say(benchmark: str, message: str) -> None:
 
 
 def cell(value: Any, spec: str = "") -> str:
-    if value is None:
-        return "-"
+    if isinstance(value, Mapping):  # "key: value, ..."
+        return ", ".join(f"{k}: {cell(v, spec)}" for k, v in value.items())
     if spec and isinstance(value, int | float) and not isinstance(value, bool):
         return format(value, spec)
-    return str(value)
+    return "-" if value is None else str(value)
 
 
 def table(
     title: str, columns: str | Sequence[str], rows: Sequence[Sequence[Any]]
 ) -> dict[str, Any]:
-    """A table; `columns` may be one string split on "|"."""
     names = columns.split("|") if isinstance(columns, str) else list(columns)
-    parsed = [re.fullmatch(r"(.*?)(?:\{(.*)\})?", name, re.S) for name in names]
-    specs = [(m[1], m[2] or "") if m else (name, "") for m, name in zip(parsed, names, strict=True)]
-    return {
-        "title": title,
-        "columns": [name for name, _ in specs],
-        "rows": [[cell(c, spec) for c, (_, spec) in zip(r, specs, strict=True)] for r in rows],
-    }
+    specs = [n[:-1].partition("{")[::2] if n.endswith("}") else (n, "") for n in names]
+    cells = [[cell(c, spec) for c, (_, spec) in zip(r, specs, strict=True)] for r in rows]
+    return {"title": title, "columns": [name for name, _ in specs], "rows": cells}
 
 
 def render(t: Mapping[str, Any]) -> str:
-    columns: list[str] = t["columns"]
-    rows = [[str(cell) for cell in row] for row in t["rows"]]
+    columns, rows = t["columns"], t["rows"]
     widths = [max(len(columns[i]), *(len(r[i]) for r in rows)) for i in range(len(columns))]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(cells)
-        ).rstrip()
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs).rstrip()
 
     rule = "-" * len(line(["-" * w for w in widths]))
     return "\n".join([t["title"], rule, line(columns), rule, *map(line, rows), rule])
@@ -71,19 +63,12 @@ def show(result: Mapping[str, Any]) -> None:
     """Print a result's tables, its targets and its notes."""
     tables = list(result.get("tables", []))
     if targets := result.get("targets"):
-        rows = [[k, _flat(t["measured"]), t["target"], yes(t["met"])] for k, t in targets.items()]
+        rows = [[k, t["measured"], t["target"], yes(t["met"])] for k, t in targets.items()]
         tables.append(table("targets", "target|measured|wanted|met", rows))
     for t in tables:
         print(f"\n{render(t)}")
     for note in result.get("notes", []):
         print(f"* {note}")
-
-
-def _flat(value: Any) -> Any:
-    """A mapping as "key: value, ..."; anything else as it is."""
-    if isinstance(value, Mapping):
-        return ", ".join(f"{k}: {_flat(v)}" for k, v in value.items())
-    return value
 
 
 def env_note(names: Sequence[str]) -> list[str]:
@@ -93,10 +78,10 @@ def env_note(names: Sequence[str]) -> list[str]:
 
 
 def noisy(phases: Mapping[str, float], limit: float) -> list[str]:
-    """A note naming the phases where something else used more than `limit` % of a core."""
-    busy = [f"{name} {value:.0f}%" for name, value in phases.items() if value > limit]
-    return [f"NOISY: other work used the CPU during {', '.join(busy)} (% of a core): rerun "
-            "on a quiet machine"] if busy else []  # fmt: skip
+    """The note naming the phases where other work used more than `limit` % of a core."""
+    busy = ", ".join(f"{name} {value:.0f}%" for name, value in phases.items() if value > limit)
+    return [f"NOISY: other work used the CPU during {busy} (% of a core): rerun on a quiet "
+            "machine"] if busy else []  # fmt: skip
 
 
 def mib(value: float | None) -> str:
@@ -111,17 +96,11 @@ def percent(part: float, whole: float) -> float:
     return round(100.0 * part / whole, 1) if whole > 0 else 0.0
 
 
-def percentile(ordered: Sequence[float], q: float) -> float | None:
-    """The nearest-rank q-th percentile (0-100) of sorted values."""
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
 def latency_ms(ordered: Sequence[float], scale: float = 1e-6) -> dict[str, float | None]:
-    """p50, p99 and max of sorted latencies in ms (`scale`: ms per unit; ns by default)."""
-    found = {"p50": percentile(ordered, 50), "p99": percentile(ordered, 99)}
-    found["max"] = ordered[-1] if ordered else None
+    """Nearest-rank p50, p99 and the max of sorted latencies, in ms (`scale`: ms per unit)."""
+    n = len(ordered)
+    found = {k: ordered[min(n - 1, max(0, math.ceil(q * n) - 1))] if n else None
+             for k, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))}  # fmt: skip
     return {k: None if v is None else round(v * scale, 3) for k, v in found.items()}
 
 

@@ -1,9 +1,9 @@
-"""Where a process's CPU goes under load: py-spy samples, summed by package and by function.
+"""Where a process's CPU goes under load: py-spy samples, by package and by function.
 
-Optional (`python -m bench --profile`): py-spy is not a project dependency; install it
-into the virtualenv with `pip install py-spy`. It samples without pausing the process
-(--nonblocking) but still costs CPU, so it gets a load phase of its own, never measured.
-It sees only the running coroutine's frames: read the shares by innermost frame.
+Optional (`python -m bench --profile`): py-spy is not a project dependency (`pip install
+py-spy`). It samples without pausing the process but still costs CPU, so it gets a load
+phase of its own, never measured. It sees only the running coroutine's frames: read the
+shares by innermost frame.
 """
 
 from __future__ import annotations
@@ -26,26 +26,24 @@ _BOOTSTRAP = ("uvicorn/main.py", "uvicorn/server.py", "uvicorn/_compat.py", "app
               "app/cli.py")  # fmt: skip
 
 
-def start(pid: int, seconds: float, output: Path, rate: int = 250) -> subprocess.Popen[bytes]:
+def start(pid: int, seconds: float, output: Path) -> subprocess.Popen[bytes]:
     """Start sampling `pid` for `seconds`; FileNotFoundError when py-spy is not installed."""
     beside = Path(sys.executable).with_name("py-spy")
-    exe = str(beside) if beside.exists() else shutil.which("py-spy")
-    if exe is None:
+    if not (exe := str(beside) if beside.exists() else shutil.which("py-spy")):
         raise FileNotFoundError("py-spy is not installed (pip install py-spy)")
     return subprocess.Popen(
-        [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
-         "--rate", str(rate), "--format", "raw", "--output", str(output), "--nonblocking"],
+        [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate",
+         "250", "--format", "raw", "--output", str(output), "--nonblocking"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
 
 
 def finish(sampler: subprocess.Popen[bytes], output: Path, seconds: float) -> dict[str, Any]:
-    """Wait for py-spy to end (polling: a thread waiting on it would be sampled) and sum up."""
+    """Wait for py-spy (polling: a thread waiting on it would be sampled), then sum up."""
     deadline = time.monotonic() + seconds + 30.0
     while sampler.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    if sampler.poll() is None:
-        sampler.kill()
+    sampler.kill()
     _, stderr = sampler.communicate()
     if sampler.returncode != 0 or not output.exists():
         return {"error": f"py-spy exited with {sampler.returncode}: {stderr.decode()[-500:]}"}
@@ -54,43 +52,35 @@ def finish(sampler: subprocess.Popen[bytes], output: Path, seconds: float) -> di
 
 def _where(frame: str) -> tuple[str, str]:
     """(function (file), package) for one py-spy frame; stdlib packages are marked."""
-    match = _FRAME.match(frame)
-    if match is None:
+    if (match := _FRAME.match(frame)) is None:
         return frame or "(no Python frame)", frame or "(no Python frame)"
     file = _SITE.sub("", match["file"])
     top = file.lstrip("/").split("/", 1)[0].removesuffix(".py")
     if file.startswith("<"):  # "<frozen runpy>"
         top = file.strip("<>").removeprefix("frozen ")
-    if file.startswith("<") or top in sys.stdlib_module_names:
-        return f"{match['func']} ({file})", f"{top} (stdlib)"
-    return f"{match['func']} ({file})", top
+    stdlib = file.startswith("<") or top in sys.stdlib_module_names
+    return f"{match['func']} ({file})", f"{top} (stdlib)" if stdlib else top
 
 
-def summarize(raw: str, top: int = 25) -> dict[str, Any]:
-    """Shares of samples: by the package of the innermost frame, and by function, inclusive."""
-    total = 0
-    by_package: Counter[str] = Counter()
-    inclusive: Counter[str] = Counter()
-    leaf: Counter[str] = Counter()
+def summarize(raw: str) -> dict[str, Any]:
+    """Shares of samples: by the package of the innermost frame, by function inclusive and
+    by the innermost function."""
+    counters: dict[str, Counter[str]] = {k: Counter() for k in ("by_package", "inclusive", "self")}
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        samples = int(count)
-        total += samples
-        frames = [_where(f) for f in stack.split(";")]
-        by_package[frames[-1][1]] += samples
-        leaf[frames[-1][0]] += samples
-        for function, package in set(frames):
-            if "(stdlib)" not in package and not any(f"({b})" in function for b in _BOOTSTRAP):
-                inclusive[function] += samples
-
-    def shares(counter: Counter[str], n: int) -> list[dict[str, Any]]:
-        return [{"name": name, "percent": round(100.0 * count / total, 1)}
-                for name, count in counter.most_common(n)] if total else []  # fmt: skip
-
-    return {"samples": total, "by_package": shares(by_package, 12),
-            "inclusive": shares(inclusive, top), "self": shares(leaf, top)}  # fmt: skip
+        if stack and count.isdigit():
+            frames = [_where(f) for f in stack.split(";")]
+            counters["by_package"][frames[-1][1]] += int(count)
+            counters["self"][frames[-1][0]] += int(count)
+            for function, package in set(frames):
+                if "(stdlib)" not in package and not any(f"({b})" in function for b in _BOOTSTRAP):
+                    counters["inclusive"][function] += int(count)
+    total = counters["by_package"].total()
+    return {"samples": total} | {
+        key: [{"name": name, "percent": round(100.0 * n / total, 1)}
+              for name, n in counter.most_common(12 if key == "by_package" else 25)]
+        for key, counter in counters.items()
+    }  # fmt: skip
 
 
 def tables(title: str, profile: dict[str, Any]) -> list[dict[str, Any]]:

@@ -23,8 +23,7 @@ from app.settings import Settings
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
-READY_TIMEOUT = 60.0
-STOP_TIMEOUT = 20.0
+TIMEOUT = 60.0  # seconds to be ready; a third of it to stop on SIGTERM before SIGKILL
 
 
 def base_env(**values: str) -> dict[str, str]:
@@ -43,13 +42,11 @@ def overridden(explicit: frozenset[str]) -> list[str]:
 def data_servers(workdir: Path) -> Iterator[tuple[EmbeddedPostgres, EmbeddedNats]]:
     """PostgreSQL and nats-server under `workdir`, stopped on the way out."""
     with ExitStack() as stack:
-        pg = EmbeddedPostgres(workdir / "postgres")
-        stack.callback(pg.stop)
-        pg.start()
-        nats = EmbeddedNats(workdir / "nats")
-        stack.callback(nats.stop)
-        nats.start()
-        yield pg, nats
+        servers = EmbeddedPostgres(workdir / "postgres"), EmbeddedNats(workdir / "nats")
+        for server in servers:
+            stack.callback(server.stop)
+            server.start()
+        yield servers
 
 
 @dataclass(frozen=True)
@@ -70,8 +67,7 @@ class ServerProcess:
     """A server on a free port: `start` returns once it answers as ready."""
 
     def __init__(self, spec: ServerSpec, *, log: Path, cpus: set[int] | None = None) -> None:
-        self.spec, self.log_path, self.cpus = spec, log, cpus
-        self.port = free_port()
+        self.spec, self.log_path, self.cpus, self.port = spec, log, cpus, free_port()
         self._popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -80,22 +76,22 @@ class ServerProcess:
         return self._popen.pid
 
     def start(self) -> None:
-        cpus = self.cpus
-        env = {**self.spec.env, "PORT": str(self.port), "PYTHONPATH": str(REPO)}
+        cpus, spec = self.cpus, self.spec
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         with open(self.log_path, "ab") as log:
             self._popen = subprocess.Popen(
-                list(self.spec.argv), cwd=self.spec.cwd, env=env, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+                list(spec.argv), cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, preexec_fn=pin,
+                env={**spec.env, "PORT": str(self.port), "PYTHONPATH": str(REPO)},
             )  # fmt: skip
-        deadline, last = time.monotonic() + READY_TIMEOUT, "no answer"
+        deadline, last = time.monotonic() + TIMEOUT, "no answer"
         while time.monotonic() < deadline:
             if (code := self.poll()) is not None:
-                raise RuntimeError(f"{self.spec.label} exited with {code}:\n{self.log()}")
+                raise RuntimeError(f"{spec.label} exited with {code}:\n{self.log()}")
             conn = http.client.HTTPConnection(HOST, self.port, timeout=2)
             try:
-                conn.request("GET", self.spec.ready_path)
-                if (status := conn.getresponse().status) in self.spec.ready_statuses:
+                conn.request("GET", spec.ready_path)
+                if (status := conn.getresponse().status) in spec.ready_statuses:
                     return
                 last = f"HTTP {status}"
             except OSError as exc:
@@ -103,9 +99,7 @@ class ServerProcess:
             finally:
                 conn.close()
             time.sleep(0.1)
-        raise TimeoutError(
-            f"{self.spec.label} not ready in {READY_TIMEOUT} s ({last}):\n{self.log()}"
-        )
+        raise TimeoutError(f"{spec.label} not ready in {TIMEOUT} s ({last}):\n{self.log()}")
 
     def poll(self) -> int | None:
         return None if self._popen is None else self._popen.poll()
@@ -114,15 +108,14 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 
     def stop(self) -> int | None:
-        """SIGTERM, then SIGKILL if it does not go within STOP_TIMEOUT; returns the exit code."""
-        popen = self._popen
-        if popen is not None and popen.poll() is None:
+        """SIGTERM, then SIGKILL if it does not go in time; returns the exit code."""
+        if (popen := self._popen) is not None and popen.poll() is None:
             popen.send_signal(signal.SIGTERM)
             try:
-                popen.wait(timeout=STOP_TIMEOUT)
+                popen.wait(timeout=TIMEOUT / 3)
             except subprocess.TimeoutExpired:
                 popen.kill()
-                popen.wait(timeout=STOP_TIMEOUT)
+                popen.wait(timeout=TIMEOUT / 3)
         return None if popen is None else popen.returncode
 
     def loaded_extensions(self, *names: str) -> dict[str, bool]:

@@ -1,9 +1,7 @@
-"""The load tools the benchmarks drive: wrk (closed loop) and oha (fixed rate) for HTTP,
-`nats bench` (the NATS CLI) for the jobs benchmark's JetStream floor.
+"""The load tools the benchmarks drive: wrk, oha, `nats bench` (the NATS CLI).
 
 `tools/bench-tools/install.sh` installs them (`make bench` runs it first); a tool is looked
-up on PATH, then in that script's cache. A run's CPU time is the tool's own (getrusage of
-the waited-for children), to show what the load generator cost beside the server.
+up on PATH, then in that script's cache. A run's CPU time is the tool's own.
 """
 
 from __future__ import annotations
@@ -16,9 +14,8 @@ from pathlib import Path
 
 from bench.proc import children_cpu
 
-REPO = Path(__file__).resolve().parent.parent
 INSTALL = "tools/bench-tools/install.sh"
-QUICK = 30.0  # seconds for `install.sh --print` and a tool's --version
+REPO = Path(__file__).resolve().parent.parent
 
 
 class ToolMissing(RuntimeError):
@@ -27,12 +24,11 @@ class ToolMissing(RuntimeError):
 
 def find(name: str) -> str:
     """The path of the tool `name`, on PATH or in the install script's cache."""
-    if found := shutil.which(name):
-        return found
-    printed = subprocess.run([str(REPO / INSTALL), "--print"], capture_output=True, text=True,
-                             check=False, timeout=QUICK)  # fmt: skip
-    path = printed.stdout.strip().splitlines()[-1] if printed.stdout.strip() else None
-    if printed.returncode == 0 and path and (found := shutil.which(name, path=path)):
+    if not (found := shutil.which(name)):
+        printed = subprocess.run([str(REPO / INSTALL), "--print"], capture_output=True,
+                                 text=True, timeout=30).stdout.strip().splitlines()  # fmt: skip
+        found = shutil.which(name, path=printed[-1]) if printed else None
+    if found:
         return found
     raise ToolMissing(f"{name} is not installed: run {INSTALL} (make bench does)")
 
@@ -40,23 +36,20 @@ def find(name: str) -> str:
 @dataclass(frozen=True)
 class Ran:
     stdout: str
-    stderr: str
     cpu_seconds: float  # user + system of the tool's process
 
 
 def run(argv: Sequence[str], *, timeout: float) -> Ran:
     """Run a tool to the end; a non-zero exit is an error that shows its stderr."""
     before = children_cpu()
-    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
+    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        name = Path(argv[0]).name
-        raise RuntimeError(f"{name} exited with {done.returncode}: {done.stderr[-800:]}")
-    return Ran(done.stdout, done.stderr, children_cpu() - before)
+        raise RuntimeError(f"{Path(argv[0]).name} exited with {done.returncode}: "
+                           f"{done.stderr[-800:]}")  # fmt: skip
+    return Ran(done.stdout, children_cpu() - before)
 
 
 def version(name: str, *flags: str) -> str:
     """The first line a tool prints of its own version."""
-    done = subprocess.run([find(name), *flags], capture_output=True, text=True, check=False,
-                          timeout=QUICK)  # fmt: skip
-    text = (done.stdout or done.stderr).strip()
-    return text.splitlines()[0] if text else name
+    done = subprocess.run([find(name), *flags], capture_output=True, text=True, timeout=30)
+    return ((done.stdout or done.stderr).strip().splitlines() or [name])[0]
