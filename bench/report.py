@@ -12,6 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+Json = dict[str, Any]
 MIB = 1024 * 1024
 MB = 1_000_000
 
