@@ -52,7 +52,7 @@ from bench import cluster, proc, tools
 from bench.cluster import Cluster, Snapshot
 from bench.machine import facts, headline
 from bench.proc import Labels, Metrics
-from bench.report import MB, say, show, table
+from bench.report import MB, Json, say, show, table
 from bench.servers import ServerProcess, base_env, data_servers, manager_spec
 from standins.backend import LocalBackend
 from standins.sync_world import KEY, desire, key_seed
@@ -63,15 +63,13 @@ NODE, SECRET, PREFIX = "soak-node", "soak-ping-token-secret", "workload_manager"
 TASKS = f"{PREFIX}_asyncio_tasks"
 QUIET_SECONDS = 6.0  # > uvicorn's 5 s keep-alive: every idle connection is closed by then
 QUIET_READS = 10  # task gauge reads, 0.5 s apart, in a quiet reading
-DRAIN_TIMEOUT = 60.0  # seconds for the job consumers to empty once the load stops
-READY_TIMEOUT = 30.0  # seconds for the manager's job streams to exist after /readyz
 TIMEOUT = 5.0  # seconds for a ping or a publish; slower is an error
 RSS_GROWTH_TARGET_MB = 5.0
 SAMPLE_ROWS = 14  # rows of the resource table; the JSON has every sample
 TREND_MIN_SECONDS = 300.0  # a shorter measured phase makes a slope of noise
-_NUMBER = re.compile(r"\d+(\.\d+)?")
 # The text format: "%H:%M:%S LEVEL   logger: message" (app/logs.py TextFormatter)
 _LINE = re.compile(r"^\d\d:\d\d:\d\d (?P<level>[A-Z]+)\s+(?P<logger>\S+): (?P<message>.*)$")
+_NUMBER = re.compile(r"\d+(\.\d+)?")
 _say = functools.partial(say, "soak")
 
 
@@ -93,7 +91,7 @@ class Config:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
         """Read the SOAK_* variables; ValueError names the one that is wrong."""
-        values: dict[str, Any] = {}
+        values: Json = {}
         lows = {"seconds": 10, "warmup_seconds": 0, "workloads": 1, "job_rate": 0.1,
                 "bump_seconds": 0}  # fmt: skip
         for name, low in lows.items():
@@ -116,7 +114,7 @@ class Config:
 
 @dataclass
 class World:
-    """Every server on loopback under one temporary directory, and what the load shares."""
+    """The servers, the load's shared state and what the soak observed of the manager."""
 
     config: Config
     workdir: Path
@@ -130,6 +128,16 @@ class World:
     desired: dict[str, str] = field(default_factory=dict)  # name -> version desired now
     running: asyncio.Event = field(default_factory=asyncio.Event)  # the load may run
     over: asyncio.Event = field(default_factory=asyncio.Event)  # the load has stopped
+    prefix: str = field(default_factory=lambda: f"soak-{uuid.uuid4().hex[:8]}-")  # job keys
+    published: list[str] = field(default_factory=list)  # job keys JetStream acked
+    attempted: int = 0  # job publishes
+    by_kind: Counter[str] = field(default_factory=Counter)  # job publishes acked
+    failures: Counter[str] = field(default_factory=Counter)  # failed publishes by exception
+    bumped: int = 0
+    phase: str = "warm-up"
+    started: float = field(default_factory=time.monotonic)
+    samples: list[Json] = field(default_factory=list)
+    scrape_failures: Counter[str] = field(default_factory=Counter)
 
     def desire(self, versions: Mapping[str, str]) -> None:
         """Serve these versions as the desired state; the pings report them (pings.lua)."""
@@ -146,9 +154,93 @@ class World:
         await self.running.wait()
         return not self.over.is_set()
 
+    async def publish_jobs(self, bus: JetStreamBus) -> None:
+        """noop jobs at a steady rate (open loop), the job kinds in turn; keys unique per
+        run, so every acked publish must end as one completed ledger row."""
+        next_at = time.monotonic()
+        for seq in itertools.count():
+            if not await self.tick(next_at - time.monotonic()):
+                return
+            kind, key = list(STREAMS)[seq % len(STREAMS)], f"{self.prefix}{seq:07d}"
+            payload = {"seq": seq, "delay_seconds": round(random.uniform(0, 0.02), 4)}
+            self.attempted += 1
+            try:
+                async with asyncio.timeout(TIMEOUT):
+                    job = new_job("noop", idempotency_key=key, payload=payload)
+                    await publish_job(bus, job, kind=kind, tier=self.config.tier)
+            except Exception as exc:  # any failure to get JetStream's ack is a client-side error
+                self.failures[type(exc).__name__] += 1
+            else:
+                self.published.append(key)
+                self.by_kind[kind] += 1
+            # fallen behind by more than a second (a slow publish): do not burst to catch up
+            next_at = max(next_at + 1.0 / self.config.job_rate, time.monotonic() - 1.0)
+
+    async def bump_versions(self) -> None:
+        """Every `bump_seconds`, a new minor version for the next `bump_count` workloads."""
+        names, count = itertools.cycle(sorted(self.desired)), self.config.bump_count
+        while self.config.bump_seconds > 0 and await self.tick(self.config.bump_seconds):
+            chosen = {n: self.desired[n].split(".") for n in
+                      [next(names) for _ in range(min(count, len(self.desired)))]}  # fmt: skip
+            self.desire({n: f"{v[0]}.{int(v[1]) + 1}.0" for n, v in chosen.items()})
+            self.bumped += len(chosen)
+
     def halt(self) -> None:
         self.over.set()
         self.running.set()
+
+    async def scrape(self, client: httpx.AsyncClient) -> Metrics | None:
+        try:
+            return Metrics((await client.get("/metrics")).raise_for_status().text)
+        except httpx.HTTPError as exc:
+            self.scrape_failures[type(exc).__name__] += 1
+            return None
+
+    def facts(self, m: Metrics) -> Json:
+        return {"rss_mb": round((m.value("process_resident_memory_bytes") or 0) / MB, 2),
+                "fds": int(m.value("process_open_fds") or 0),
+                "threads": proc.status(self.manager.pid)["Threads"]}  # fmt: skip
+
+    async def sample(self, client: httpx.AsyncClient) -> Json:
+        m = await self.scrape(client) or Metrics("")
+        gauges = {k: None if (v := m.value(name)) is None else int(v) for k, name in (
+            ("asyncio_tasks", TASKS), ("jobs_in_flight", f"{PREFIX}_jobs_in_flight"))}  # fmt: skip
+        down = [x.get("component", "?") for x, v in m.samples.get(f"{PREFIX}_component_up", [])
+                if v == 0]  # fmt: skip
+        s = {"t": round(time.monotonic() - self.started, 1), "phase": self.phase, **self.facts(m),
+             "cpu_seconds": round(m.value("process_cpu_seconds_total") or 0.0, 2), **gauges,
+             "components_down": down, "server_errors": sum(server_errors(m).values())}  # fmt: skip
+        self.samples.append(s)
+        _say(f"t={s['t']:4.0f}s {s['phase']:<8} RSS {s['rss_mb']:6.1f} MB, tasks "
+             f"{s['asyncio_tasks']}, fds {s['fds']}, errors {s['server_errors']}; pings "
+             f"accepted {int(m.total(f'{PREFIX}_pings_total'))}")  # fmt: skip
+        return s
+
+    async def record(self, client: httpx.AsyncClient) -> None:
+        while True:
+            await self.sample(client)
+            await asyncio.sleep(self.config.sample_seconds)
+
+    async def quiet_reading(self, client: httpx.AsyncClient) -> tuple[Json, Metrics]:
+        """The least of the task gauge's reads (a loop that happens to run, or the scrape
+        itself, only ever adds), the process facts and its TCP sockets by peer."""
+        seen: list[int] = []
+        for i in range(QUIET_READS):
+            await asyncio.sleep(0.5 if i else 0)
+            if (m := await self.scrape(client)) and (tasks := m.value(TASKS)) is not None:
+                seen.append(int(tasks))
+        if not seen or m is None:
+            raise RuntimeError(f"the manager exported no {TASKS} gauge in {QUIET_READS} scrapes")
+        sockets: Counter[str] = Counter()
+        for conn in psutil.Process(self.manager.pid).net_connections(kind="tcp"):
+            port: int | None = getattr(conn.raddr, "port", None)  # () when not connected
+            if conn.status == psutil.CONN_LISTEN or port is None:
+                sockets["listening"] += 1
+            else:  # incoming: pings, or the soak's own scrapes
+                incoming = conn.laddr.port == self.manager.port
+                sockets["incoming" if incoming else self.peers.get(port, "other")] += 1
+        return {"asyncio_tasks_min": min(seen), "asyncio_tasks_seen": seen, **self.facts(m),
+                "sockets_by_peer": dict(sorted(sockets.items()))}, m  # fmt: skip
 
 
 @contextmanager
@@ -157,11 +249,10 @@ def started(config: Config) -> Iterator[World]:
     order on any exit, an exception or Ctrl-C included."""
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        _say(f"starting PostgreSQL and nats-server under {workdir}")
+        _say(f"starting PostgreSQL, nats-server and the control plane under {workdir}")
         pg, nats = stack.enter_context(data_servers(workdir))
         backend = LocalBackend(NODE, KEY.public_key())
         server = stack.enter_context(backend.serve())
-        _say("starting the control plane (etcd, kube-apiserver, controllers, kwok)")
         found = stack.enter_context(cluster.running(workdir))
         env = base_env(  # only this reaches the manager: it runs in the temporary directory
             HOME=str(workdir), DATA_DIR=str(workdir / "data"), EMBEDDED_SERVICES="false",
@@ -188,10 +279,7 @@ def started(config: Config) -> Iterator[World]:
         yield world
 
 
-# --- the load ----------------------------------------------------------------------------
-
-
-async def pings(world: World, seconds: float) -> dict[str, Any]:
+async def pings(world: World, seconds: float) -> Json:
     """wrk for `seconds`: one connection per workload, each pinging every `ping_interval`
     after its answer, on a new connection each time."""
     tokens = [f"{n}={ping_token(SECRET, n)}" for n in sorted(world.desired)]
@@ -207,234 +295,107 @@ async def pings(world: World, seconds: float) -> dict[str, Any]:
     out, err = await child.communicate()
     if child.returncode != 0:
         raise RuntimeError(f"wrk exited with {child.returncode}: {err.decode()[-800:]}")
-    summary: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    summary: Json = json.loads(out.decode().strip().splitlines()[-1])
     return summary
 
 
-@dataclass
-class Jobs:
-    prefix: str = field(default_factory=lambda: f"soak-{uuid.uuid4().hex[:8]}-")
-    published: list[str] = field(default_factory=list)  # idempotency keys JetStream acked
-    attempted: int = 0
-    failures: Counter[str] = field(default_factory=Counter)  # by exception type
-    by_kind: Counter[str] = field(default_factory=Counter)
-
-    async def publish(self, world: World, bus: JetStreamBus) -> None:
-        """noop jobs at a steady rate (open loop), the job kinds in turn; keys unique per
-        run, so every acked publish must end as one completed ledger row."""
-        next_at, rate = time.monotonic(), world.config.job_rate
-        for seq in itertools.count():
-            if not await world.tick(next_at - time.monotonic()):
-                return
-            kind, key = list(STREAMS)[seq % len(STREAMS)], f"{self.prefix}{seq:07d}"
-            payload = {"seq": seq, "delay_seconds": round(random.uniform(0, 0.02), 4)}
-            self.attempted += 1
-            try:
-                async with asyncio.timeout(TIMEOUT):
-                    job = new_job("noop", idempotency_key=key, payload=payload)
-                    await publish_job(bus, job, kind=kind, tier=world.config.tier)
-            except Exception as exc:  # any failure to get JetStream's ack is a client-side error
-                self.failures[type(exc).__name__] += 1
-            else:
-                self.published.append(key)
-                self.by_kind[kind] += 1
-            # fallen behind by more than a second (a slow publish): do not burst to catch up
-            next_at = max(next_at + 1.0 / rate, time.monotonic() - 1.0)
-
-
-async def bump_versions(world: World, bumped: list[int]) -> None:
-    """Every `bump_seconds`, a new minor version for the next `bump_count` workloads."""
-    names = itertools.cycle(sorted(world.desired))
-    while world.config.bump_seconds > 0 and await world.tick(world.config.bump_seconds):
-        chosen = {next(names) for _ in range(min(world.config.bump_count, len(world.desired)))}
-        parts = {n: world.desired[n].split(".") for n in chosen}
-        world.desire({n: f"{v[0]}.{int(v[1]) + 1}.0" for n, v in parts.items()})
-        bumped[0] += len(chosen)
-
-
-# --- observing the manager ---------------------------------------------------------------
-
-
-class Probe:
-    """The manager's /metrics and, for what no metric says, its process."""
-
-    def __init__(self, world: World) -> None:
-        self.world, self.pid = world, world.manager.pid
-        url = f"http://127.0.0.1:{world.manager.port}"
-        self.client = httpx.AsyncClient(base_url=url, timeout=10.0)
-        self.started, self.phase = time.monotonic(), "warm-up"
-        self.samples: list[dict[str, Any]] = []
-        self.scrape_failures: Counter[str] = Counter()
-
-    async def scrape(self) -> Metrics | None:
-        try:
-            response = await self.client.get("/metrics")
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
-            self.scrape_failures[type(exc).__name__] += 1
-            return None
-        return Metrics(response.text)
-
-    def facts(self, m: Metrics) -> dict[str, Any]:
-        return {"rss_mb": round((m.value("process_resident_memory_bytes") or 0) / MB, 2),
-                "fds": int(m.value("process_open_fds") or 0),
-                "threads": proc.status(self.pid)["Threads"]}  # fmt: skip
-
-    async def sample(self) -> dict[str, Any]:
-        m = await self.scrape() or Metrics("")
-        gauges = {k: None if (v := m.value(name)) is None else int(v) for k, name in (
-            ("asyncio_tasks", TASKS), ("jobs_in_flight", f"{PREFIX}_jobs_in_flight"))}  # fmt: skip
-        down = [x.get("component", "?") for x, v in m.samples.get(f"{PREFIX}_component_up", [])
-                if v == 0]  # fmt: skip
-        s = {"t": round(time.monotonic() - self.started, 1), "phase": self.phase, **self.facts(m),
-             "cpu_seconds": round(m.value("process_cpu_seconds_total") or 0.0, 2), **gauges,
-             "components_down": down, "server_errors": sum(server_errors(m).values())}  # fmt: skip
-        self.samples.append(s)
-        _say(f"t={s['t']:4.0f}s {s['phase']:<8} RSS {s['rss_mb']:6.1f} MB, tasks "
-             f"{s['asyncio_tasks']}, fds {s['fds']}, errors {s['server_errors']}; pings "
-             f"accepted {int(m.total(f'{PREFIX}_pings_total'))}")  # fmt: skip
-        return s
-
-    async def record(self) -> None:
-        while True:
-            await self.sample()
-            await asyncio.sleep(self.world.config.sample_seconds)
-
-    async def quiet_reading(self) -> tuple[dict[str, Any], Metrics]:
-        """The least of the task gauge's reads (a loop that happens to run, or the scrape
-        itself, only ever adds), the process facts and its TCP sockets by peer."""
-        seen: list[int] = []
-        for i in range(QUIET_READS):
-            await asyncio.sleep(0.5 if i else 0)
-            if (m := await self.scrape()) is not None and (tasks := m.value(TASKS)) is not None:
-                seen.append(int(tasks))
-        if not seen or m is None:
-            raise RuntimeError(f"the manager exported no {TASKS} gauge in {QUIET_READS} scrapes")
-        sockets: Counter[str] = Counter()
-        for conn in psutil.Process(self.pid).net_connections(kind="tcp"):
-            port: int | None = getattr(conn.raddr, "port", None)  # () when not connected
-            if conn.status == psutil.CONN_LISTEN or port is None:
-                sockets["listening"] += 1
-            else:  # incoming: pings, or the soak's own scrapes
-                local = conn.laddr.port == self.world.manager.port
-                sockets["incoming" if local else self.world.peers.get(port, "other")] += 1
-        return {"asyncio_tasks_min": min(seen), "asyncio_tasks_seen": seen, **self.facts(m),
-                "sockets_by_peer": dict(sorted(sockets.items()))}, m  # fmt: skip
-
-
-# --- phases ------------------------------------------------------------------------------
-
-
-async def _consumers(bus: JetStreamBus, tier: str) -> dict[str, dict[str, int]]:
-    return {s: await bus.consumer_state(s, consumer_name(tier)) for s in STREAMS.values()}
-
-
-async def _drained(bus: JetStreamBus, config: Config) -> tuple[bool, dict[str, dict[str, int]]]:
-    """The job consumers emptied (or DRAIN_TIMEOUT passed), then QUIET_SECONDS of quiet."""
-    deadline = time.monotonic() + DRAIN_TIMEOUT
+async def _drained(bus: JetStreamBus, tier: str, quiet: float) -> tuple[bool, Json]:
+    """The job consumers emptied (or 60 s passed), then `quiet` seconds of quiet."""
+    deadline = time.monotonic() + 60.0
     while True:
-        state = await _consumers(bus, config.tier)
+        state = {s: await bus.consumer_state(s, consumer_name(tier)) for s in STREAMS.values()}
         drained = all(s["pending"] == s["ack_pending"] == 0 for s in state.values())
         if drained or time.monotonic() > deadline:
-            await asyncio.sleep(config.quiet_seconds)
+            await asyncio.sleep(quiet)
             return drained, state
         await asyncio.sleep(0.2)
 
 
-async def _converged(world: World, within: float) -> dict[str, list[str]]:
-    """Wait for the syncs to make the cluster match the desired versions; what still differs."""
-    deadline = time.monotonic() + within
-    while True:
-        deployed = world.cluster.versions()
-        differ = {n: [v, deployed.get(n, "")] for n, v in world.desired.items()
-                  if deployed.get(n) != v} | {n: ["", v] for n, v in deployed.items()
-                                              if n not in world.desired}  # fmt: skip
-        if not differ or time.monotonic() > deadline:
-            return differ
-        await asyncio.sleep(0.5)
-
-
-async def _ledger(url: str, jobs: Jobs) -> dict[str, Any]:
-    """Every job JetStream acked must be one completed ledger row."""
-    conn = await asyncpg.connect(url, timeout=10)
-    try:
-        rows = await conn.fetch("SELECT idempotency_key, status, attempts FROM job_ledger "
-                                "WHERE idempotency_key LIKE $1", jobs.prefix + "%")  # fmt: skip
-    finally:
-        await conn.close()
-    status = {r["idempotency_key"]: r["status"] for r in rows}
-    lost = [key for key in jobs.published if status.get(key) != "completed"]
-    return {
-        "published": len(jobs.published), "completed": len(jobs.published) - len(lost),
-        "lost": len(lost), "lost_keys_first": lost[:10],
-        "not_completed_by_status": dict(Counter(s for s in status.values() if s != "completed")),
-        "claimed_more_than_once": sum(1 for r in rows if r["attempts"] > 1),
-        # rows whose publish the soak saw fail (the ack was lost)
-        "completed_without_publish_ack": len(set(status) - set(jobs.published)),
-    }  # fmt: skip
-
-
-async def _soak(world: World) -> dict[str, Any]:
-    config, probe, jobs, bumped = world.config, Probe(world), Jobs(), [0]
+async def _soak(world: World) -> Json:
+    config, o = world.config, Json()
     bus = JetStreamBus(NatsServers.parse(world.nats_url), name="soak-publisher", timeout=TIMEOUT)
     await bus.connect()
-    o: dict[str, Any] = {}
+    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{world.manager.port}", timeout=10.0)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while True:  # the manager creates its streams and consumers at start
+        for attempt in range(150):  # the manager creates its streams and consumers at start
             try:
-                await _consumers(bus, config.tier)
+                await _drained(bus, config.tier, 0.0)
                 break
             except Exception:
-                if time.monotonic() > deadline:
+                if attempt == 149:
                     raise
                 await asyncio.sleep(0.2)
         _say(f"load on: {config.workloads} workloads, {config.job_rate:g} jobs/s, "
              f"{config.seconds:.0f} s ({config.warmup_seconds:.0f} s warm-up)")  # fmt: skip
-        probe.started = load_started = time.monotonic()
+        world.started = load_started = time.monotonic()
         world.running.set()
-        background = [asyncio.create_task(c) for c in (
-            jobs.publish(world, bus), bump_versions(world, bumped), probe.record())]  # fmt: skip
+        background = [asyncio.create_task(c) for c in (world.publish_jobs(bus),
+                      world.bump_versions(), world.record(client))]  # fmt: skip
         try:
             o["warmup_pings"] = await pings(world, config.warmup_seconds)
             _say("warm-up over: pausing the load for a quiet reading")
-            probe.phase = "quiet"
+            world.phase = "quiet"
             world.running.clear()
-            await _drained(bus, config)
-            o["baseline"], o["start_scrape"] = await probe.quiet_reading()
-            probe.phase, measured_started = "measured", time.monotonic()
+            await _drained(bus, config.tier, config.quiet_seconds)
+            o["baseline"], o["start_scrape"] = await world.quiet_reading(client)
+            world.phase, measured_started = "measured", time.monotonic()
             world.running.set()
             left = load_started + config.seconds - measured_started
             measuring = asyncio.create_task(pings(world, left))
             await asyncio.sleep(min(config.sample_seconds, config.seconds))
-            o["load_start_sample"] = await probe.sample()
+            o["load_start_sample"] = await world.sample(client)
             o["pings"] = await measuring
-            o["load_end_sample"] = await probe.sample()
+            o["load_end_sample"] = await world.sample(client)
             o["measured_seconds"] = round(time.monotonic() - measured_started, 1)
             _say("load off: stopping the generators")
-            probe.phase = "drain"
+            world.phase = "drain"
             world.halt()
             await asyncio.gather(*background[:2])
-            o["not_converged"] = await _converged(world, 3 * config.sync_interval + 15)
-            o["drained"], o["consumers_at_end"] = await _drained(bus, config)
-            probe.phase = "quiet"
-            o["final"], o["end_scrape"] = await probe.quiet_reading()
+            deadline = time.monotonic() + 3 * config.sync_interval + 15
+            while True:  # the syncs make the cluster match the desired versions
+                deployed = world.cluster.versions()
+                o["not_converged"] = {n: [world.desired.get(n, ""), deployed.get(n, "")]
+                                      for n in {*world.desired, *deployed}
+                                      if world.desired.get(n) != deployed.get(n)}  # fmt: skip
+                if not o["not_converged"] or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.5)
+            o["drained"], o["consumers_at_end"] = await _drained(bus, config.tier,
+                                                                 config.quiet_seconds)  # fmt: skip
+            world.phase = "quiet"
+            o["final"], o["end_scrape"] = await world.quiet_reading(client)
         finally:
             world.halt()
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-        o["ledger"] = await _ledger(world.pg_url, jobs)
+        conn = await asyncpg.connect(world.pg_url, timeout=10)
+        try:
+            sql = "SELECT idempotency_key, status, attempts FROM job_ledger WHERE idempotency_key"
+            rows = await conn.fetch(f"{sql} LIKE $1", world.prefix + "%")
+        finally:
+            await conn.close()
     finally:
         await bus.drain()
-        await probe.client.aclose()
+        await client.aclose()
+    status = {r["idempotency_key"]: r["status"] for r in rows}
+    unfinished = Counter(s for s in status.values() if s != "completed")
+    lost = [key for key in world.published if status.get(key) != "completed"]
     seen = world.backend.requests
     kube = Cluster.between(world.at_start, world.cluster.settled_snapshot())
     return o | {
-        "samples": probe.samples, "versions_bumped": bumped[0],
-        "jobs": {"attempted": jobs.attempted, "published": len(jobs.published),
-                 "publish_failures": dict(jobs.failures), "by_kind": dict(jobs.by_kind)},
-        "scrape_failures": dict(probe.scrape_failures),
+        "ledger": {  # every job JetStream acked must be one completed ledger row
+            "published": len(world.published), "completed": len(world.published) - len(lost),
+            "lost": len(lost), "lost_keys_first": lost[:10],
+            "not_completed_by_status": dict(unfinished),
+            "claimed_more_than_once": sum(1 for r in rows if r["attempts"] > 1),
+            # rows whose publish the soak saw fail (the ack was lost)
+            "completed_without_publish_ack": len(set(status) - set(world.published)),
+        },
+        "samples": world.samples, "versions_bumped": world.bumped,
+        "jobs": {"attempted": world.attempted, "published": len(world.published),
+                 "publish_failures": dict(world.failures), "by_kind": dict(world.by_kind)},
+        "scrape_failures": dict(world.scrape_failures),
         "backend": {"requests": len(seen), "by_status": dict(Counter(str(r.status) for r in seen)),
                     "rejected": len(world.backend.rejected),
                     "errors": sum(1 for r in seen if r.status >= 400),
@@ -448,15 +409,14 @@ async def _soak(world: World) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def scan_log(path: Path) -> dict[str, Any]:
+def scan_log(path: Path) -> Json:
     """Lines by level, Traceback lines, the first errors, warnings by message (numbers masked)."""
     levels: Counter[str] = Counter()
     warnings: Counter[str] = Counter()
     errors: list[str] = []
     lines = path.read_text(errors="replace").splitlines() if path.exists() else []
     for line in lines:
-        match = _LINE.match(line)
-        if match is not None:
+        if match := _LINE.match(line):
             levels[match["level"]] += 1
             if match["level"] == "WARNING":
                 warnings[f"{match['logger']}: {_NUMBER.sub('N', match['message'])}"] += 1
@@ -469,9 +429,6 @@ def scan_log(path: Path) -> dict[str, Any]:
             "error_lines": levels["ERROR"] + levels["CRITICAL"], "tracebacks": tracebacks,
             "first_errors": errors,
             "warnings_by_message": dict(warnings.most_common(20))}  # fmt: skip
-
-
-# --- the verdict and the report ----------------------------------------------------------
 
 
 def _outcome(*names: str, bad: bool = False) -> Callable[[Labels], bool]:
@@ -492,12 +449,6 @@ ERROR_COUNTERS: tuple[tuple[str, str, Callable[[Labels], bool] | None], ...] = (
     ("pings rejected", "ping_rejections_total", None),
     ("alerts dropped", "alerts_total", _outcome("dropped", bad=True)),
 )  # fmt: skip
-
-
-def server_errors(m: Metrics) -> dict[str, int]:
-    return {what: int(m.total(f"{PREFIX}_{name}", where)) for what, name, where in ERROR_COUNTERS}
-
-
 # What the manager says it did: its counters by their labels, for the traffic table.
 ACTIVITY = {
     "pings_by_status": ("pings_total", "status"),
@@ -510,17 +461,20 @@ ACTIVITY = {
 }  # fmt: skip
 
 
-def activity(m: Metrics) -> dict[str, Any]:
+def server_errors(m: Metrics) -> dict[str, int]:
+    return {what: int(m.total(f"{PREFIX}_{name}", where)) for what, name, where in ERROR_COUNTERS}
+
+
+def activity(m: Metrics) -> Json:
     return {"pings_accepted": int(m.total(f"{PREFIX}_pings_total")),
             "jobs_unroutable": int(m.total(f"{PREFIX}_jobs_unroutable_total")),
             **{key: m.by(f"{PREFIX}_{name}", *labels)
                for key, (name, *labels) in ACTIVITY.items()}}  # fmt: skip
 
 
-def _pings(o: Mapping[str, Any]) -> dict[str, Any]:
+def _pings(o: Json) -> Json:
     """Both wrk runs: sent, failed, by status, transport errors; latency measured only."""
-    runs = (o["warmup_pings"], o["pings"])
-    statuses: Counter[str] = Counter()
+    runs, statuses = (o["warmup_pings"], o["pings"]), Counter[str]()
     for run in runs:
         statuses.update(run["statuses"])
     transport = {k: sum(r[k] for r in runs) for k in ("connect", "read", "write", "timeout")}
@@ -532,7 +486,7 @@ def _pings(o: Mapping[str, Any]) -> dict[str, Any]:
                                           for k in ("p50", "p99", "max")}}  # fmt: skip
 
 
-def _client_errors(o: Mapping[str, Any]) -> dict[str, int]:
+def _client_errors(o: Json) -> dict[str, int]:
     return {"pings without a 2xx": _pings(o)["failed"],
             "job publishes without an ack": sum(o["jobs"]["publish_failures"].values()),
             "/metrics scrapes failed": sum(o["scrape_failures"].values()),
@@ -541,7 +495,7 @@ def _client_errors(o: Mapping[str, Any]) -> dict[str, int]:
             "kube API: unexpected answers": o["kube"]["errors"]}  # fmt: skip
 
 
-def _errors(o: Mapping[str, Any]) -> dict[str, int]:
+def _errors(o: Json) -> dict[str, int]:
     """Every error source: the manager's counters, the client side, the log."""
     manager = {f"manager: {k}": v for k, v in server_errors(o["end_scrape"]).items()}
     log = {"log: ERROR/CRITICAL lines": o["log"]["error_lines"],
@@ -549,7 +503,7 @@ def _errors(o: Mapping[str, Any]) -> dict[str, int]:
     return manager | _client_errors(o) | log
 
 
-def _trend(samples: list[dict[str, Any]]) -> float | None:
+def _trend(samples: list[Json]) -> float | None:
     """Least-squares RSS trend over the measured phase, MB/h: a leak shows as a steady slope."""
     points = [(s["t"], s["rss_mb"]) for s in samples if s["phase"] == "measured"]
     if len(points) < 2 or points[-1][0] - points[0][0] < TREND_MIN_SECONDS:
@@ -557,10 +511,9 @@ def _trend(samples: list[dict[str, Any]]) -> float | None:
     return round(statistics.linear_regression(*zip(*points, strict=True))[0] * 3600, 2)
 
 
-def checks(o: Mapping[str, Any]) -> list[dict[str, Any]]:
-    b, f, ledger, down = o["baseline"], o["final"], o["ledger"], set()
-    for s in o["samples"]:
-        down.update(s["components_down"])
+def checks(o: Json) -> list[Json]:
+    b, f, ledger = o["baseline"], o["final"], o["ledger"]
+    down = sorted({c for s in o["samples"] for c in s["components_down"]})
     growth, errors = f["rss_mb"] - b["rss_mb"], sum(_errors(o).values())
     leaked = f["asyncio_tasks_min"] - b["asyncio_tasks_min"]
     found = [
@@ -576,8 +529,8 @@ def checks(o: Mapping[str, Any]) -> list[dict[str, Any]]:
         ("cluster converged to the desired versions at the end", "yes",
          f"no: {len(o['not_converged'])} differ" if o["not_converged"] else "yes",
          not o["not_converged"]),
-        ("components never down (component_up, every sample)", "none",
-         ", ".join(sorted(down)) or "none", not down),
+        ("components never down (component_up, every sample)", "none", ", ".join(down) or "none",
+         not down),
         ("manager stopped cleanly on SIGTERM", "exit 0 or -15", str(o["manager_exit"]),
          o["manager_exit"] in (0, -15)),
     ]  # fmt: skip
@@ -588,7 +541,7 @@ def _counts(values: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {int(v):,}" for k, v in values.items()) or "-"
 
 
-def _tables(o: Mapping[str, Any], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _tables(o: Json, found: list[Json]) -> list[Json]:
     b, f, s0, s1 = o["baseline"], o["final"], o["load_start_sample"], o["load_end_sample"]
     peers = sorted({*b["sockets_by_peer"], *f["sockets_by_peer"]})
     moved = {p: f["sockets_by_peer"].get(p, 0) - b["sockets_by_peer"].get(p, 0) for p in peers}
@@ -623,13 +576,13 @@ def _tables(o: Mapping[str, Any], found: list[dict[str, Any]]) -> list[dict[str,
          f"; by kind {_counts(o['jobs']['by_kind'])}"],
         ["jobs completed (ledger)", ledger["completed"], f"lost {ledger['lost']}; claimed twice "
          f"{ledger['claimed_more_than_once']}; worker outcomes: {_counts(seen['jobs'])}"],
-        ["syncs done", sum(seen["syncs"].values()), f"by outcome: "
-         f"{_counts(seen['syncs'])}; actions: {_counts(seen['sync_actions'])}; "
-         f"versions bumped {o['versions_bumped']}, reported to the backend {backend['versions']}"],
-        ["reports", sum(seen["reports"].values()), f"by outcome: "
-         f"{_counts(seen['reports'])}; backend accepted {backend['reports']}"],
-        *([what, sum(seen[k].values()), f"by outcome: {_counts(seen[k])}"]
-          for what, k in (("heartbeats", "heartbeats"), ("alerts", "alerts"))),
+        ["syncs done", sum(seen["syncs"].values()), f"by outcome: {_counts(seen['syncs'])}; "
+         f"actions: {_counts(seen['sync_actions'])}; versions bumped {o['versions_bumped']}, "
+         f"reported to the backend {backend['versions']}"],
+        ["reports", sum(seen["reports"].values()), f"by outcome: {_counts(seen['reports'])}; "
+         f"backend accepted {backend['reports']}"],
+        *([what, sum(seen[what].values()), f"by outcome: {_counts(seen[what])}"]
+          for what in ("heartbeats", "alerts")),
         ["backend requests", backend["requests"], _counts(backend["by_status"])],
         ["kube API requests", o["kube"]["requests"], _counts(o["kube"]["by_status"])],
     ]  # fmt: skip
@@ -652,7 +605,7 @@ def _tables(o: Mapping[str, Any], found: list[dict[str, Any]]) -> list[dict[str,
     ]  # fmt: skip
 
 
-def build(o: Mapping[str, Any]) -> dict[str, Any]:
+def build(o: Json) -> Json:
     found, c, log = checks(o), o["config"], o["log"]
     missed = "; ".join(f"{x['what']}: {x['observed']} (target {x['target']})"
                        for x in found if not x["met"])  # fmt: skip
@@ -694,22 +647,6 @@ def build(o: Mapping[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _run(config: Config) -> dict[str, Any]:
-    with started(config) as world:
-        try:
-            outcome = asyncio.run(_soak(world))
-        except Exception:
-            print(f"--- manager log (tail) ---\n{world.manager.log()}", file=sys.stderr)
-            raise
-        finally:
-            _say("stopping the manager (SIGTERM)")
-            code = world.manager.stop()
-            if keep := os.environ.get("SOAK_KEEP_LOG", "").strip():
-                shutil.copyfile(world.manager.log_path, keep)
-        return outcome | {"config": asdict(config), "manager_exit": code,
-                          "log": scan_log(world.manager.log_path)}  # fmt: skip
-
-
 def main() -> int:
     try:
         config = Config.from_env(os.environ)
@@ -724,7 +661,19 @@ def main() -> int:
     machine = facts(RESULTS.parent.parent)
     print(headline(machine), flush=True)
     try:
-        report = build(_run(config))
+        with started(config) as world:
+            try:
+                outcome = asyncio.run(_soak(world))
+            except Exception:
+                print(f"--- manager log (tail) ---\n{world.manager.log()}", file=sys.stderr)
+                raise
+            finally:
+                _say("stopping the manager (SIGTERM)")
+                code = world.manager.stop()
+                if keep := os.environ.get("SOAK_KEEP_LOG", "").strip():
+                    shutil.copyfile(world.manager.log_path, keep)
+            report = build(outcome | {"config": asdict(config), "manager_exit": code,
+                                      "log": scan_log(world.manager.log_path)})  # fmt: skip
     except KeyboardInterrupt:
         print("soak: interrupted; every server it started has been stopped", file=sys.stderr)
         return 130
