@@ -16,11 +16,11 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from bench import BENCHMARKS, Benchmark, Options
 from bench.machine import facts, headline
-from bench.report import show
+from bench.report import Json, show
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = Options(2.0, 1.0, True, options.pin_cpus, options.profile)
     machine = facts(RESULTS.parent.parent)
     print(headline(machine))
-    results: dict[str, Any] = {"machine": machine, "options": asdict(options), "benchmarks": {}}
+    results: Json = {"machine": machine, "options": asdict(options), "benchmarks": {}}
     failed = False
     for name, path in names.items():
         if args.only and name not in args.only:

@@ -16,12 +16,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import httpx
 
 from app.domain.manifests import MANAGED_SELECTOR, VERSION_ANNOTATION
 from bench import proc
+from bench.report import Json
 from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"
@@ -122,12 +123,12 @@ class Cluster:
             json={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
         ).raise_for_status()  # fmt: skip
 
-    def managed(self) -> list[dict[str, Any]]:
+    def managed(self) -> list[Json]:
         """The managed Deployments (one LIST, subtracted from the counts)."""
         response = self.client.get(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments",
                                    params={"labelSelector": MANAGED_SELECTOR})  # fmt: skip
         self._own[Key("LIST", "namespace", response.status_code)] += 1
-        items: list[dict[str, Any]] = response.raise_for_status().json().get("items") or []
+        items: list[Json] = response.raise_for_status().json().get("items") or []
         return items
 
     def versions(self) -> dict[str, str]:

@@ -48,12 +48,12 @@ def rss_after(statement: str, *, env: Mapping[str, str], cwd: Path) -> int:
     return int(_python("-c", statement + _RSS, env=env, cwd=cwd).stdout.split()[-1])
 
 
-def package_costs(entries: Sequence[Entry]) -> list[dict[str, Any]]:
+def package_costs(entries: Sequence[Entry]) -> list[Entry]:
     """Per top-level package, most expensive first: its own modules' time (self), its
     outermost imports with all they pulled in (cumulative) and the first module outside it
     that imported it (via)."""
     parents = {e["module"]: e["parent"] for e in entries}
-    costs: dict[str, dict[str, Any]] = {}
+    costs: dict[str, Entry] = {}
     for e in entries:  # completion order: outermost imports of a package in import order
         package = e["module"].split(".", 1)[0]
         cost = costs.setdefault(package, {"package": package, "cumulative_us": 0, "self_us": 0,
@@ -70,7 +70,7 @@ def package_costs(entries: Sequence[Entry]) -> list[dict[str, Any]]:
 
 
 def costs(module: str, steps: Sequence[tuple[str, str]], *, env: Mapping[str, str], cwd: Path,
-          runs: int) -> dict[str, Any]:  # fmt: skip
+          runs: int) -> Entry:  # fmt: skip
     """The fastest of `runs` timed imports of `module` (its top modules and third-party
     packages, each also imported alone), and RSS after each of `steps` (label, statement)."""
     _python("-c", f"import {module}", env=env, cwd=cwd)  # warm the caches
@@ -80,7 +80,7 @@ def costs(module: str, steps: Sequence[tuple[str, str]], *, env: Mapping[str, st
     own = sys.stdlib_module_names | {module.split(".")[0]}
     packages = [p for p in package_costs(entries) if p["package"] not in own][:12]
 
-    def ms(entry: Mapping[str, Any]) -> dict[str, Any]:
+    def ms(entry: Mapping[str, Any]) -> Entry:
         return {k: v for k, v in entry.items() if not k.endswith("_us")} | {
             k.replace("_us", "_ms"): round(v / 1000, 1) for k, v in entry.items() if "_us" in k
         }

@@ -50,7 +50,7 @@ from app.services.runtime import Runtime
 from app.services.streams import consumer_specs, init_streams, new_job, publish_job, stream_specs
 from app.settings import Settings
 from bench import Options, proc, sampling, tools
-from bench.report import CheckFailed, check, env_note, latency_ms, say, table
+from bench.report import CheckFailed, Json, check, env_note, latency_ms, say, table
 from bench.servers import data_servers, overridden
 from standins.databases import fresh_database
 
@@ -134,7 +134,7 @@ def _jobs(n: int, tag: str) -> list[Job]:
     return [new_job("noop", idempotency_key=f"bench-{tag}-{i:05d}") for i in range(n)]
 
 
-def _bodies(n: int, tag: str) -> list[dict[str, Any]]:
+def _bodies(n: int, tag: str) -> list[Json]:
     return [job.model_dump(mode="json", by_alias=True, exclude_none=True) for job in _jobs(n, tag)]
 
 
@@ -169,9 +169,6 @@ async def _topology(world: World, settings: Settings) -> None:
     await world.pending(JOB_STREAM, DURABLE, 0)
 
 
-# --- the Go floor: nats bench ------------------------------------------------------------
-
-
 async def _nats_bench(world: World, label: str, n: int, *args: str) -> tuple[dict[str, str], float]:
     """`nats bench js ARGS` for n messages to the end: its one client's CSV row and its CPU."""
     report = world.workdir / f"{label}.csv"
@@ -190,7 +187,7 @@ async def _nats_bench(world: World, label: str, n: int, *args: str) -> tuple[dic
     return rows[0], ran.cpu_seconds
 
 
-async def _floor(world: World, settings: Settings, n: int, batch: int, tag: str) -> dict[str, Any]:
+async def _floor(world: World, settings: Settings, n: int, batch: int, tag: str) -> Json:
     """`js pub sync` stores n messages of a noop job's body, each with its own Nats-Msg-Id;
     then one `js fetch` client fetches `batch` at a time and acks each."""
     body = _json(_bodies(1, f"floor-{tag}")[0])
@@ -221,12 +218,9 @@ async def _floor(world: World, settings: Settings, n: int, batch: int, tag: str)
     }  # fmt: skip
 
 
-# --- the floors with the guarantee: a nats-py loop ---------------------------------------
-
-
 async def _loop_floor(
     world: World, settings: Settings, n: int, batch: int, tag: str, *, ledger: bool = False
-) -> dict[str, Any]:
+) -> Json:
     """One nats-py loop: fetch(batch) from a durable pull consumer; per fetched batch, one
     small event per message published to a stream of its own (all at once, awaiting every
     PubAck), and only then each message acked. With `ledger`, each message is first claimed
@@ -318,9 +312,6 @@ async def _event_for(js: Any, msg: Any, writes: AsyncpgLedger | None) -> None:
     )
 
 
-# --- the whole path: the manager's worker in its lifespan --------------------------------
-
-
 def _counts(runtime: Runtime, metric: str, label: str) -> dict[str, float]:
     """A worker metric's samples by `label`'s value, the sample's suffix appended."""
     found: dict[str, float] = {}
@@ -332,7 +323,7 @@ def _counts(runtime: Runtime, metric: str, label: str) -> dict[str, float]:
 
 async def _whole(
     world: World, n: int, concurrency: int, tag: str, during: Callable[[], object] | None = None
-) -> dict[str, Any]:
+) -> Json:
     """Pre-publish n noop jobs, start the manager, time from worker ready to all acked."""
     jobs = _jobs(n, tag)
     async with fresh_database(world.pg_url) as database_url:
@@ -405,16 +396,13 @@ async def _whole(
     }  # fmt: skip
 
 
-# --- runs --------------------------------------------------------------------------------
-
-
-async def _measure(world: World, n: int, concurrency: int) -> dict[str, Any]:
+async def _measure(world: World, n: int, concurrency: int) -> Json:
     batch, tag = min(concurrency, FETCH_BATCH), f"c{concurrency}"  # no more than free slots
-    r: dict[str, Any] = dict.fromkeys(("bare", "bare_events", "bare_ledger", "whole", "failure"))
+    r: Json = dict.fromkeys(("bare", "bare_events", "bare_ledger", "whole", "failure"))
     r["concurrency"] = concurrency
     # only the stream and consumer settings are used: the database URL is a placeholder
     settings = world.settings(world.pg_url, concurrency, tag)
-    steps: dict[str, tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = {
+    steps: dict[str, tuple[str, Callable[[], Awaitable[Json]]]] = {
         "bare": ("floor", lambda: _floor(world, settings, n, batch, tag)),
         "bare_events": ("floor with events",
                         lambda: _loop_floor(world, settings, n, batch, f"{tag}-ev")),
@@ -440,10 +428,10 @@ async def _measure(world: World, n: int, concurrency: int) -> dict[str, Any]:
     return r
 
 
-async def _profile(world: World, n: int, expected_wall: float) -> dict[str, Any]:
+async def _profile(world: World, n: int, expected_wall: float) -> Json:
     """An extra, unmeasured whole-path run at concurrency 16 with py-spy sampling us."""
     seconds, output = max(1.0, 0.9 * expected_wall), world.workdir / "jobs.pyspy.txt"
-    holder: dict[str, Any] = {}
+    holder: Json = {}
 
     def start() -> None:
         try:
@@ -461,13 +449,13 @@ async def _profile(world: World, n: int, expected_wall: float) -> dict[str, Any]
     return sampling.finish(holder["sampler"], output, seconds)
 
 
-async def _measure_all(world: World, n: int, profile: bool) -> dict[str, Any]:
+async def _measure_all(world: World, n: int, profile: bool) -> Json:
     nc = await nats.connect(world.nats_url, name="bench-observer")
     world.observer = nc.jetstream(timeout=10.0)
     try:
         runs = {str(c): await _measure(world, n, c)
                 for c in dict.fromkeys((DEFAULT_CONCURRENCY, WIDE_CONCURRENCY))}  # fmt: skip
-        result: dict[str, Any] = {"runs": runs}
+        result: Json = {"runs": runs}
         if profile and (wide := runs[str(WIDE_CONCURRENCY)].get("whole")) is not None:
             result["profile"] = await _profile(world, n, wide["wall_seconds"])
         return result
@@ -475,7 +463,7 @@ async def _measure_all(world: World, n: int, profile: bool) -> dict[str, Any]:
         await nc.close()
 
 
-def run(options: Options) -> dict[str, Any]:
+def run(options: Options) -> Json:
     n = QUICK_JOBS if options.quick else JOBS
     nats_cli = tools.version("nats", "--version")  # ToolMissing (names the script) if absent
     with tempfile.TemporaryDirectory(prefix="bench-jobs-") as tmp:
@@ -489,14 +477,14 @@ def run(options: Options) -> dict[str, Any]:
             world = World(server.url, pg.url, Path(tmp), meter)
             measured = asyncio.run(_measure_all(world, n, options.profile))
     runs = measured["runs"]
-    setup: dict[str, Any] = {
+    setup: Json = {
         "jobs": n, "concurrencies": [int(c) for c in runs],
         "default_concurrency": DEFAULT_CONCURRENCY, "job_fetch_batch": FETCH_BATCH,
         "nats_cli": nats_cli, "cpu_count": os.cpu_count(),
         "load_average_1m_before": round(os.getloadavg()[0], 2),
         "settings_from_environment": overridden(EXPLICIT),
     }  # fmt: skip
-    result: dict[str, Any] = {"setup": setup, **measured}
+    result: Json = {"setup": setup, **measured}
     result["ok"] = all(r["failure"] is None for r in runs.values())
     met = all(r.get("target_met") for r in runs.values()) if result["ok"] else None
     result["targets"] = {"whole_path_vs_ledger_loop": {
@@ -514,9 +502,7 @@ def run(options: Options) -> dict[str, Any]:
     return result
 
 
-def _tables(
-    runs: Mapping[str, Any], n: int, profile: Mapping[str, Any] | None
-) -> list[dict[str, Any]]:
+def _tables(runs: Mapping[str, Any], n: int, profile: Mapping[str, Any] | None) -> list[Json]:
     def cpu(phase: Mapping[str, Any]) -> list[Any]:
         """CPU % of the client (the nats CLI for the Go floor, else this process),
         nats-server and PostgreSQL over the span metered; the client's CPU ms per message."""

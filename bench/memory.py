@@ -38,7 +38,7 @@ from starlette.routing import Route
 from app import __version__
 from bench import Options, cluster, proc
 from bench.imports import rss_after
-from bench.report import MIB, mib, say, table
+from bench.report import MIB, Json, mib, say, table
 from bench.servers import HOST, ServerProcess, base_env, data_servers, manager_spec
 from standins.backend import LocalBackend
 from standins.control_plane import ControlPlaneUnavailable
@@ -104,7 +104,7 @@ OFF = dict.fromkeys(("REPORT_ENABLED", "SYNC_ENABLED", "WORKER_ENABLED", "REGIST
                     "false")  # fmt: skip
 
 
-def run(options: Options) -> dict[str, Any]:
+def run(options: Options) -> Json:
     runs = QUICK_RUNS if options.quick else RUNS
     idle = QUICK_IDLE_SECONDS if options.quick else IDLE_SECONDS
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp, ExitStack() as stack:
@@ -127,7 +127,7 @@ def run(options: Options) -> dict[str, Any]:
                              **data),
             "production": base_env(**(COMMON | data | production)),
         }  # fmt: skip
-        managers: dict[str, Any] = {}
+        managers: Json = {}
         for config, label, floor in MANAGERS:
             samples = []
             for attempt in range(runs):
@@ -144,13 +144,10 @@ def run(options: Options) -> dict[str, Any]:
                              else v for n, v in sorted(env.items())
                              if n not in ("PATH", "HOME", "LANG")} for k, env in envs.items()},
     }  # fmt: skip
-    result: dict[str, Any] = {"setup": setup, "floors": floors, "managers": managers}
+    result: Json = {"setup": setup, "floors": floors, "managers": managers}
     result["tables"] = _tables(floors, managers)
     result["notes"] = _notes(setup, managers)
     return result
-
-
-# --- the world the production manager talks to -------------------------------------------
 
 
 @contextmanager
@@ -192,7 +189,7 @@ def _production(workdir: Path) -> Iterator[tuple[dict[str, str], str, tuple[str,
         yield env, note, settle
 
 
-def _own_deployment() -> dict[str, Any]:
+def _own_deployment() -> Json:
     """The manager's own Deployment, as the self-update finds it, at the running version."""
     labels = {"app": "wm"}
     containers = [{"name": "manager", "image": f"{IMAGE_REPO}:{__version__}"}]
@@ -218,12 +215,7 @@ def _peers_app() -> Starlette:
     return Starlette(routes=[Route("/{path:path}", answer, methods=["GET", "PUT", "POST"])])
 
 
-# --- one manager -------------------------------------------------------------------------
-
-
-def _measure(
-    env: Mapping[str, str], workdir: Path, idle: float, settle: Sequence[str]
-) -> dict[str, Any]:
+def _measure(env: Mapping[str, str], workdir: Path, idle: float, settle: Sequence[str]) -> Json:
     (workdir / "data").mkdir(parents=True)
     spec = manager_spec({**env, "DATA_DIR": str(workdir / "data")}, workdir, "/healthz")
     started = time.monotonic()
@@ -253,7 +245,7 @@ def _measure(
     }  # fmt: skip
 
 
-def _components(port: int) -> dict[str, dict[str, Any]]:
+def _components(port: int) -> dict[str, Json]:
     with contextlib.suppress(httpx.HTTPError, ValueError):
         response = httpx.get(f"http://{HOST}:{port}/v1/status", timeout=5.0,
                              headers={"Authorization": f"Bearer {API_TOKEN}"})  # fmt: skip
@@ -264,11 +256,11 @@ def _components(port: int) -> dict[str, dict[str, Any]]:
     return {}
 
 
-def _until_settled(server: ServerProcess, settle: Sequence[str]) -> dict[str, dict[str, Any]]:
+def _until_settled(server: ServerProcess, settle: Sequence[str]) -> dict[str, Json]:
     """Until no enabled component is starting and those in `settle` (when enabled) have run
     once, or failed; at SETTLE_TIMEOUT, the components as they are."""
     deadline = time.monotonic() + SETTLE_TIMEOUT
-    components: dict[str, dict[str, Any]] = {}
+    components: dict[str, Json] = {}
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"the manager exited with {server.poll()}:\n{server.log()}")
@@ -282,7 +274,7 @@ def _until_settled(server: ServerProcess, settle: Sequence[str]) -> dict[str, di
     return components
 
 
-def _summary(label: str, floor: str, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def _summary(label: str, floor: str, samples: Sequence[Mapping[str, Any]]) -> Json:
     def median(key: str) -> int:
         return int(statistics.median(s[key] for s in samples))
 
@@ -295,10 +287,7 @@ def _summary(label: str, floor: str, samples: Sequence[Mapping[str, Any]]) -> di
     }  # fmt: skip
 
 
-# --- report ------------------------------------------------------------------------------
-
-
-def _tables(floors: Mapping[str, Any], managers: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _tables(floors: Mapping[str, Any], managers: Mapping[str, Any]) -> list[Json]:
     python = floors["python"]["rss_bytes"]
     rows: list[list[Any]] = [
         [f["label"], mib(f["rss_bytes"]), None, None, None, None,

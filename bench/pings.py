@@ -24,7 +24,7 @@ from typing import Any
 from app.domain.tokens import ping_token
 from bench import Options, proc, sampling, tools
 from bench.imports import costs
-from bench.report import MIB, mib, mib_over, noisy, percent, say, table
+from bench.report import MIB, Json, mib, mib_over, noisy, percent, say, table
 from bench.servers import HOST, REPO, ServerSpec, base_env, manager_spec, running
 
 NAME = "pings"
@@ -48,7 +48,7 @@ RSS_STEPS = (
 )  # fmt: skip
 
 
-def run(options: Options) -> dict[str, Any]:
+def run(options: Options) -> Json:
     cores = sorted(os.sched_getaffinity(0))
     server_cpus = client_cpus = None
     if options.pin_cpus and len(cores) >= 2:
@@ -101,9 +101,7 @@ def run(options: Options) -> dict[str, Any]:
             "tables": tables, "notes": notes}  # fmt: skip
 
 
-def _measure(
-    spec: ServerSpec, options: Options, cpus: set[int] | None, workdir: Path
-) -> dict[str, Any]:
+def _measure(spec: ServerSpec, options: Options, cpus: set[int] | None, workdir: Path) -> Json:
     _say(f"{spec.label}: warm-up {options.warmup:g} s, saturation {options.duration:g} s, "
          f"{RATE:g} req/s for {options.duration:g} s")  # fmt: skip
     with running(spec, cpus=cpus, log=workdir / f"{spec.label}.log") as server:
@@ -113,7 +111,7 @@ def _measure(
             time.sleep(1.0)  # quiet before an RSS reading
             return {"rss_bytes": proc.status(pid)["VmRSS"], "uss_bytes": proc.uss(pid)}
 
-        out: dict[str, Any] = {"idle": memory(), "process": {
+        out: Json = {"idle": memory(), "process": {
             "pid": pid, "threads": proc.status(pid)["Threads"],
             "affinity": sorted(os.sched_getaffinity(pid)),
             "loaded": server.loaded_extensions("uvloop", "httptools")}}  # fmt: skip
@@ -139,7 +137,7 @@ def _measure(
 
 
 def _phase(mode: str, ran: tools.Ran, wall: float, completed: int, status_errors: int,
-           transport_errors: int, **extra: Any) -> dict[str, Any]:  # fmt: skip
+           transport_errors: int, **extra: Any) -> Json:  # fmt: skip
     return {
         "mode": mode, "connections": CONNECTIONS, "wall_seconds": round(wall, 3),
         "completed": completed, "requests_per_second": round(completed / wall, 1),
@@ -149,7 +147,7 @@ def _phase(mode: str, ran: tools.Ran, wall: float, completed: int, status_errors
     }  # fmt: skip
 
 
-def _closed_loop(port: int, seconds: float) -> dict[str, Any]:
+def _closed_loop(port: int, seconds: float) -> Json:
     """wrk, one thread: every connection sends again as soon as its response arrives."""
     tokens = [f"{name}={ping_token(SECRET, name)}" for name in WORKLOADS]
     ran = tools.run(
@@ -164,7 +162,7 @@ def _closed_loop(port: int, seconds: float) -> dict[str, Any]:
                   out["status_errors"], transport, latency_ms=latency)  # fmt: skip
 
 
-def _fixed_rate(port: int, seconds: float) -> dict[str, Any]:
+def _fixed_rate(port: int, seconds: float) -> Json:
     """oha at RATE req/s, latency from each request's scheduled send time."""
     name = WORKLOADS[0]
     ran = tools.run(
@@ -189,7 +187,7 @@ def _fixed_rate(port: int, seconds: float) -> dict[str, Any]:
                   latency_ms=latency)  # fmt: skip
 
 
-def _with_cpu(pid: int, phase: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def _with_cpu(pid: int, phase: Callable[[], Json]) -> Json:
     """The phase's summary, with the server's CPU and the CPU spent outside server and client."""
     meter = proc.Meter(server=lambda: proc.cpu_seconds(pid), busy=lambda: proc.machine_busy()[0])
     summary = phase()
@@ -235,7 +233,7 @@ _ROWS: tuple[tuple[str, str, str | Callable[[Any], str], bool], ...] = (
 )  # fmt: skip
 
 
-def _tables(servers: Mapping[str, Any], imports: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _tables(servers: Mapping[str, Any], imports: Mapping[str, Any]) -> list[Json]:
     floor, manager = servers["floor"], servers["manager"]
     rows = []
     for label, path, fmt, ratio in _ROWS:

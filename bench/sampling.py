@@ -15,9 +15,8 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
-from bench.report import table
+from bench.report import Json, table
 
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^:()]*)(?::(?P<line>\d+))?\)$")
 _SITE = re.compile(r"^.*/(?:site|dist)-packages/")
@@ -38,7 +37,7 @@ def start(pid: int, seconds: float, output: Path) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
-def finish(sampler: subprocess.Popen[bytes], output: Path, seconds: float) -> dict[str, Any]:
+def finish(sampler: subprocess.Popen[bytes], output: Path, seconds: float) -> Json:
     """Wait for py-spy (polling: a thread waiting on it would be sampled), then sum up."""
     deadline = time.monotonic() + seconds + 30.0
     while sampler.poll() is None and time.monotonic() < deadline:
@@ -62,7 +61,7 @@ def _where(frame: str) -> tuple[str, str]:
     return f"{match['func']} ({file})", f"{top} (stdlib)" if stdlib else top
 
 
-def summarize(raw: str) -> dict[str, Any]:
+def summarize(raw: str) -> Json:
     """Shares of samples: by the package of the innermost frame, by function inclusive and
     by the innermost function."""
     counters: dict[str, Counter[str]] = {k: Counter() for k in ("by_package", "inclusive", "self")}
@@ -83,7 +82,7 @@ def summarize(raw: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def tables(title: str, profile: dict[str, Any]) -> list[dict[str, Any]]:
+def tables(title: str, profile: Json) -> list[Json]:
     """By package, then the top functions inclusive and by their own time."""
     if "error" in profile:
         return [table(f"{title}: py-spy", ["error"], [[profile["error"]]])]

@@ -34,7 +34,7 @@ from app.services.syncing import Syncer, SyncOutcome
 from app.settings import Settings
 from bench import Options, cluster, proc
 from bench.cluster import Cluster, Key, Requests
-from bench.report import CheckFailed, check, env_note, mib, say, table
+from bench.report import CheckFailed, Json, check, env_note, mib, say, table
 from bench.servers import overridden
 from standins.backend import LocalBackend
 from standins.sync_world import KEY, NODE, desire, key_seed
@@ -156,7 +156,7 @@ class World:
         await _until(pending, ROLLOUT_TIMEOUT)
         self.rollouts[phase] = round(time.monotonic() - started, 1)
 
-    async def timed_sync(self, syncer: Syncer) -> tuple[dict[str, Any], SyncOutcome]:
+    async def timed_sync(self, syncer: Syncer) -> tuple[Json, SyncOutcome]:
         self.backend.clear_records()
         before = self.cluster.settled_snapshot()
         plane_cpu = self.cluster.cpu_seconds()
@@ -196,7 +196,7 @@ class World:
         check(not errors, f"Kubernetes API errors: {', '.join(errors)}")
         return phase, outcome
 
-    async def unchanged(self, syncer: Syncer) -> dict[str, Any]:
+    async def unchanged(self, syncer: Syncer) -> Json:
         phase, _ = await self.timed_sync(syncer)
         n = len(self.names)
         check(
@@ -206,7 +206,7 @@ class World:
         return phase
 
 
-async def _measure(world: World, concurrency: int, repeats: int) -> dict[str, Any]:
+async def _measure(world: World, concurrency: int, repeats: int) -> Json:
     """Every phase at one concurrency, on a fresh backend, namespace and runtime."""
     await world.reset()
     names, n = world.names, len(world.names)
@@ -219,8 +219,8 @@ async def _measure(world: World, concurrency: int, repeats: int) -> dict[str, An
         ping_token_secret="bench-ping-token-secret",
         max_desired_workloads=max(n, 1),  # the bench syncs more than the default bound
     )  # fmt: skip
-    phases: dict[str, Any] = {}
-    result: dict[str, Any] = {"concurrency": concurrency, "phases": phases, "failure": None}
+    phases: Json = {}
+    result: Json = {"concurrency": concurrency, "phases": phases, "failure": None}
     current = "start"
     try:
         runtime = build_runtime(settings)
@@ -276,12 +276,12 @@ async def _measure(world: World, concurrency: int, repeats: int) -> dict[str, An
     return result
 
 
-async def _measure_all(world: World, repeats: int) -> dict[str, Any]:
+async def _measure_all(world: World, repeats: int) -> Json:
     concurrencies = dict.fromkeys((DEFAULT_CONCURRENCY, WIDE_CONCURRENCY))
     return {str(c): await _measure(world, c, repeats) for c in concurrencies}
 
 
-def run(options: Options) -> dict[str, Any]:
+def run(options: Options) -> Json:
     n = QUICK_WORKLOADS if options.quick else WORKLOADS
     repeats = QUICK_STEADY_REPEATS if options.quick else STEADY_REPEATS
     rss = RssPeak()
@@ -313,7 +313,7 @@ def run(options: Options) -> dict[str, Any]:
     missed = any(s["target_met"] < s["repeats"] for s in steady.values())
     measured = {c: [x["backend_requests"] + x["kube_requests"] for x in s["syncs"]]
                 for c, s in steady.items()}  # fmt: skip
-    result: dict[str, Any] = {"setup": setup, "runs": runs, "memory": memory}
+    result: Json = {"setup": setup, "runs": runs, "memory": memory}
     # met None: no miss seen, but a run failed before its steady-state syncs
     met = False if missed else (len(steady) == len(runs) or None)
     target = f"exactly {STEADY_TARGET}: GET desired -> 304, one LIST, in every sync"
@@ -329,15 +329,12 @@ def run(options: Options) -> dict[str, Any]:
     return result
 
 
-# --- report ------------------------------------------------------------------------------
-
-
 def _requests(phase: Mapping[str, Any], side: str) -> str:
     kinds = ", ".join(f"{kind} {count}" for kind, count in phase[f"{side}_by_kind"].items())
     return f"{phase[f'{side}_requests']}: {kinds}" if kinds else "0"
 
 
-def _table(run: Mapping[str, Any], n: int, repeats: int) -> dict[str, Any]:
+def _table(run: Mapping[str, Any], n: int, repeats: int) -> Json:
     phases, failure = run["phases"], run["failure"]
     words = {"create": "created", "update": "updated", "noop": "unchanged"}
     labels = {"converge": "converge from empty", "second": "second sync",
@@ -366,7 +363,7 @@ def _table(run: Mapping[str, Any], n: int, repeats: int) -> dict[str, Any]:
     return table(title, columns, rows)
 
 
-def _converge_table(setup: Mapping[str, Any], runs: Mapping[str, Any]) -> dict[str, Any]:
+def _converge_table(setup: Mapping[str, Any], runs: Mapping[str, Any]) -> Json:
     n, rows = setup["workloads"], []
     for c, run in runs.items():
         if (p := run["phases"].get("converge")) and (run["failure"] or {}).get(
