@@ -8,7 +8,6 @@ and "notes" are printed (bench/report.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 BENCHMARKS = ("bench.pings", "bench.memory", "bench.sync", "bench.registry", "bench.jobs")
 
@@ -22,10 +21,3 @@ class Options:
     quick: bool = False  # smoke-test mode: short phases, fewer repetitions
     pin_cpus: bool = True  # server on one core, load generator on the other(s)
     profile: bool = False  # sample the manager with py-spy during an extra saturation phase
-
-
-class Benchmark(Protocol):
-    NAME: str
-    DESCRIPTION: str
-
-    def run(self, options: Options) -> dict[str, Any]: ...

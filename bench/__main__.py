@@ -16,9 +16,8 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import cast
 
-from bench import BENCHMARKS, Benchmark, Options
+from bench import BENCHMARKS, Options
 from bench.machine import facts, headline
 from bench.report import Json, show
 
@@ -44,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, path in names.items():
         if args.only and name not in args.only:
             continue
-        module = cast(Benchmark, importlib.import_module(path))
+        module = importlib.import_module(path)
         print(f"\n== {name}: {module.DESCRIPTION}", flush=True)
         started = time.monotonic()
         try:

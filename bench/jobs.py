@@ -465,7 +465,7 @@ async def _measure_all(world: World, n: int, profile: bool) -> Json:
 
 def run(options: Options) -> Json:
     n = QUICK_JOBS if options.quick else JOBS
-    nats_cli = tools.version("nats", "--version")  # ToolMissing (names the script) if absent
+    nats_cli = tools.version("nats", "--version")  # names the install script if absent
     with tempfile.TemporaryDirectory(prefix="bench-jobs-") as tmp:
         _say("starting PostgreSQL and nats-server")
         with data_servers(Path(tmp)) as (pg, server):

@@ -64,22 +64,12 @@ EXPLICIT = frozenset(
 )  # fmt: skip
 
 
-class RssPeak:
-    """This process's RSS peak as the kernel keeps it (VmHWM): overall, and per phase (the
-    peak since the previous call, which starts it over)."""
-
-    def __init__(self) -> None:
-        self.baseline = self._peak = proc.status(os.getpid())["VmRSS"]
-
-    def phase_peak(self) -> int:
-        peak = self.peak
+def _peak(reset: bool = True) -> int:
+    """This process's RSS peak since the last reset (VmHWM), which this one starts over."""
+    peak = proc.status(os.getpid())["VmHWM"]
+    if reset:
         proc.reset_peak(os.getpid())
-        return peak
-
-    @property
-    def peak(self) -> int:
-        self._peak = max(self._peak, proc.status(os.getpid())["VmHWM"])
-        return self._peak
+    return peak
 
 
 def _as_expected(outcome: SyncOutcome, requests: Requests) -> bool | None:
@@ -122,7 +112,7 @@ class World:
     backend_url: str
     cluster: Cluster
     workdir: Path
-    rss: RssPeak
+    peaks: list[int]  # this process's RSS peak in each phase
     names: tuple[str, ...]
     rollouts: dict[str, float] = field(default_factory=dict)  # phase -> seconds to roll out
 
@@ -160,12 +150,13 @@ class World:
         self.backend.clear_records()
         before = self.cluster.settled_snapshot()
         plane_cpu = self.cluster.cpu_seconds()
-        self.rss.phase_peak()
+        _peak()
         cpu, started = proc.cpu_seconds(os.getpid()), time.perf_counter()
         outcome = await syncer.sync()
         wall, cpu = time.perf_counter() - started, proc.cpu_seconds(os.getpid()) - cpu
         plane_cpu = self.cluster.cpu_seconds() - plane_cpu
-        rss_peak = self.rss.phase_peak()
+        rss_peak = _peak()
+        self.peaks.append(rss_peak)
         kube = Cluster.between(before, self.cluster.settled_snapshot())
         calls = [(r.method, r.status) for r in self.backend.requests]
         phase = {
@@ -284,8 +275,9 @@ async def _measure_all(world: World, repeats: int) -> Json:
 def run(options: Options) -> Json:
     n = QUICK_WORKLOADS if options.quick else WORKLOADS
     repeats = QUICK_STEADY_REPEATS if options.quick else STEADY_REPEATS
-    rss = RssPeak()
+    baseline = proc.status(os.getpid())["VmRSS"]
     proc.reset_peak(os.getpid())
+    peaks = [baseline]
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
         workdir = Path(tmp)
         (workdir / "data").mkdir()
@@ -296,7 +288,7 @@ def run(options: Options) -> Json:
             backend = LocalBackend(NODE, KEY.public_key())
             with backend.serve() as server:
                 names = tuple(f"bench-{i:04d}" for i in range(n))
-                world = World(backend, server.url, found, workdir, rss, names)
+                world = World(backend, server.url, found, workdir, peaks, names)
                 started = proc.status(os.getpid())["VmRSS"]
                 runs = asyncio.run(_measure_all(world, repeats))
             versions = json.loads(found.plane.kubectl("version", "-o", "json").stdout)
@@ -307,8 +299,8 @@ def run(options: Options) -> Json:
         "kubernetes": versions.get("serverVersion", {}).get("gitVersion", ""),
         "control_plane_start_seconds": plane_seconds, "rollout_seconds_after": world.rollouts,
     }  # fmt: skip
-    memory = {"baseline_rss_bytes": rss.baseline, "servers_started_rss_bytes": started,
-              "peak_rss_bytes": rss.peak}  # fmt: skip
+    memory = {"baseline_rss_bytes": baseline, "servers_started_rss_bytes": started,
+              "peak_rss_bytes": max(*peaks, _peak(reset=False))}  # fmt: skip
     steady = {c: r["phases"]["steady"] for c, r in runs.items() if "steady" in r["phases"]}
     missed = any(s["target_met"] < s["repeats"] for s in steady.values())
     measured = {c: [x["backend_requests"] + x["kube_requests"] for x in s["syncs"]]

@@ -18,10 +18,6 @@ INSTALL = "tools/bench-tools/install.sh"
 REPO = Path(__file__).resolve().parent.parent
 
 
-class ToolMissing(RuntimeError):
-    """A load tool is not installed: the message says how to get it."""
-
-
 def find(name: str) -> str:
     """The path of the tool `name`, on PATH or in the install script's cache."""
     if not (found := shutil.which(name)):
@@ -30,7 +26,7 @@ def find(name: str) -> str:
         found = shutil.which(name, path=printed[-1]) if printed else None
     if found:
         return found
-    raise ToolMissing(f"{name} is not installed: run {INSTALL} (make bench does)")
+    raise RuntimeError(f"{name} is not installed: run {INSTALL} (make bench does)")
 
 
 @dataclass(frozen=True)
