@@ -77,9 +77,11 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=False,
         server_header=False,
         # bounded request heads, head and keep-alive timeouts, the connection caps; the
-        # refusals counted on /metrics
+        # refusals counted on /metrics; valid pings answered by the protocol
         http=server.bounded_protocol(
-            server.HttpLimits.from_settings(settings), app.state.runtime.metrics.http_refusals
+            server.HttpLimits.from_settings(settings),
+            app.state.runtime.metrics.http_refusals,
+            app.state.ping_answers,
         ),
         # open HTTP requests get a short share of the grace period; the rest is the
         # lifespan's (loops, jobs, the last report)

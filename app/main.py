@@ -9,32 +9,15 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
 
 from app import __version__
 from app.api import admin, fleet, page, pings, probes, status
-from app.api.fastping import PingFastPath
+from app.api.fastping import PingAnswers
 from app.api.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from app.services.runtime import Runtime, build_runtime, start_runtime
 from app.settings import Settings, load_settings
 
 DEFAULT_BODY_LIMIT = 1024 * 1024
-
-
-class ManagerApp(FastAPI):
-    """FastAPI with the ping fast path in front of everything, the framework's own
-    error-handling middleware included: a valid ping never enters the framework."""
-
-    fast_path: PingFastPath | None = None
-
-    async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await super().__call__(scope, receive, send)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.fast_path is not None and scope["type"] == "http":
-            await self.fast_path(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -73,7 +56,7 @@ def create_app(
             traces_sample_rate=settings.sentry_traces_sample_rate,
         )
     runtime = build_runtime(settings, clock=clock)
-    app = ManagerApp(
+    app = FastAPI(
         title="Node workload manager",
         version=__version__,
         lifespan=_lifespan,
@@ -101,10 +84,12 @@ def create_app(
         on_refused=count_refused,
     )
     app.add_middleware(RequestIdMiddleware)
-    if settings.ping_fast_path:
-        app.fast_path = PingFastPath(
-            app.framework, runtime=runtime, limit=settings.ping_max_body_bytes
-        )
+    # what the HTTP server answers valid pings with, before the framework (app/server.py)
+    app.state.ping_answers = (
+        PingAnswers(runtime=runtime, limit=settings.ping_max_body_bytes)
+        if settings.ping_fast_path
+        else None
+    )
     return app
 
 

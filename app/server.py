@@ -22,6 +22,13 @@ piece as a chunked body before it), whatever the client sends without reading. E
 refusal is counted in
 `workload_manager_http_refusals_total{reason}` when the protocol has the counter.
 
+A valid health ping is answered by the protocol itself when it is given `PingAnswers`
+(app/api/fastping.py): a `POST /v1/workloads/<name>/health` head on a kept-alive HTTP/1.1
+connection with nothing else owed on it, a Content-Length within the ping body limit, and
+room in the transport's write buffer, is read without an ASGI task; a ping `PingAnswers`
+accepts is answered 204 at once, anything else is handed to the application as if the
+parser had just delivered it (head, body, end), in order.
+
 uvicorn has no head timeout, and llhttp (httptools) buffers a header of any size, so the
 bounds live in `BoundedHttpProtocol`, uvicorn's httptools protocol with the reading of the
 socket wrapped. It relies on the asyncio protocol methods, on httptools' parser callbacks
@@ -49,6 +56,7 @@ if TYPE_CHECKING:
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
+    from app.api.fastping import PingAnswers, PingTarget
     from app.metrics import HttpRefusal
     from app.settings import Settings
 
@@ -74,7 +82,8 @@ _OVERRIDDEN = (
 )
 _USED = (
     "timeout_keep_alive", "connections", "cycle", "pipeline", "loop", "transport", "flow", "app",
-    "server", "client",
+    "server", "client", "parser", "server_state", "limit_concurrency",
+    "expect_100_continue",
 )  # fmt: skip
 # where a request head can end: its blank line (CRLF CRLF, or a bare LF the parser may
 # accept). The parser is fed up to and including one of these at a time, so one feed
@@ -217,6 +226,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     limits: ClassVar[HttpLimits | None] = None
     refusal_counter: ClassVar[MetricCounter | None] = None
+    pings: ClassVar[PingAnswers | None] = None
     # shared by the connections of one server (`bounded_protocol` gives each its own)
     client_counts: ClassVar[_ClientCounts] = _ClientCounts()
     probe_counts: ClassVar[_ClientCounts] = _ClientCounts()
@@ -247,6 +257,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._handed_over = False  # to the WebSocket protocol
         # the peer address this connection is counted under, and where
         self._counted_as: str | None = None
         self._counts = self.client_counts
@@ -257,6 +268,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         # the bytes of the body being read still to come, when its Content-Length says so
         # (the parser is fed up to its end, so the next head starts a piece of its own)
         self._body_left: int | None = None
+        # the workload whose ping is being read on the fast path, and its body so far
+        self._ping: PingTarget | None = None
+        self._ping_body = b""
+        # a fast-path answer would skip the access log or the concurrency limit
+        self._pings = (
+            None if config.access_log or self.limit_concurrency is not None else self.pings
+        )
 
     # --- asyncio protocol
 
@@ -300,6 +318,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._uncount_client()
         self._deadline = None
         self._cancel_timer()
+        self._handed_over = True
         _base.handle_websocket_upgrade(self)
 
     def data_received(self, data: bytes) -> None:
@@ -314,49 +333,63 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
+        # (the path of every request: attribute reads are kept to what each step needs)
         if self._deadline is None and self._reading_head:
             self._head_began()  # the first bytes of a new head on a kept-alive connection
         limit = self._limits.max_header_bytes
+        transport = self.transport
         while data:
-            if self._reading_head and self._answers_pending():
-                # between requests (or in a head) while an answer is owed: the rest waits
-                # unparsed until it is written
-                self._hold(data)
-                return
-            in_body = not self._reading_head and bool(self._body_left)
-            if in_body:
-                cut = min(len(data), self._body_left or 0)  # up to the body's end
-                self._body_left = (self._body_left or 0) - cut
-            else:  # a piece ends after the next blank line: it completes at most one head
+            body_left = None if self._reading_head else self._body_left
+            if body_left:  # up to the body's end
+                cut = min(len(data), body_left)
+                self._body_left = body_left - cut
+            else:
+                if self._reading_head and self._answers_pending():
+                    # between requests (or in a head) while an answer is owed: the rest
+                    # waits unparsed until it is written
+                    self._hold(data)
+                    return
+                # a piece ends after the next blank line: it completes at most one head
                 end = _BLANK_LINE.search(data)
                 cut = len(data) if end is None else end.end()
-            room = limit - self._held
-            if in_body or cut <= room:
+                if cut > limit - self._held:
+                    rest = self._feed_over(data, limit)
+                    if rest is None:
+                        return
+                    data = rest
+                    continue
+            if cut < len(data):
                 piece, data = data[:cut], data[cut:]
-                self._held += len(piece)  # the parser's callbacks reset it
-                _base.data_received(self, piece)
-                if self.transport.is_closing() or self.transport.get_protocol() is not self:
-                    return  # refused by the parser, or handed over (a WebSocket upgrade)
-                continue
-            # feed the parser no more than it may hold; past that it must have finished
-            # the head (or met body bytes) inside what it was given
-            piece, data = data[:room], data[room:]
-            head = self._reading_head
-            self._held += len(piece)
-            if piece:
-                _base.data_received(self, piece)
-            if self.transport.is_closing() or self.transport.get_protocol() is not self:
-                return
-            if head and self._reading_head:
-                self._refuse("header-too-large", "request head too large", TOO_LARGE)
-                return
-            if not head and not self._reading_head and self._held >= limit:
-                # chunk framing or trailers with no body byte between: trailers are
-                # buffered whole by the parser, and this request has nothing to answer
-                self._note("trailer-too-large", "request trailers too large")
-                self._refused = True
-                self.transport.close()
-                return
+            else:
+                piece, data = data, b""
+            self._held += len(piece)  # the parser's callbacks reset it
+            _base.data_received(self, piece)
+            if self._handed_over or transport.is_closing():
+                return  # refused by the parser, or handed over (a WebSocket upgrade)
+
+    def _feed_over(self, data: bytes, limit: int) -> bytes | None:
+        """Feed the parser no more than it may hold: past that it must have finished the
+        head (or met body bytes) inside what it was given. What is left of `data` to feed,
+        or None when the connection is done with."""
+        room = limit - self._held
+        piece = data[:room]
+        head = self._reading_head
+        self._held += len(piece)
+        if piece:
+            _base.data_received(self, piece)
+        if self._handed_over or self.transport.is_closing():
+            return None
+        if head and self._reading_head:
+            self._refuse("header-too-large", "request head too large", TOO_LARGE)
+            return None
+        if not head and not self._reading_head and self._held >= limit:
+            # chunk framing or trailers with no body byte between: trailers are
+            # buffered whole by the parser, and this request has nothing to answer
+            self._note("trailer-too-large", "request trailers too large")
+            self._refused = True
+            self.transport.close()
+            return None
+        return data[room:]
 
     def _hold(self, data: bytes) -> None:
         """Keep `data` unparsed until the answers owed are written, and read no more meanwhile:
@@ -376,18 +409,72 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         # the body, if any, from now on (on_message_complete ends it)
         self._deadline = self.loop.time() + self._limits.body_timeout
         self._arm_timer()
+        if self._pings is not None:
+            self._ping = self._fast_ping(self._pings)
+            if self._ping is not None:
+                return
         _base.on_headers_complete(self)
 
     def on_body(self, body: bytes) -> None:
         self._held = 0
+        if self._ping is not None:
+            self._ping_body += body  # within the Content-Length the fast path allowed
+            return
         _base.on_body(self, body)
 
     def on_message_complete(self) -> None:
-        _base.on_message_complete(self)
+        if self._ping is not None:
+            self._answer_ping()
+        else:
+            _base.on_message_complete(self)
         self._reading_head = True
         self._held = 0
         self._body_left = None
         self._deadline = None
+
+    # --- the ping fast path
+
+    def _fast_ping(self, pings: PingAnswers) -> PingTarget | None:
+        """The workload, when this head is a ping the fast path may read (see the module)."""
+        target = pings.target_of(self.url)
+        if target is None:
+            return None
+        length, cycle, parser = self._body_left, self.cycle, self.parser
+        if (
+            length is None
+            or length > pings.limit
+            or self.expect_100_continue
+            or self.pipeline
+            or (cycle is not None and not cycle.response_complete)
+            or self.flow.write_paused
+            or parser.get_method() != b"POST"
+            or parser.get_http_version() != "1.1"
+            or not parser.should_keep_alive()
+            or parser.should_upgrade()
+        ):
+            return None
+        return target
+
+    def _answer_ping(self) -> None:
+        target, body, pings = self._ping, self._ping_body, self._pings
+        self._ping, self._ping_body = None, b""
+        assert target is not None and pings is not None
+        request_id = pings.answer(target, self.headers, body)
+        if request_id is None:
+            # the application answers: it gets the request as the parser gave it
+            _base.on_headers_complete(self)
+            if body:
+                _base.on_body(self, body)
+            _base.on_message_complete(self)
+            return
+        head = [b"HTTP/1.1 204 No Content\r\n"]
+        for key, value in self.server_state.default_headers:
+            head += (key, b": ", value, b"\r\n")
+        head += (b"x-request-id: ", request_id, b"\r\n\r\n")
+        self.transport.write(b"".join(head))
+        # uvicorn's bookkeeping of a complete response (keep-alive timer, reading on); what
+        # this protocol adds to it concerns answers owed, and none is
+        _base.on_response_complete(self)
 
     # --- the bounds
 
@@ -522,16 +609,20 @@ def _limits_from_environment() -> HttpLimits:
 
 
 def bounded_protocol(
-    limits: HttpLimits, refusal_counter: MetricCounter | None = None
+    limits: HttpLimits,
+    refusal_counter: MetricCounter | None = None,
+    pings: PingAnswers | None = None,
 ) -> type[BoundedHttpProtocol]:
     """The protocol class to give `uvicorn.Config(http=...)`, bound to `limits`, counting
-    refusals in `refusal_counter` (by reason), with its own per-client counts."""
+    refusals in `refusal_counter` (by reason), answering valid pings with `pings`, with its
+    own per-client counts."""
     return type(
         "BoundedHttpProtocol",
         (BoundedHttpProtocol,),
         {
             "limits": limits,
             "refusal_counter": refusal_counter,
+            "pings": pings,
             "client_counts": _ClientCounts(),
             "probe_counts": _ClientCounts(),
         },

@@ -1,11 +1,15 @@
-"""The hot path for valid health pings, in raw ASGI, in front of the framework.
+"""The hot path for valid health pings, answered by the HTTP server's protocol itself.
 
 Every workload pings every 5-10 s, so a valid ping is the request the manager serves
-most. It is answered here with the same checks as the FastAPI route (DNS-1123 name,
-body limit, ping token, `Ping` model, bounded book) and the same effects (book, metrics,
-request id), at a fraction of the framework's per-request cost. Anything else — a bad
-name, a missing token, an invalid body, a full book — is replayed, body included, to
-the FastAPI app, so every error keeps its one implementation and its 4xx shape; the
+most. `BoundedHttpProtocol` (app/server.py) asks `PingAnswers` whether a request target
+is one it may answer (`target_of`: `/v1/workloads/<DNS-1123 name>/health`, no query); for
+a `POST` with such a target on a kept-alive HTTP/1.1 connection it reads the body
+(declared by Content-Length, within the ping body limit) and lets `answer` check it with
+the same rules as the FastAPI route (ping token, `Ping` model, bounded book) and record
+it with the same effects (book, metrics, request id). A valid ping is answered 204
+without an ASGI task, a scope or the framework. Anything else — a bad name, a missing
+token, an invalid body, a full book — is handed to the FastAPI app, body included, as if
+it had just arrived, so every error keeps its one implementation and its 4xx shape; the
 route also keeps the OpenAPI document honest.
 """
 
@@ -14,9 +18,9 @@ from __future__ import annotations
 import hmac
 import itertools
 import os
+from typing import NamedTuple
 
 from pydantic import ValidationError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.middleware import safe_request_id
 from app.domain.health import Ping, is_workload_name
@@ -24,117 +28,76 @@ from app.domain.tokens import ping_token
 from app.services.runtime import Runtime
 from app.services.workloads import BookFull
 
-_PREFIX = "/v1/workloads/"
-_SUFFIX = "/health"
+_PREFIX = b"/v1/workloads/"
+_SUFFIX = b"/health"
 
 
-class PingFastPath:
-    def __init__(self, app: ASGIApp, *, runtime: Runtime, limit: int) -> None:
-        self.app = app
-        self._rt = runtime
-        self._limit = limit
+class PingTarget(NamedTuple):
+    """A workload's ping target: its name, and the ping token it must present (None: no
+    token is asked for)."""
+
+    name: str
+    token: bytes | None
+
+
+class PingAnswers:
+    """Valid pings, checked and recorded; `limit` is the ping body limit in bytes."""
+
+    def __init__(self, *, runtime: Runtime, limit: int) -> None:
+        self.limit = limit
+        self._book = runtime.book
+        self._count = runtime.metrics.count_ping
         secret = runtime.settings.ping_token_secret
         self._secret = secret.get_secret_value() if secret else None
         # production without a secret refuses pings: the framework route says why (401)
         self._closed = secret is None and runtime.settings.is_production
-        self._tokens: dict[str, bytes] = {}
+        # targets seen, with their workload's token: a ping's target is one look-up
+        self._targets: dict[bytes, PingTarget] = {}
         self._cache_bound = 4 * runtime.settings.max_tracked_workloads
         self._ids = itertools.count()
         self._id_prefix = os.urandom(3).hex()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path: str = scope.get("path", "")
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or not path.startswith(_PREFIX)
-            or not path.endswith(_SUFFIX)
-        ):
-            await self.app(scope, receive, send)
-            return
-        name = path[len(_PREFIX) : -len(_SUFFIX)]
-        declared = authorization = request_id = None
-        for key, value in scope["headers"]:
-            if key == b"content-length":
-                declared = value
-            elif key == b"authorization":
+    def target_of(self, target: bytes) -> PingTarget | None:
+        """The workload a request target pings, when it is one this path answers."""
+        known = self._targets.get(target)
+        if known is not None:
+            return known
+        if self._closed or not (target.startswith(_PREFIX) and target.endswith(_SUFFIX)):
+            return None
+        name = target[len(_PREFIX) : -len(_SUFFIX)].decode("latin-1")
+        if not is_workload_name(name):
+            return None
+        if len(self._targets) >= self._cache_bound:
+            self._targets.clear()
+        token = None if self._secret is None else ping_token(self._secret, name).encode()
+        known = self._targets[target] = PingTarget(name, token)
+        return known
+
+    def answer(
+        self, target: PingTarget, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> bytes | None:
+        """The request id to answer 204 with, the ping recorded; None: the framework answers."""
+        authorization = request_id = None
+        for key, value in headers:
+            if key == b"authorization":
                 authorization = value
             elif key == b"x-request-id":
                 request_id = value
-        if not is_workload_name(name) or (declared is not None and _too_big(declared, self._limit)):
-            await self.app(scope, receive, send)
-            return
-        body, complete = await _read(receive, self._limit)
-        if not complete or not self._authorised(name, authorization):
-            await self.app(scope, _replay(body, complete, receive), send)
-            return
+        if target.token is not None and not _bearer(authorization, target.token):
+            return None
         try:
             ping = Ping.model_validate_json(body)
-            self._rt.book.record(name, ping)
+            self._book.record(target.name, ping)
         except (ValidationError, BookFull):
-            await self.app(scope, _replay(body, True, receive), send)
-            return
-        self._count(name, ping.status.value)
-        rid = safe_request_id(request_id) or f"{self._id_prefix}{next(self._ids):010x}"
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 204,
-                "headers": [(b"x-request-id", rid.encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": b""})
-
-    def _authorised(self, name: str, header: bytes | None) -> bool:
-        if self._secret is None:
-            return not self._closed
-        if header is None or not header[:7].lower() == b"bearer ":
-            return False
-        expected = self._tokens.get(name)
-        if expected is None:
-            if len(self._tokens) > self._cache_bound:
-                self._tokens.clear()
-            expected = self._tokens[name] = ping_token(self._secret, name).encode()
-        return hmac.compare_digest(header[7:].strip(), expected)
-
-    def _count(self, name: str, status: str) -> None:
-        self._rt.metrics.count_ping(name, status)
+            return None
+        self._count(target.name, ping.status)
+        rid = safe_request_id(request_id)
+        if rid is None:
+            return f"{self._id_prefix}{next(self._ids):010x}".encode()
+        return rid.encode()
 
 
-def _too_big(declared: bytes, limit: int) -> bool:
-    try:
-        return int(declared) > limit
-    except ValueError:
-        return True
-
-
-async def _read(receive: Receive, limit: int) -> tuple[bytes, bool]:
-    """The body, and whether it was read whole within the limit (else: hand it over)."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message: Message = await receive()
-        if message["type"] != "http.request":
-            return b"".join(chunks), False
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        chunks.append(chunk)
-        if size > limit:
-            return b"".join(chunks), False
-        if not message.get("more_body", False):
-            return b"".join(chunks), True
-
-
-def _replay(body: bytes, complete: bool, receive: Receive) -> Receive:
-    """A receive that gives back what was read, then continues from the client."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": not complete}
-        message: Message = await receive()
-        return message
-
-    return replay
+def _bearer(header: bytes | None, token: bytes) -> bool:
+    if header is None or header[:7].lower() != b"bearer ":
+        return False
+    return hmac.compare_digest(header[7:].strip(), token)

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -118,9 +118,9 @@ def is_workload_name(name: str) -> bool:
     return DNS1123_LABEL.fullmatch(name) is not None
 
 
-@dataclass(frozen=True, slots=True)
-class PingRecord:
-    """A ping as received: `received_at` is monotonic, `received_wall` epoch seconds."""
+class PingRecord(NamedTuple):
+    """A ping as received: `received_at` is monotonic, `received_wall` epoch seconds. (A
+    named tuple: one is made per ping, the request the manager serves most.)"""
 
     ping: Ping
     received_at: float

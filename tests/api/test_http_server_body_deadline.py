@@ -10,10 +10,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import uvicorn
 from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
 
-from app.server import HttpLimits, bounded_protocol
+from app.server import HttpLimits
+from tests.support import served
 from tests.support.polling import eventually
 
 BODY_TIMEOUT = 1.0
@@ -58,29 +58,12 @@ class EchoApp:
 
 @contextlib.asynccontextmanager
 async def serving(app: EchoApp) -> AsyncIterator[int]:
-    """A uvicorn server with the bounded protocol on a free port; yields the port."""
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=0,
-        http=bounded_protocol(LIMITS),
-        lifespan="off",
-        log_level="warning",
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-
-    async def started() -> bool:
-        assert not task.done(), "the server stopped"
-        return server.started
-
-    try:
-        await eventually(started, within=10)
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        app.release.set()  # a held request must not keep the server from stopping
-        server.should_exit = True
-        await asyncio.wait_for(task, timeout=10)
+    """The bounded protocol's server for `app`; a held request is released at the end."""
+    async with served.serving(app, limits=LIMITS) as port:
+        try:
+            yield port
+        finally:
+            app.release.set()  # a held request must not keep the server from stopping
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -13,19 +14,39 @@ from app.domain.tokens import ping_token
 from app.main import create_app
 from app.settings import Settings
 from tests.conftest import SettingsFactory, runtime_of
+from tests.support.served import served_client
 
 GOOD = {"status": "healthy", "version": "1.2.0"}
 
 
 @pytest.fixture(params=[True, False], ids=["fast-path", "framework"])
 def settings(request: pytest.FixtureRequest, make_settings: SettingsFactory) -> Settings:
-    """Every test here runs against both the raw-ASGI fast path and the FastAPI route."""
+    """Every test here runs against both the server's ping fast path (over real HTTP) and
+    the FastAPI route (in-process)."""
     return make_settings(ping_fast_path=request.param)
 
 
 @pytest.fixture(params=[True, False], ids=["fast-path", "framework"])
 def fast(request: pytest.FixtureRequest) -> bool:
     return bool(request.param)
+
+
+@asynccontextmanager
+async def open_client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """Over real HTTP through the bounded protocol when the app has the fast path on."""
+    if app.state.ping_answers is not None:
+        async with served_client(app) as client:
+            yield client
+        return
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://manager") as client:
+        yield client
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with open_client(app) as c:
+        yield c
 
 
 async def test_good_ping_is_recorded(client: httpx.AsyncClient, app: FastAPI) -> None:
@@ -114,9 +135,7 @@ async def token_client(
     make_settings: SettingsFactory, fast: bool
 ) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(make_settings(ping_token_secret="node-ping-secret", ping_fast_path=fast))
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://manager"
-    ) as c:
+    async with open_client(app) as c:
         yield c
 
 
@@ -152,8 +171,7 @@ async def test_token_is_checked_before_the_body_is_parsed(
 
 async def test_the_book_is_bounded(make_settings: SettingsFactory, fast: bool) -> None:
     app = create_app(make_settings(max_tracked_workloads=2, ping_fast_path=fast))
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://m") as c:
+    async with open_client(app) as c:
         for name in ("a", "b"):
             assert (await c.post(f"/v1/workloads/{name}/health", json=GOOD)).status_code == 204
         refused = await c.post("/v1/workloads/c/health", json=GOOD)
@@ -199,8 +217,7 @@ async def test_a_forgotten_workload_takes_its_metric_series_with_it(
         make_settings(ping_fast_path=fast, ping_forget_seconds=60.0), clock=lambda: now[0]
     )
     rt = runtime_of(app)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://manager") as client:
+    async with open_client(app) as client:
         for name in ("gone", "stays"):
             response = await client.post(f"/v1/workloads/{name}/health", json={"status": "healthy"})
             assert response.status_code == 204

@@ -271,6 +271,21 @@ async def test_pipelined_pings_are_answered_and_a_large_head_behind_them_refused
             assert await closed_by_server(reader)
 
 
+async def test_valid_pings_are_answered_by_the_server_itself(tmp_path: Path) -> None:
+    """`app serve` hands its protocol the ping fast path: valid pings get the request ids
+    it makes (one prefix per process, then a counter; the framework's are random)."""
+    with running(tmp_path) as m:
+        ids = []
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{m.port}") as client:
+            for _ in range(3):
+                response = await client.post("/v1/workloads/api/health", content=PING_BODY)
+                assert response.status_code == 204
+                ids.append(response.headers["x-request-id"])
+        prefixes = {rid[:6] for rid in ids}
+        counters = [int(rid[6:], 16) for rid in ids]
+        assert len(prefixes) == 1 and counters == [counters[0] + i for i in range(3)], ids
+
+
 async def test_pipelined_requests_of_every_framing_are_answered_in_order(tmp_path: Path) -> None:
     """A sized body, a chunked one, none, and a sized one again, in one write: the parser is
     fed one request at a time, each answered in turn, nothing lost between them."""
@@ -523,18 +538,26 @@ def unread_bytes(port: int) -> int:
 TINY = b"GET /x HTTP/1.1\r\n\r\n"  # 20 bytes: the cheapest request to pipeline
 
 
-@pytest.mark.parametrize("addresses", [(CLIENT,), (CLIENT, OTHER_CLIENT)])
+@pytest.mark.parametrize(
+    ("addresses", "pipelined"),
+    [
+        pytest.param((CLIENT,), TINY, id="one-address"),
+        pytest.param((CLIENT, OTHER_CLIENT), TINY, id="two-addresses"),
+        pytest.param((CLIENT, OTHER_CLIENT), ping_request(), id="two-addresses-valid-pings"),
+    ],
+)
 async def test_pipelined_requests_stay_unparsed_while_one_is_answered(
-    tmp_path: Path, addresses: tuple[str, ...]
+    tmp_path: Path, addresses: tuple[str, ...], pipelined: bytes
 ) -> None:
     """Each address at its connection cap, each connection sending 16,000 bytes of tiny
     pipelined requests and never reading an answer: parsed a whole read at a time, each
     request would cost ~2 KiB of the manager's memory (+113 MiB per address, past the pod's
     limit for two); held unparsed until the answer before them is written, they cost the
-    bytes alone."""
+    bytes alone. Valid pings are answered by the server as they are parsed, until the
+    connection's write buffer is full; the next waits for it to drain like any request."""
     cap = 64
     env = {"HTTP_MAX_CONNECTIONS_PER_CLIENT": str(cap), "HTTP_HEADER_TIMEOUT_SECONDS": "60"}
-    attack = TINY * (16_000 // len(TINY))
+    attack = pipelined * (16_000 // len(pipelined))
     with running(tmp_path, **env) as m:
         process = psutil.Process(m.pid)
         for _ in range(3):
