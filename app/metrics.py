@@ -116,12 +116,6 @@ class Metrics:
         )
         for reason in HTTP_REFUSALS:  # every reason from the start: 0, not absent
             self.http_refusals.labels(reason)
-        self.reports = Counter(
-            f"{PREFIX}_reports_total",
-            "Node health reports by outcome (sent, failed, logged).",
-            ["outcome"],
-            registry=self.registry,
-        )
         self.loop_duration = Histogram(
             f"{PREFIX}_loop_duration_seconds",
             "Time one run of a periodic loop took (a report, a sync, a heartbeat), retries "
@@ -136,22 +130,10 @@ class Metrics:
             ["loop", "outcome"],
             registry=self.registry,
         )
-        self.syncs = Counter(
-            f"{PREFIX}_syncs_total",
-            "Deployment syncs by outcome (ok, partial, aborted).",
-            ["outcome"],
-            registry=self.registry,
-        )
         self.sync_actions = Counter(
             f"{PREFIX}_sync_actions_total",
             "Per-workload sync actions by kind (create, update, delete, noop, hold) and outcome.",
             ["action", "outcome"],
-            registry=self.registry,
-        )
-        self.heartbeats = Counter(
-            f"{PREFIX}_heartbeats_total",
-            "Capability registry heartbeats by outcome (ok, failed).",
-            ["outcome"],
             registry=self.registry,
         )
         self.jobs = Counter(

@@ -19,7 +19,6 @@ from app.adapters.registry import AsyncpgRegistry, NodeHeldElsewhere, RegistryUn
 from app.domain.components import Outcome
 from app.domain.migrations import MigrationError
 from app.domain.requirements import NodeProfile
-from app.metrics import Metrics
 from app.services.profile import LocalProfile
 
 log = logging.getLogger(__name__)
@@ -32,7 +31,6 @@ class Heartbeat:
         registry: AsyncpgRegistry,
         profile: LocalProfile,
         interval_seconds: float,
-        metrics: Metrics,
         prepare: Callable[[], Awaitable[object]] | None = None,
         on_registered: Callable[[], None] | None = None,
         retry_attempts: int = 3,
@@ -43,7 +41,6 @@ class Heartbeat:
         self._node_id = profile.node_id
         self._tier = profile.tier
         self._interval = max(1, round(interval_seconds))
-        self._metrics = metrics
         self._attempts = retry_attempts
         self._max_wait = retry_max_wait
         self._prepare = prepare
@@ -82,18 +79,14 @@ class Heartbeat:
             # a second manager for a node one already serves: it stays out of the way, on
             # standby, not failing (the new pod of a self-update waits so until the old one
             # has gone, and must be ready meanwhile, or the old one never goes)
-            self._metrics.heartbeats.labels("failed").inc()
             self._written = None
             return Outcome.skipped(str(exc), standby=str(exc))
         except RegistryUnavailable as exc:  # the database is down: a state, not a failure
-            self._metrics.heartbeats.labels("failed").inc()
             self._written = None  # re-register in full once the database is back
             return Outcome.unavailable(f"{type(exc).__name__}: {exc}")
         except MigrationError as exc:
-            self._metrics.heartbeats.labels("failed").inc()
             self._written = None
             return Outcome.failed(f"{type(exc).__name__}: {exc}")
-        self._metrics.heartbeats.labels("ok").inc()
         if self._on_registered is not None:
             self._on_registered()
         return Outcome.ok(status=self.status)

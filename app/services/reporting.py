@@ -18,7 +18,6 @@ from app import __version__
 from app.adapters import system
 from app.domain.components import Outcome
 from app.domain.reports import build_report
-from app.metrics import Metrics
 from app.services.workloads import WorkloadBook
 
 if TYPE_CHECKING:
@@ -34,7 +33,6 @@ class Reporter:
         node_id: str,
         book: WorkloadBook,
         backend: BackendClient | None,
-        metrics: Metrics,
         disk_path: Path,
         started_at: float,
         clock: Callable[[], float] = time.monotonic,
@@ -42,7 +40,6 @@ class Reporter:
         self._node_id = node_id
         self._book = book
         self.backend = backend
-        self._metrics = metrics
         self._disk_path = disk_path
         self._started_at = started_at
         self._clock = clock
@@ -68,15 +65,12 @@ class Reporter:
                 len(report["workloads"]),
                 extra={"report": report},
             )
-            self._metrics.reports.labels("logged").inc()
             return Outcome.ok(target="log")
         from app.adapters.backend import BackendError
 
         try:
             await self.backend.post_health(report)
         except BackendError as exc:
-            self._metrics.reports.labels("failed").inc()
             return Outcome.failed(f"not delivered: {exc}").retrying(exc.retry_after)
-        self._metrics.reports.labels("sent").inc()
         log.debug("node report delivered: %d workloads", len(report["workloads"]))
         return Outcome.ok(target="backend")

@@ -559,13 +559,8 @@ class Syncer:
         self.last = outcome
         if not outcome.ok or any(r.outcome == "applied" for r in outcome.results):
             self.last_change = outcome
-        counts = outcome.counts()
-        if outcome.aborted is not None:
-            self._metrics.syncs.labels("aborted").inc()
-        elif not outcome.ok:  # logged with its errors by the supervisor, which records it
-            self._metrics.syncs.labels("partial").inc()
-        else:
-            self._metrics.syncs.labels("ok").inc()
+        if outcome.ok:  # a failed one is logged and counted by the supervisor, which records it
+            counts = outcome.counts()
             changed = any(r.outcome != "unchanged" for r in outcome.results)
             level = logging.INFO if changed else logging.DEBUG
             log.log(level, "sync done in %.2f s: %s", outcome.duration_seconds, counts)

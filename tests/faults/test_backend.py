@@ -98,6 +98,12 @@ BOUNDED: list[FailureMode] = ["trickle", "huge", "redirect"]
 RECORDED_WITHIN = DEADLINE + 20.0
 
 
+RUNS = "workload_manager_scheduled_runs_total"
+REPORTS_OK = RUNS + '{loop="report",outcome="ok"}'
+REPORTS_FAILED = RUNS + '{loop="report",outcome="failed"}'
+SYNCS_FAILED = RUNS + '{loop="sync",outcome="failed"}'
+
+
 def _metric(url: str, sample: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=5).text
     found = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
@@ -139,14 +145,14 @@ def test_a_report_answered_slowly_hugely_or_by_a_redirect_is_not_sent(
         injected = time.monotonic()
         local.wait_for(lambda: _failing_with(m.url, "report", CAUSE[mode]), RECORDED_WITHIN)
         assert time.monotonic() - injected < RECORDED_WITHIN
-        sent = _metric(m.url, 'workload_manager_reports_total{outcome="sent"}')
-        failed = _metric(m.url, 'workload_manager_reports_total{outcome="failed"}')
+        sent = _metric(m.url, REPORTS_OK)
+        failed = _metric(m.url, REPORTS_FAILED)
         # the next report fails the same way, and none counts as sent meanwhile
         local.wait_for(
-            lambda: _metric(m.url, 'workload_manager_reports_total{outcome="failed"}') > failed,
+            lambda: _metric(m.url, REPORTS_FAILED) > failed,
             RECORDED_WITHIN,
         )
-        assert _metric(m.url, 'workload_manager_reports_total{outcome="sent"}') == sent
+        assert _metric(m.url, REPORTS_OK) == sent
         assert _followed(local) == []
         stored = len(local.reports)
 
@@ -191,7 +197,7 @@ def test_a_desired_state_that_trickles_floods_or_redirects_changes_nothing(
     rig.local.wait_for(lambda: _failing_with(url, "sync", CAUSE[mode]), RECORDED_WITHIN)
     assert time.monotonic() - injected < RECORDED_WITHIN
     assert "nothing changed" in str(_component(url, "sync")["last_error"])
-    aborted = _metric(url, 'workload_manager_syncs_total{outcome="aborted"}')
+    aborted = _metric(url, SYNCS_FAILED)
     assert aborted >= 1
     # the cluster lock was let go: the next sync ran, and met the fault again
     met = sum(1 for r in rig.local.requests if r.route == "workloads")
@@ -200,7 +206,7 @@ def test_a_desired_state_that_trickles_floods_or_redirects_changes_nothing(
         RECORDED_WITHIN,
     )
     rig.local.wait_for(
-        lambda: _metric(url, 'workload_manager_syncs_total{outcome="aborted"}') > aborted,
+        lambda: _metric(url, SYNCS_FAILED) > aborted,
         RECORDED_WITHIN,
     )
     rig.untouched()

@@ -13,7 +13,6 @@ from app.adapters.embedded import EmbeddedPostgres, free_port
 from app.adapters.registry import AsyncpgRegistry
 from app.domain.requirements import Tier
 from app.main import create_app
-from app.metrics import Metrics
 from app.services import migrating
 from app.services.heartbeating import Heartbeat
 from app.services.profile import LocalProfile
@@ -77,7 +76,7 @@ async def test_registers_migrates_heartbeats_then_drains_and_goes_offline(
         assert [n["node_id"] for n in fleet["nodes"]] == [NODE]
         assert fleet["nodes"][0]["liveness"] == "online"
         metrics = (await client.get("/metrics")).text
-        assert 'workload_manager_heartbeats_total{outcome="ok"}' in metrics
+        assert 'workload_manager_scheduled_runs_total{loop="heartbeat",outcome="ok"}' in metrics
     final = await fetch_row(database)
     assert final is not None and final["status"] == "offline"
 
@@ -160,13 +159,13 @@ async def test_postgres_restarted_mid_run_heartbeats_resume(
             await asyncio.to_thread(server.stop)
             await eventually(lambda: _registry_failing(client), within=10)
             await asyncio.to_thread(server.start)
-            failed_before = await _heartbeats(client, "failed")
+            failed_before = await _failed_heartbeats(client)
             restarted = await fetch_row(server.url)
             assert restarted is not None
             await eventually(lambda: _moved(server.url, restarted["last_heartbeat"]), within=15)
             # resumed at once, counted in beats rather than seconds: once the server is
             # back, at most the beat already under way can still end as a failure
-            assert await _heartbeats(client, "failed") - failed_before <= 1
+            assert await _failed_heartbeats(client) - failed_before <= 1
             await eventually(lambda: _registry_ok(client), within=10)
     finally:
         server.stop()
@@ -177,17 +176,18 @@ async def _registry_failing(client: httpx.AsyncClient) -> bool:
     return bool(component["state"] == "failing")
 
 
-async def _heartbeats(client: httpx.AsyncClient, outcome: str) -> float:
-    """workload_manager_heartbeats_total for `outcome`, from the manager's /metrics."""
+async def _failed_heartbeats(client: httpx.AsyncClient) -> float:
+    """The heartbeat loop's runs that did not write (failed, the database unavailable, or
+    crashed), from the manager's /metrics."""
     text = (await client.get("/metrics")).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if (
-                sample.name == "workload_manager_heartbeats_total"
-                and sample.labels.get("outcome") == outcome
-            ):
-                return float(sample.value)
-    return 0.0
+    return sum(
+        float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "workload_manager_scheduled_runs_total"
+        and sample.labels.get("loop") == "heartbeat"
+        and sample.labels.get("outcome") in ("failed", "unavailable", "error")
+    )
 
 
 async def test_a_beat_in_flight_when_draining_is_marked_does_not_write_online_over_it(
@@ -214,7 +214,7 @@ async def test_a_beat_in_flight_when_draining_is_marked_does_not_write_online_ov
             fingerprint=fingerprint,
         )  # fmt: skip
         heartbeat = Heartbeat(
-            registry=registry, profile=profile, interval_seconds=30, metrics=Metrics(),
+            registry=registry, profile=profile, interval_seconds=30,
         )  # fmt: skip
 
         async def beat_waits() -> bool:

@@ -96,7 +96,6 @@ class _Registry(Spec[RegistryConfig, Registering]):
             registry=registry,
             profile=deps.profile(),
             interval_seconds=every,
-            metrics=deps.metrics,
             retry_max_wait=min(5.0, every / 4),
             prepare=prepare,
             on_registered=deps.registered.set,

@@ -56,7 +56,6 @@ class _Report(Spec[ReportConfig, Reporting]):
             node_id=deps.node_id,
             book=deps.book,
             backend=deps.backend() if config.to_backend else None,
-            metrics=deps.metrics,
             disk_path=config.data_dir if config.data_dir.exists() else config.data_dir.parent,
             started_at=deps.started_at,
         )
