@@ -11,6 +11,10 @@ the loops keep their cadence whatever the wall clock does (tests/services/test_s
 sets the clock back and ahead). `run_again` moves one loop's next run: the supervisor's
 retry after a failure, or the time an outcome asked for.
 
+A tick that finds its loop's last run still going is skipped (one instance at a time): a
+normal turn for a run longer than its interval, said at DEBUG rather than with
+APScheduler's WARNING.
+
 On shutdown no new run starts, a run in progress (a sync in the middle of its writes)
 gets a bounded time to finish, and what is still running after it is cancelled, awaited
 and logged once, before the clients it uses are closed.
@@ -34,6 +38,22 @@ Clock = Callable[[], float]
 
 # a wall clock that moved this much more (or less) than the boot-time clock jumped
 CLOCK_JUMP_SECONDS = 2.0
+
+
+class _OverlapsAtDebug(logging.Filter):
+    """APScheduler's "skipped: maximum number of running instances reached" WARNING,
+    said at DEBUG by this module instead (its other records pass)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "maximum number of running instances" not in str(record.msg):
+            return True
+        job = record.args[0] if isinstance(record.args, tuple) and record.args else "a loop"
+        log.debug("%s: a tick came while its last run was still running; skipped", job)
+        return False
+
+
+_scheduler_log = logging.getLogger("apscheduler.scheduler")
+_scheduler_log.addFilter(_OverlapsAtDebug())
 
 
 def _boot_clock() -> float:

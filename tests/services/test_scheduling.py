@@ -201,3 +201,36 @@ async def test_a_run_cannot_put_its_loop_off_past_an_hour(scheduler: Supervisor)
     scheduler.start_loops()
     await _until(lambda: _runs(body, 2))
     assert round(body.at[1] - body.at[0]) == 3600
+
+
+async def test_a_run_longer_than_its_interval_skips_ticks_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One instance at a time: a tick that finds the loop's last run still going is
+    skipped, a normal turn (the uptime keeper waits up to 30 s for the cluster lock on a
+    15 s interval), said at DEBUG, not with APScheduler's WARNING."""
+    plain = Scheduler()
+    release = asyncio.Event()
+    runs: list[float] = []
+
+    async def slow() -> None:
+        runs.append(time.monotonic())
+        await release.wait()
+
+    def skips() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "still running" in r.getMessage()]
+
+    async def skipped_twice() -> bool:
+        return len(skips()) >= 2
+
+    plain.add("slow", slow, every=0.05, first_after=0.0)
+    with caplog.at_level(logging.DEBUG):
+        plain.start()
+        try:
+            await eventually(skipped_twice)
+            release.set()
+        finally:
+            await plain.stop(within=5.0)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == []
+    assert {r.levelno for r in skips()} == {logging.DEBUG} and len(runs) >= 1
