@@ -180,8 +180,7 @@ async def _nats_bench(world: World, label: str, n: int, *args: str) -> tuple[dic
 
 
 async def _floor(world: World, settings: Settings, n: int, batch: int, tag: str) -> Json:
-    """`js pub sync` stores n messages of a noop job's body, each with its own Nats-Msg-Id;
-    then one `js fetch` client fetches `batch` at a time and acks each."""
+    """`nats bench js pub sync --dedup` stores n noop bodies; `js fetch` acks them by `batch`."""
     body = _json(_bodies(1, f"floor-{tag}")[0])
     payload = world.workdir / f"floor-{tag}.json"
     payload.write_bytes(body)
@@ -213,10 +212,8 @@ async def _floor(world: World, settings: Settings, n: int, batch: int, tag: str)
 async def _loop_floor(
     world: World, settings: Settings, n: int, batch: int, tag: str, *, ledger: bool = False
 ) -> Json:
-    """One nats-py loop: fetch(batch) from a durable pull consumer; per fetched batch, one
-    small event per message published to a stream of its own (all at once, awaiting every
-    PubAck), and only then each message acked. With `ledger`, each message is first claimed
-    and completed in the worker's own ledger: the worker's writes, with nothing around them."""
+    """A nats-py loop: fetch(batch), store one event per message (awaiting every PubAck), then
+    ack each; with `ledger`, each job first claimed and completed in the worker's ledger."""
     (stream,) = [s for s in stream_specs(settings) if s.name == JOB_STREAM]
     (consumer,) = [c for c in consumer_specs(settings, (TIER,)) if c.stream == JOB_STREAM]
     bodies = _bodies(n, f"bare-{tag}")
@@ -286,8 +283,7 @@ async def _delete_stream(js: Any, name: str) -> None:
 
 
 async def _event_for(js: Any, msg: Any, writes: AsyncpgLedger | None) -> None:
-    """An event of about the size of job.completed, with a message id, awaiting its ack;
-    with `writes`, after the job's claim and completion in the ledger."""
+    """A job.completed-sized event, awaiting its ack; with `writes`, after the ledger's writes."""
     seq = msg.metadata.sequence.stream
     if writes is not None:
         job = json.loads(msg.data)
@@ -489,8 +485,7 @@ def run(options: Options) -> Json:
 
 def _tables(runs: Mapping[str, Any], n: int, profile: Mapping[str, Any] | None) -> list[Json]:
     def cpu(phase: Mapping[str, Any]) -> list[Any]:
-        """CPU % of the client (the nats CLI for the Go floor, else this process),
-        nats-server and PostgreSQL over the span metered; the client's CPU ms per message."""
+        """CPU % of the client, nats-server and PostgreSQL; the client's CPU ms per message."""
         spent, span = phase["cpu_seconds"], phase.get("process_seconds", phase["wall_seconds"])
         client = spent.get("nats_cli", spent["python"])
         shares = (client, spent["nats"], spent["postgres"])

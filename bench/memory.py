@@ -134,9 +134,7 @@ def run(options: Options) -> Json:
 
 @contextmanager
 def _production(workdir: Path) -> Iterator[tuple[dict[str, str], str, tuple[str, ...]]]:
-    """The production manager's environment with the local backend, the version file, Matrix
-    and Sentry stand-ins, and (when built) the control plane; what it says of the cluster;
-    the components whose first run "idle" waits for."""
+    """The production environment with its stand-ins; the cluster note; the components to settle."""
     backend = LocalBackend(NODE, KEY.public_key())
     desire(backend, *((f"bench-memory-{i}", "1.0.0") for i in range(DESIRED_WORKLOADS)))
     with ExitStack() as stack:
@@ -184,8 +182,7 @@ def _own_deployment() -> Json:
 
 
 def _peers_app() -> Starlette:
-    """The version file (the running version: nothing to update), a Matrix homeserver's send
-    route and Sentry's envelope endpoint, in one app."""
+    """The version file (the running version), Matrix's send route and Sentry's envelopes."""
 
     async def answer(request: Request) -> Response:
         await request.body()

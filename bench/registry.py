@@ -105,8 +105,7 @@ class FsyncOnPostgres(EmbeddedPostgres):
 
 
 def test_fsync(directory: Path, seconds: int) -> Json:
-    """pg_test_fsync: ops/s and microseconds per op of each wal_sync_method for one 8 kB
-    write, on the data directories' file system."""
+    """pg_test_fsync: ops/s and us/op of each wal_sync_method for one 8 kB write."""
     done = subprocess.run(
         [str(PG_TEST_FSYNC), "-s", str(seconds), "-f", str(directory / "pg_test_fsync.out")],
         capture_output=True, text=True, timeout=60 + 20 * seconds)  # fmt: skip
@@ -187,8 +186,7 @@ class Phase:
 
 
 def _meter(server_pid: int, *, children: bool) -> proc.Meter:
-    """The client's CPU (this process, or the pgbench it waited for), PostgreSQL's, and the
-    machine's busy and steal time."""
+    """CPU of the client (this process or pgbench), PostgreSQL, the machine (busy, steal)."""
     return proc.Meter(client=proc.children_cpu if children else time.process_time,
                       server=lambda: proc.cpu_seconds(server_pid, tree=True),
                       busy=lambda: proc.machine_busy()[0],
@@ -197,9 +195,8 @@ def _meter(server_pid: int, *, children: bool) -> proc.Meter:
 
 def _pgbench(url: str, instance: str, count: int, workdir: Path, phase: Phase,
              seconds: int) -> subprocess.Popen[str]:  # fmt: skip
-    """pgbench running the adapter's heartbeat statement for a random node of `count`, closed
-    loop or at phase.target_rate/s, one log line per transaction. `\\gset` fails a client
-    whose node had no row for this instance."""
+    """pgbench: the adapter's heartbeat for a random node, closed loop or at phase.target_rate/s,
+    logging each transaction; `\\gset` fails a client whose node had no row."""
     heartbeat = " ".join(sql._HEARTBEAT.split())
     for parameter, value in (("$1", "'node-' || lpad(:node::text, 5, '0')"), ("$2", "'online'"),
                              ("$3", ":instance")):  # fmt: skip
@@ -271,8 +268,7 @@ def _gc_pauses() -> Iterator[Json]:
 
 async def _queries(registry: AsyncpgRegistry, profiles: Sequence[NodeProfile], repeats: int,
                    load: str) -> list[Json]:  # fmt: skip
-    """Each requirement set `repeats` times through eligible(), then nodes(liveness=online),
-    checked against the nodes the Python matcher picks."""
+    """eligible() per requirement set, then nodes(), `repeats` times; checked by the matcher."""
     cases: list[tuple[str, Callable[[], Awaitable[Sequence[Any]]], set[str]]] = [
         (label, functools.partial(registry.eligible, r),
          {p.node_id for p in profiles if not match_requirements(r, p)})

@@ -241,8 +241,7 @@ class World:
 
 @contextmanager
 def started(config: Config) -> Iterator[World]:
-    """Every server up, the desired state served, the manager ready; all stopped in reverse
-    order on any exit, an exception or Ctrl-C included."""
+    """Every server up and the manager ready; all stopped in reverse order on any exit."""
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         _say(f"starting PostgreSQL, nats-server and the control plane under {workdir}")
@@ -276,8 +275,7 @@ def started(config: Config) -> Iterator[World]:
 
 
 async def pings(world: World, seconds: float) -> Json:
-    """wrk for `seconds`: one connection per workload, each pinging every `ping_interval`
-    after its answer, on a new connection each time."""
+    """wrk: one connection per workload, pinging every `ping_interval` on a new connection."""
     tokens = [f"{n}={ping_token(SECRET, n)}" for n in sorted(world.desired)]
     env = os.environ | {"PINGS_DELAY_MS": str(int(world.config.ping_interval * 1000)),
                         "PINGS_VERSIONS": str(world.workdir / "ping-versions.txt"),

@@ -67,9 +67,8 @@ def _peak(reset: bool = True) -> int:
 
 
 def _as_expected(outcome: SyncOutcome, requests: Requests) -> bool | None:
-    """Whether the counted requests are exactly those the Syncer's results imply: a LIST,
-    and one more after any change; per create a GET (404) and an apply (201), per update an
-    apply. None when a result has no such fixed cost (a conflict, a delete, a failure)."""
+    """Whether the counts are exactly what the results imply (a LIST, one more after a change;
+    create: GET(404) + PATCH(201); update: PATCH); None for a conflict, delete or failure."""
     expected: Counter[str] = Counter({"LIST": 1})
     for result in outcome.results:
         if (result.action, result.outcome) == ("noop", "unchanged"):
@@ -111,9 +110,7 @@ class World:
     rollouts: dict[str, float] = field(default_factory=dict)  # phase -> seconds to roll out
 
     async def reset(self) -> None:
-        """An empty backend and no Deployments, ReplicaSets or Pods in the namespace, so the
-        controllers' clean-up of the previous run does not overlap this one (one
-        DELETECOLLECTION: kubectl deletes one object at a time, minutes for 1,000)."""
+        """An empty backend and namespace, so the previous run's clean-up does not overlap."""
         self.backend.reset()
         self.cluster.delete_deployments()
 
