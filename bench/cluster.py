@@ -143,8 +143,7 @@ class Cluster:
 
 @contextmanager
 def running(workdir: Path) -> Iterator[Cluster]:
-    """The control plane (standins/control_plane.py, from the binaries `make control-plane`
-    builds) up with a fake node Ready, and the repo's namespaces, ServiceAccount and RBAC."""
+    """The control plane (standins/control_plane.py) with a fake node Ready and the repo's RBAC."""
     plane = ControlPlane.start(workdir / "control-plane")
     try:
         for name in ("namespace", "workloads-namespace", "serviceaccount", "rbac"):

@@ -20,8 +20,7 @@ Entry = dict[str, Any]  # module, self_us, cumulative_us, depth, parent
 
 
 def parse_importtime(stderr: str) -> list[Entry]:
-    """One entry per imported module, in completion order, with the module that imported it
-    (depth 0: what the -c statement imported)."""
+    """One entry per imported module, in completion order, with the module that imported it."""
     rows = [line[12:].split("|") for line in stderr.splitlines()
             if line.startswith("import time:") and "[us]" not in line]  # fmt: skip
     entries: list[Entry] = []
@@ -49,9 +48,8 @@ def rss_after(statement: str, *, env: Mapping[str, str], cwd: Path) -> int:
 
 
 def package_costs(entries: Sequence[Entry]) -> list[Entry]:
-    """Per top-level package, most expensive first: its own modules' time (self), its
-    outermost imports with all they pulled in (cumulative) and the first module outside it
-    that imported it (via)."""
+    """Per top-level package, most expensive first: self and cumulative time, and the first
+    module outside it that imported it (via)."""
     parents = {e["module"]: e["parent"] for e in entries}
     costs: dict[str, Entry] = {}
     for e in entries:  # completion order: outermost imports of a package in import order

@@ -1,19 +1,11 @@
 """The jobs benchmark: noop jobs per second through the worker's whole path, against floors.
 
-N noop jobs (5,000; 500 with --quick) are pre-published to mm.write.A.noop and run by the
-manager's worker inside its real lifespan (validation, matching, ledger, event, ack), with a
-fresh database, at the default WORKER_CONCURRENCY and at 16; timed from the worker turning
-ok to wm-A having nothing pending or unacknowledged (polled every 10 ms). In the same run
-on the same nats-server, three floors fetching B = min(concurrency, JOB_FETCH_BATCH) at a
-time: `nats bench` (the NATS CLI, a Go client, tools/bench-tools/versions.env) storing N
-messages on MM_WRITE with `js pub sync --dedup` and acking them from wm-A with `js fetch`
-(its rate: N / its own duration); a nats-py loop storing one event before each ack, on
-copies of those stream and consumer settings; and the target's floor, that loop with each
-job first claimed and completed in the worker's own ledger (AsyncpgLedger, fresh migrated
-database, the same pool): the whole path must reach half of it. Checked before reporting:
-the ledger holds exactly the published keys, all completed, attempts all 1, this node; the
-worker counted only `completed`; no redeliveries. CPU % = CPU seconds in the timed phase /
-wall (100 = one core; the Go floor's client is the nats CLI over its whole life).
+N noop jobs (5,000; 500 with --quick) are pre-published and run by the manager's worker in
+its real lifespan, at the default WORKER_CONCURRENCY and at 16, timed until wm-A has nothing
+pending or unacknowledged. Floors on the same nats-server: `nats bench js fetch` (Go), a
+nats-py fetch-ack loop storing one event per job, and that loop with the worker's own ledger
+claim and completion (the target: the whole path reaches half of it). The ledger, outcomes
+and redeliveries are checked. CPU % = CPU seconds / wall (100 = one core).
 """
 
 from __future__ import annotations
@@ -188,8 +180,7 @@ async def _nats_bench(world: World, label: str, n: int, *args: str) -> tuple[dic
 
 
 async def _floor(world: World, settings: Settings, n: int, batch: int, tag: str) -> Json:
-    """`js pub sync` stores n messages of a noop job's body, each with its own Nats-Msg-Id;
-    then one `js fetch` client fetches `batch` at a time and acks each."""
+    """`nats bench js pub sync --dedup` stores n noop bodies; `js fetch` acks them by `batch`."""
     body = _json(_bodies(1, f"floor-{tag}")[0])
     payload = world.workdir / f"floor-{tag}.json"
     payload.write_bytes(body)
@@ -221,10 +212,8 @@ async def _floor(world: World, settings: Settings, n: int, batch: int, tag: str)
 async def _loop_floor(
     world: World, settings: Settings, n: int, batch: int, tag: str, *, ledger: bool = False
 ) -> Json:
-    """One nats-py loop: fetch(batch) from a durable pull consumer; per fetched batch, one
-    small event per message published to a stream of its own (all at once, awaiting every
-    PubAck), and only then each message acked. With `ledger`, each message is first claimed
-    and completed in the worker's own ledger: the worker's writes, with nothing around them."""
+    """A nats-py loop: fetch(batch), store one event per message (awaiting every PubAck), then
+    ack each; with `ledger`, each job first claimed and completed in the worker's ledger."""
     (stream,) = [s for s in stream_specs(settings) if s.name == JOB_STREAM]
     (consumer,) = [c for c in consumer_specs(settings, (TIER,)) if c.stream == JOB_STREAM]
     bodies = _bodies(n, f"bare-{tag}")
@@ -232,9 +221,8 @@ async def _loop_floor(
         writes = None
         if ledger:
             url = await stack.enter_async_context(fresh_database(world.pg_url))
-            registry = AsyncpgRegistry(
-                url, timeout=10.0, max_connections=settings.database_pool_size
-            )
+            pool = settings.database_pool_size
+            registry = AsyncpgRegistry(url, timeout=10.0, max_connections=pool)
             await registry.open()
             stack.push_async_callback(registry.close)
             await migrating.migrate(registry, migrating.migrations_dir(None))
@@ -295,8 +283,7 @@ async def _delete_stream(js: Any, name: str) -> None:
 
 
 async def _event_for(js: Any, msg: Any, writes: AsyncpgLedger | None) -> None:
-    """An event of about the size of job.completed, with a message id, awaiting its ack;
-    with `writes`, after the job's claim and completion in the ledger."""
+    """A job.completed-sized event, awaiting its ack; with `writes`, after the ledger's writes."""
     seq = msg.metadata.sequence.stream
     if writes is not None:
         job = json.loads(msg.data)
@@ -307,9 +294,8 @@ async def _event_for(js: Any, msg: Any, writes: AsyncpgLedger | None) -> None:
         )  # fmt: skip
         await writes.complete(key=key, result={"noop": True})
     body = b'{"job_id":"%d","node_id":"bench-node","code":"completed","result":{"noop":true}}'
-    await js.publish(
-        BARE_EVENT_SUBJECT, body % seq, headers={"Nats-Msg-Id": f"bare-{seq}:completed"}
-    )
+    headers = {"Nats-Msg-Id": f"bare-{seq}:completed"}
+    await js.publish(BARE_EVENT_SUBJECT, body % seq, headers=headers)
 
 
 def _counts(runtime: Runtime, metric: str, label: str) -> dict[str, float]:
@@ -344,9 +330,8 @@ async def _whole(
             component, deadline = runtime.components["worker"], time.monotonic() + 60.0
             while component.state != "ok":
                 check(component.enabled, f"the worker is off: {component.reason}")
-                check(
-                    time.monotonic() < deadline, f"the worker did not start: {component.as_dict()}"
-                )
+                late = f"the worker did not start: {component.as_dict()}"
+                check(time.monotonic() < deadline, late)
                 await asyncio.sleep(0.001)
             world.meter.start()
             started = time.perf_counter()
@@ -379,11 +364,8 @@ async def _whole(
     check(info.num_redelivered == 0, f"{info.num_redelivered} jobs were redelivered")
     span = max(float(r["completed"]) for r in rows) - min(float(r["claimed"]) for r in rows)
     duration = _counts(runtime, "job_duration", "type")  # delivery to answer, seconds
-    mean = (
-        duration.get("noop_sum", 0.0) / duration["noop_count"]
-        if duration.get("noop_count")
-        else None
-    )
+    count = duration.get("noop_count")
+    mean = duration.get("noop_sum", 0.0) / count if count else None
     return {
         "jobs": n, "concurrency": concurrency, "fetch_batch": FETCH_BATCH,
         **_rates(n, publish_wall, wall), "ledger_span_seconds": round(span, 4),
@@ -478,12 +460,11 @@ def run(options: Options) -> Json:
             measured = asyncio.run(_measure_all(world, n, options.profile))
     runs = measured["runs"]
     setup: Json = {
-        "jobs": n, "concurrencies": [int(c) for c in runs],
-        "default_concurrency": DEFAULT_CONCURRENCY, "job_fetch_batch": FETCH_BATCH,
-        "nats_cli": nats_cli, "cpu_count": os.cpu_count(),
+        "jobs": n,
+        "nats_cli": nats_cli,
         "load_average_1m_before": round(os.getloadavg()[0], 2),
         "settings_from_environment": overridden(EXPLICIT),
-    }  # fmt: skip
+    }
     result: Json = {"setup": setup, **measured}
     result["ok"] = all(r["failure"] is None for r in runs.values())
     met = all(r.get("target_met") for r in runs.values()) if result["ok"] else None
@@ -492,7 +473,7 @@ def run(options: Options) -> Json:
         "met": met}}  # fmt: skip
     result["tables"] = _tables(runs, n, measured.get("profile"))
     result["notes"] = [
-        f"CPU: {setup['cpu_count']} cores shared, nothing pinned; at >= {100 * CPU_BOUND:.0f} % "
+        f"CPU: {os.cpu_count()} cores shared, nothing pinned; at >= {100 * CPU_BOUND:.0f} % "
         f"this process is CPU-bound. Load average before the run: "
         f"{setup['load_average_1m_before']}; nats CLI {nats_cli}.",
         *(f"FAILED at WORKER_CONCURRENCY={c} in {r['failure']['phase']}: "
@@ -504,8 +485,7 @@ def run(options: Options) -> Json:
 
 def _tables(runs: Mapping[str, Any], n: int, profile: Mapping[str, Any] | None) -> list[Json]:
     def cpu(phase: Mapping[str, Any]) -> list[Any]:
-        """CPU % of the client (the nats CLI for the Go floor, else this process),
-        nats-server and PostgreSQL over the span metered; the client's CPU ms per message."""
+        """CPU % of the client, nats-server and PostgreSQL; the client's CPU ms per message."""
         spent, span = phase["cpu_seconds"], phase.get("process_seconds", phase["wall_seconds"])
         client = spent.get("nats_cli", spent["python"])
         shares = (client, spent["nats"], spent["postgres"])
@@ -522,17 +502,9 @@ def _tables(runs: Mapping[str, Any], n: int, profile: Mapping[str, Any] | None) 
              floor and bare and floor["rate"] / bare["rate"]),
         ):  # fmt: skip
             if phase is not None and bare is not None:
+                rates = [phase[k] for k in ("publish_rate", "wall_seconds", "rate")]
                 rows.append(
-                    [
-                        label.format(phase["fetch_batch"]),
-                        phase["publish_rate"],
-                        phase["wall_seconds"],
-                        phase["rate"],
-                        ratio,
-                        None,
-                        None,
-                        *cpu(phase),
-                    ]
+                    [label.format(phase["fetch_batch"]), *rates, ratio, None, None, *cpu(phase)]
                 )
         if whole is not None:
             lat = whole["claim_to_complete_ms"]

@@ -1,18 +1,8 @@
-"""The manager's idle memory: `python -m app serve` at rest in three configurations, next to
-the import floor of the libraries it cannot do without.
-
-Floors are fresh interpreters that import the mandatory libraries and nothing else (the
-least of FLOOR_REPEATS). The managers run as child processes in these configurations:
-- off: every component that can be off is off;
-- data: PostgreSQL and NATS configured (the registry and the job worker run);
-- production: APP_ENV=production with every component that can run here: embedded
-  PostgreSQL and nats-server, signed reports to and the desired state from the local
-  backend, sync and self-update against the control plane (when `make control-plane` has
-  built it; else they are off, with their reason), alerts to a Matrix stand-in and errors
-  to a Sentry stand-in.
-A manager is measured once /healthz answers, no enabled component is starting (in
-production the first report and sync are done) and IDLE_SECONDS have passed: the median of
-READINGS readings of /proc/<pid>/status a second apart. Each configuration runs RUNS times.
+"""The manager's idle memory: `python -m app serve` at rest in three configurations (off;
+data: PostgreSQL and NATS; production: every component that can run here), next to the
+import floor of the libraries it cannot do without (fresh interpreters, least of
+FLOOR_REPEATS). A manager is measured once no enabled component is starting and IDLE_SECONDS
+have passed: the median of READINGS reads of /proc/<pid>/status. RUNS runs each.
 """
 
 from __future__ import annotations
@@ -135,15 +125,7 @@ def run(options: Options) -> Json:
                 where = workdir / f"{config}-{attempt}"
                 samples.append(_measure(envs[config], where, idle, settle))
             managers[config] = _summary(label, floor, samples)
-    setup = {
-        "runs": runs, "idle_seconds": idle, "readings": READINGS, "floor_repeats": FLOOR_REPEATS,
-        "web_imports": list(WEB), "data_imports": list(DATA),
-        "production_extra_imports": list(PRODUCTION_EXTRA), "control_plane": cluster_note,
-        "desired_workloads": DESIRED_WORKLOADS if "KUBECONFIG" in production else 0,
-        "environments": {k: {n: "***" if any(h in n for h in ("TOKEN", "KEY", "SECRET", "DSN"))
-                             else v for n, v in sorted(env.items())
-                             if n not in ("PATH", "HOME", "LANG")} for k, env in envs.items()},
-    }  # fmt: skip
+    setup = {"runs": runs, "idle_seconds": idle, "control_plane": cluster_note}
     result: Json = {"setup": setup, "floors": floors, "managers": managers}
     result["tables"] = _tables(floors, managers)
     result["notes"] = _notes(setup, managers)
@@ -152,9 +134,7 @@ def run(options: Options) -> Json:
 
 @contextmanager
 def _production(workdir: Path) -> Iterator[tuple[dict[str, str], str, tuple[str, ...]]]:
-    """The production manager's environment with the local backend, the version file, Matrix
-    and Sentry stand-ins, and (when built) the control plane; what it says of the cluster;
-    the components whose first run "idle" waits for."""
+    """The production environment with its stand-ins; the cluster note; the components to settle."""
     backend = LocalBackend(NODE, KEY.public_key())
     desire(backend, *((f"bench-memory-{i}", "1.0.0") for i in range(DESIRED_WORKLOADS)))
     with ExitStack() as stack:
@@ -194,8 +174,7 @@ def _own_deployment() -> Json:
     labels = {"app": "wm"}
     containers = [{"name": "manager", "image": f"{IMAGE_REPO}:{__version__}"}]
     return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": "workload-manager", "namespace": "workload-manager"},
         "spec": {"selector": {"matchLabels": labels},
                  "template": {"metadata": {"labels": labels}, "spec": {"containers": containers}}},
@@ -203,8 +182,7 @@ def _own_deployment() -> Json:
 
 
 def _peers_app() -> Starlette:
-    """The version file (the running version: nothing to update), a Matrix homeserver's send
-    route and Sentry's envelope endpoint, in one app."""
+    """The version file (the running version), Matrix's send route and Sentry's envelopes."""
 
     async def answer(request: Request) -> Response:
         await request.body()
@@ -313,9 +291,9 @@ def _tables(floors: Mapping[str, Any], managers: Mapping[str, Any]) -> list[Json
 def _notes(setup: Mapping[str, Any], managers: Mapping[str, Any]) -> list[str]:
     production = managers["production"]["runs"][-1]["components"]
     notes = [
-        f"managers: median of {setup['runs']} run(s), each read {setup['readings']} times a "
+        f"managers: median of {setup['runs']} run(s), each read {READINGS} times a "
         f"second apart after {setup['idle_seconds']:g} s idle; floors: the least RSS of "
-        f"{setup['floor_repeats']} fresh interpreters; cluster: {setup['control_plane']}",
+        f"{FLOOR_REPEATS} fresh interpreters; cluster: {setup['control_plane']}",
     ]
     if off := [f"{name} ({c['reason']})" for name, c in production.items() if not c["enabled"]]:
         notes.append("off in the production run: " + "; ".join(off))

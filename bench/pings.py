@@ -72,16 +72,10 @@ def run(options: Options) -> Json:
             os.sched_setaffinity(0, affinity)
     wrk = " ".join(tools.version("wrk", "-v").split()[:2])
     setup = {
-        "workloads": len(WORKLOADS), "body": BODY,
-        "auth": "bearer ping token per workload (PING_TOKEN_SECRET set on the manager)",
-        "connections": CONNECTIONS, "duration_seconds": options.duration,
-        "warmup_seconds": options.warmup, "fixed_rate": RATE,
         "server_cpus": sorted(server_cpus or []) or None,
         "client_cpus": sorted(client_cpus or []) or None,
         "client": f"{wrk} (saturation, one thread), {tools.version('oha', '--version')} (fixed "
-        "rate, one workload)", "server_options": "uvicorn.run(app, log_config=None, "
-        "access_log=False, server_header=False, timeout_graceful_shutdown=20), loop/http "
-        "'auto', one process",
+        "rate, one workload)",
     }  # fmt: skip
     floor_rps = servers["floor"]["saturation"]["requests_per_second"]
     ratio = servers["manager"]["saturation"]["requests_per_second"] / floor_rps if floor_rps else 0
@@ -267,9 +261,7 @@ def _tables(servers: Mapping[str, Any], imports: Mapping[str, Any]) -> list[Json
     ]  # fmt: skip
 
 
-def _notes(
-    setup: Mapping[str, Any], servers: Mapping[str, Any], imports: Mapping[str, Any]
-) -> list[str]:
+def _notes(setup: Json, servers: Mapping[str, Any], imports: Mapping[str, Any]) -> list[str]:
     fs, stacks = servers["floor"]["saturation"], []
     for label, s in servers.items():
         stacks.append(f"{label} {'+'.join(k for k, v in s['process']['loaded'].items() if v)}")
@@ -283,7 +275,7 @@ def _notes(
         verdict = "neither was saturated: other work on the machine, or too few connections"
     uvicorn, idle = imports["rss_steps"][1]["rss_bytes"], servers["manager"]["idle"]["rss_bytes"]
     return [
-        f"{setup['workloads']} workloads, {CONNECTIONS} connections; clients: {setup['client']}; "
+        f"{len(WORKLOADS)} workloads, {CONNECTIONS} connections; clients: {setup['client']}; "
         f"loaded: {', '.join(stacks)} (none: asyncio+h11); CPU pinning: {pinning}.",
         f"load generator: {fs['client_cpu_percent']:.0f}% of its core while the floor served "
         f"{fs['requests_per_second']:,.0f} req/s at {fs['server_cpu_percent']:.0f}% of its "

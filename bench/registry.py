@@ -1,13 +1,9 @@
 """The registry benchmark: 10,000 simulated nodes heartbeating every 30 s against one PostgreSQL.
 
-The nodes register through AsyncpgRegistry.upsert; pgbench runs the adapter's own heartbeat
-statement (prepared, -j 2) for a random node, closed loop and paced at nodes / 30 s (-R,
-Poisson arrivals, latency from each scheduled start); eligible() and nodes() are timed end
-to end, idle (every last_heartbeat moved to now() first) and under the paced load, beside
-PostgreSQL's own execution time (EXPLAIN ANALYZE, TIMING OFF, median of 5). All of it on
-EmbeddedPostgres as it starts (fsync=off) and on a second server with fsync=on. Client and
-server share the cores: CPU% is per process (100 = one core), other CPU% the rest of the
-machine (for '+ queries', mostly this process's queries).
+Nodes register through AsyncpgRegistry.upsert; pgbench runs the adapter's heartbeat statement
+closed loop and paced at nodes / 30 s; eligible() and nodes() are timed idle and under the
+paced load, beside PostgreSQL's own execution time. On EmbeddedPostgres (fsync=off) and with
+fsync=on. CPU% is per process (100 = one core); other CPU% is the rest of the machine.
 """
 
 from __future__ import annotations
@@ -72,16 +68,10 @@ def run(options: Options) -> Json:
     count = 1_000 if options.quick else 10_000
     pgbench = subprocess.run([PGBENCH, "--version"], capture_output=True, text=True).stdout
     setup: Json = {
-        "nodes": count, "heartbeat_interval_seconds": INTERVAL_SECONDS,
+        "nodes": count,
         "required_heartbeats_per_second": round(count / INTERVAL_SECONDS, 1),
-        "closed_loop_connections": list(CONNECTIONS), "register_connections": CONNECTIONS[0],
-        "duration_seconds": options.duration, "warmup_seconds": options.warmup,
-        "query_repeats": 30 if options.quick else 200, "seed": SEED,
-        "statement_timeout_seconds": TIMEOUT, "client": f"{pgbench.strip() or 'pgbench'} "
-        f"(heartbeats, -M prepared, 2 threads); asyncpg on the asyncio event loop, Python "
-        f"{sys.version.split()[0]} (register, queries)",
-        "cpu_pinning": "none: client and server share every core",
-    }  # fmt: skip
+        "client": f"{pgbench.strip() or 'pgbench'}; asyncpg, Python {sys.version.split()[0]}",
+    }
     profiles, servers = make_profiles(count, SEED), {}
     with tempfile.TemporaryDirectory(prefix="bench-registry-") as tmp:
         workdir = Path(tmp)
@@ -96,7 +86,7 @@ def run(options: Options) -> Json:
             server = server_class(data_dir=workdir / label.replace("=", "-"))
             server.start()
             try:
-                servers[label] = asyncio.run(_measure(server, label, profiles, setup, workdir))
+                servers[label] = asyncio.run(_measure(server, label, profiles, options, workdir))
             finally:
                 server.stop()
     failures = [f"{label}: {f}" for label, s in servers.items() for f in s["failures"]]
@@ -115,8 +105,7 @@ class FsyncOnPostgres(EmbeddedPostgres):
 
 
 def test_fsync(directory: Path, seconds: int) -> Json:
-    """pg_test_fsync: ops/s and microseconds per op of each wal_sync_method for one 8 kB
-    write, on the data directories' file system."""
+    """pg_test_fsync: ops/s and us/op of each wal_sync_method for one 8 kB write."""
     done = subprocess.run(
         [str(PG_TEST_FSYNC), "-s", str(seconds), "-f", str(directory / "pg_test_fsync.out")],
         capture_output=True, text=True, timeout=60 + 20 * seconds)  # fmt: skip
@@ -169,9 +158,8 @@ class Phase:
     def short(self) -> bool:
         """Fewer beats than a Poisson schedule at the target rate gives but for bad luck."""
         expected = (self.target_rate or 0) * self.wall_seconds
-        return self.target_rate is not None and len(
-            self.done
-        ) < expected - PACED_SIGMAS * math.sqrt(expected)
+        done = len(self.done)
+        return self.target_rate is not None and done < expected - PACED_SIGMAS * math.sqrt(expected)
 
     def summary(self, required_rate: float) -> Json:
         start = min((at - latency for at, latency in self.done), default=0)
@@ -198,8 +186,7 @@ class Phase:
 
 
 def _meter(server_pid: int, *, children: bool) -> proc.Meter:
-    """The client's CPU (this process, or the pgbench it waited for), PostgreSQL's, and the
-    machine's busy and steal time."""
+    """CPU of the client (this process or pgbench), PostgreSQL, the machine (busy, steal)."""
     return proc.Meter(client=proc.children_cpu if children else time.process_time,
                       server=lambda: proc.cpu_seconds(server_pid, tree=True),
                       busy=lambda: proc.machine_busy()[0],
@@ -208,9 +195,8 @@ def _meter(server_pid: int, *, children: bool) -> proc.Meter:
 
 def _pgbench(url: str, instance: str, count: int, workdir: Path, phase: Phase,
              seconds: int) -> subprocess.Popen[str]:  # fmt: skip
-    """pgbench running the adapter's heartbeat statement for a random node of `count`, closed
-    loop or at phase.target_rate/s, one log line per transaction. `\\gset` fails a client
-    whose node had no row for this instance."""
+    """pgbench: the adapter's heartbeat for a random node, closed loop or at phase.target_rate/s,
+    logging each transaction; `\\gset` fails a client whose node had no row."""
     heartbeat = " ".join(sql._HEARTBEAT.split())
     for parameter, value in (("$1", "'node-' || lpad(:node::text, 5, '0')"), ("$2", "'online'"),
                              ("$3", ":instance")):  # fmt: skip
@@ -282,8 +268,7 @@ def _gc_pauses() -> Iterator[Json]:
 
 async def _queries(registry: AsyncpgRegistry, profiles: Sequence[NodeProfile], repeats: int,
                    load: str) -> list[Json]:  # fmt: skip
-    """Each requirement set `repeats` times through eligible(), then nodes(liveness=online),
-    checked against the nodes the Python matcher picks."""
+    """eligible() per requirement set, then nodes(), `repeats` times; checked by the matcher."""
     cases: list[tuple[str, Callable[[], Awaitable[Sequence[Any]]], set[str]]] = [
         (label, functools.partial(registry.eligible, r),
          {p.node_id for p in profiles if not match_requirements(r, p)})
@@ -345,9 +330,8 @@ async def _server_ms(registry: AsyncpgRegistry, label: str) -> tuple[float | Non
     for line in plan:
         if match := _SCAN.search(line):
             index = match[2] or (line.split(" on ", 1)[1].split()[0] if "Bitmap" in line else "")
-            scans.append(
-                f"{_SCANS[match[1]]} {index.removeprefix('idx_worker_capabilities_')}".strip()
-            )
+            index = index.removeprefix("idx_worker_capabilities_")
+            scans.append(f"{_SCANS[match[1]]} {index}".strip())
     return (round(statistics.median(times), 3) if times else None), " + ".join(scans) or "-"
 
 
@@ -366,9 +350,10 @@ async def _table_stats(registry: AsyncpgRegistry) -> Json:
 
 
 async def _measure(server: EmbeddedPostgres, label: str, profiles: Sequence[NodeProfile],
-                   setup: Json, workdir: Path) -> Json:  # fmt: skip
+                   options: Options, workdir: Path) -> Json:  # fmt: skip
     """Everything on one server, as its JSON summary."""
-    url, pid, repeats, count = server.url, server.pid or 0, setup["query_repeats"], len(profiles)
+    url, pid, count = server.url, server.pid or 0, len(profiles)
+    repeats = 30 if options.quick else 200
     failures: list[str] = []
     required = count / INTERVAL_SECONDS
     beats = AsyncpgRegistry(url, timeout=TIMEOUT, max_connections=max(CONNECTIONS))
@@ -404,9 +389,8 @@ async def _measure(server: EmbeddedPostgres, label: str, profiles: Sequence[Node
         meter, started = _meter(pid, children=False), time.perf_counter()
         await asyncio.gather(*(upsert() for _ in range(CONNECTIONS[0])))
         register.wall_seconds, register.cpu = time.perf_counter() - started, meter.spent()
-        if (
-            registered := await reader.pool.fetchval("SELECT count(*) FROM worker_capabilities")
-        ) != count:
+        registered = await reader.pool.fetchval("SELECT count(*) FROM worker_capabilities")
+        if registered != count:
             failures.append(f"registration: {registered} rows for {count} nodes")
         await reader.pool.execute("ANALYZE worker_capabilities")
         after_register = await _table_stats(reader)
@@ -418,9 +402,9 @@ async def _measure(server: EmbeddedPostgres, label: str, profiles: Sequence[Node
             phase.cpu = meter.spent()
             return phase
 
-        seconds, wide = max(1, round(setup["duration_seconds"])), max(CONNECTIONS)
+        seconds, wide = max(1, round(options.duration)), max(CONNECTIONS)
         paced = f"heartbeat, paced {required:.0f}/s"
-        await asyncio.to_thread(pgbench, "warm-up", wide, max(1, round(setup["warmup_seconds"])))
+        await asyncio.to_thread(pgbench, "warm-up", wide, max(1, round(options.warmup)))
         phases = [await asyncio.to_thread(pgbench, "heartbeat, closed loop", c, seconds)
                   for c in CONNECTIONS]  # fmt: skip
         phases.append(await asyncio.to_thread(pgbench, paced, wide, seconds, required))
@@ -432,10 +416,8 @@ async def _measure(server: EmbeddedPostgres, label: str, profiles: Sequence[Node
         idle_seconds = time.monotonic() - began
         await _refresh(reader)
         plan = await _explain(reader, EXPLAINED, "ANALYZE, BUFFERS")
-        for result in idle:
-            result["server_execution_ms"], result["scans"] = await _server_ms(
-                reader, result["query"]
-            )
+        for q in idle:
+            q["server_execution_ms"], q["scans"] = await _server_ms(reader, q["query"])
         prepared = await _fetch(
             reader,
             "SELECT statement, generic_plans, custom_plans FROM "

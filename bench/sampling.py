@@ -62,8 +62,7 @@ def _where(frame: str) -> tuple[str, str]:
 
 
 def summarize(raw: str) -> Json:
-    """Shares of samples: by the package of the innermost frame, by function inclusive and
-    by the innermost function."""
+    """Shares of samples by innermost package, by function inclusive and by innermost function."""
     counters: dict[str, Counter[str]] = {k: Counter() for k in ("by_package", "inclusive", "self")}
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")

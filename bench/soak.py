@@ -1,14 +1,10 @@
 """The soak run: `python -m bench.soak`. Does the manager leak under steady, realistic load?
 
-The manager (`python -m app serve`) runs against real PostgreSQL and nats-server, the local
-backend and the control plane, syncing and reporting every 10 s, while wrk pings it for
-every workload every 5 s (a new connection each time, 2% 'degraded'), noop jobs flow
-through JetStream (the job kinds of one tier in turn) and a few desired versions change
-every minute; its /metrics is read every ~10 s. Leaks are judged between two quiet readings
-(load paused after the warm-up, stopped at the end; consumers drained, then QUIET_SECONDS;
-the least of QUIET_READS reads of the task gauge). Errors are whole-run totals and must be
-0; every job JetStream acked must be completed in the ledger; the cluster must end
-converged. Exit code 1 when a check fails, 2 for a bad setting, 130 when interrupted.
+The manager runs against real PostgreSQL, nats-server, the local backend and the control
+plane while wrk pings every workload every 5 s, noop jobs flow through JetStream and a few
+desired versions change every minute. Leaks are judged between two quiet readings (load
+paused after the warm-up, stopped at the end); errors (whole run) must be 0, every acked job
+completed in the ledger, the cluster converged. Exit 1: a check failed; 2: a bad setting.
 
 Environment: SOAK_SECONDS (600, warm-up included), SOAK_WARMUP_SECONDS (60), SOAK_WORKLOADS
 (100), SOAK_JOB_RATE (10 jobs/s), SOAK_BUMP_SECONDS (60; 0: never), SOAK_OUTPUT
@@ -245,8 +241,7 @@ class World:
 
 @contextmanager
 def started(config: Config) -> Iterator[World]:
-    """Every server up, the desired state served, the manager ready; all stopped in reverse
-    order on any exit, an exception or Ctrl-C included."""
+    """Every server up and the manager ready; all stopped in reverse order on any exit."""
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         _say(f"starting PostgreSQL, nats-server and the control plane under {workdir}")
@@ -280,8 +275,7 @@ def started(config: Config) -> Iterator[World]:
 
 
 async def pings(world: World, seconds: float) -> Json:
-    """wrk for `seconds`: one connection per workload, each pinging every `ping_interval`
-    after its answer, on a new connection each time."""
+    """wrk: one connection per workload, pinging every `ping_interval` on a new connection."""
     tokens = [f"{n}={ping_token(SECRET, n)}" for n in sorted(world.desired)]
     env = os.environ | {"PINGS_DELAY_MS": str(int(world.config.ping_interval * 1000)),
                         "PINGS_VERSIONS": str(world.workdir / "ping-versions.txt"),

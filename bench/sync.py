@@ -1,16 +1,10 @@
 """The sync benchmark: the Syncer, built as the app builds it, against a local backend and
-a real Kubernetes control plane.
+a real Kubernetes control plane (kube-apiserver, deployment controller, kwok nodes).
 
-N desired workloads (1,000; 100 with --quick), one plain Deployment manifest each
-(standins/sync_world.py), on the local backend (signatures checked, in a thread of this
-process: wall and CPU times include its work) and a real kube-apiserver and deployment
-controller (kwok nodes, bench/cluster.py; the manager with its own ServiceAccount token):
-converge from empty, a second sync, steady-state syncs (target: exactly 2 requests) and a
-bump of 10% of the versions, at the default SYNC_CONCURRENCY and at 16, each on a namespace
-emptied first. Kubernetes requests are the API server's own counts, before and after each
-timed sync, taken once every rollout is done (`GET(404)`: a create first reads the name;
-`PATCH(201)`: an apply that created; no status: 200). Checked before reporting: the
-cluster's managed Deployments and the versions reported to the backend.
+N desired workloads (1,000; 100 with --quick): converge from empty, a second sync, steady
+state (target: exactly 2 requests) and a 10% version bump, at the default SYNC_CONCURRENCY
+and at 16. Requests are the API server's own counts (`GET(404)`: a create reads the name
+first; `PATCH(201)`: an apply that created). The cluster and the reported versions are checked.
 """
 
 from __future__ import annotations
@@ -73,9 +67,8 @@ def _peak(reset: bool = True) -> int:
 
 
 def _as_expected(outcome: SyncOutcome, requests: Requests) -> bool | None:
-    """Whether the counted requests are exactly those the Syncer's results imply: a LIST,
-    and one more after any change; per create a GET (404) and an apply (201), per update an
-    apply. None when a result has no such fixed cost (a conflict, a delete, a failure)."""
+    """Whether the counts are exactly what the results imply (a LIST, one more after a change;
+    create: GET(404) + PATCH(201); update: PATCH); None for a conflict, delete or failure."""
     expected: Counter[str] = Counter({"LIST": 1})
     for result in outcome.results:
         if (result.action, result.outcome) == ("noop", "unchanged"):
@@ -117,9 +110,7 @@ class World:
     rollouts: dict[str, float] = field(default_factory=dict)  # phase -> seconds to roll out
 
     async def reset(self) -> None:
-        """An empty backend and no Deployments, ReplicaSets or Pods in the namespace, so the
-        controllers' clean-up of the previous run does not overlap this one (one
-        DELETECOLLECTION: kubectl deletes one object at a time, minutes for 1,000)."""
+        """An empty backend and namespace, so the previous run's clean-up does not overlap."""
         self.backend.reset()
         self.cluster.delete_deployments()
 
@@ -190,10 +181,7 @@ class World:
     async def unchanged(self, syncer: Syncer) -> Json:
         phase, _ = await self.timed_sync(syncer)
         n = len(self.names)
-        check(
-            phase["outcomes"] == {"unchanged": n},
-            f"expected {n} unchanged, got {phase['outcomes']}",
-        )
+        check(phase["outcomes"] == {"unchanged": n}, f"expected {n} unchanged: {phase['outcomes']}")
         return phase
 
 
@@ -293,9 +281,7 @@ def run(options: Options) -> Json:
                 runs = asyncio.run(_measure_all(world, repeats))
             versions = json.loads(found.plane.kubectl("version", "-o", "json").stdout)
     setup = {
-        "workloads": n, "steady_repeats": repeats, "bump_every": BUMP_EVERY,
-        "concurrencies": [int(c) for c in runs], "default_concurrency": DEFAULT_CONCURRENCY,
-        "settings_from_environment": overridden(EXPLICIT),
+        "workloads": n, "settings_from_environment": overridden(EXPLICIT),
         "kubernetes": versions.get("serverVersion", {}).get("gitVersion", ""),
         "control_plane_start_seconds": plane_seconds, "rollout_seconds_after": world.rollouts,
     }  # fmt: skip
@@ -358,9 +344,8 @@ def _table(run: Mapping[str, Any], n: int, repeats: int) -> Json:
 def _converge_table(setup: Mapping[str, Any], runs: Mapping[str, Any]) -> Json:
     n, rows = setup["workloads"], []
     for c, run in runs.items():
-        if (p := run["phases"].get("converge")) and (run["failure"] or {}).get(
-            "phase"
-        ) != "converge":
+        failed = (run["failure"] or {}).get("phase") == "converge"
+        if (p := run["phases"].get("converge")) and not failed:
             wall, cpu = p["wall_seconds"], p["cpu_seconds"]
             rows.append([c, wall, n / wall, (p["backend_requests"] + p["kube_requests"]) / n, cpu,
                          "yes" if cpu >= CPU_BOUND * wall else "no",
