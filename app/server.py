@@ -79,11 +79,14 @@ _OVERRIDDEN = (
     "on_message_complete",
     "on_response_complete",
     "handle_websocket_upgrade",
+    # called, not overridden
+    "_unset_keepalive_if_required",
+    "timeout_keep_alive_handler",
 )
 _USED = (
     "timeout_keep_alive", "connections", "cycle", "pipeline", "loop", "transport", "flow", "app",
     "server", "client", "parser", "server_state", "limit_concurrency",
-    "expect_100_continue",
+    "expect_100_continue", "timeout_keep_alive_task",
 )  # fmt: skip
 # where a request head can end: its blank line (CRLF CRLF, or a bare LF the parser may
 # accept). The parser is fed up to and including one of these at a time, so one feed
@@ -271,6 +274,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         # the workload whose ping is being read on the fast path, and its body so far
         self._ping: PingTarget | None = None
         self._ping_body = b""
+        self._keepalive_due = False  # a ping was answered: arm the keep-alive timer
         # a fast-path answer would skip the access log or the concurrency limit
         self._pings = (
             None if config.access_log or self.limit_concurrency is not None else self.pings
@@ -333,39 +337,47 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
-        # (the path of every request: attribute reads are kept to what each step needs)
+        # (the path of every request: attribute reads are kept to what each step needs; the
+        # read is walked by offset, not sliced down, so a read of many pipelined requests
+        # costs its length once, not once per request)
         if self._deadline is None and self._reading_head:
             self._head_began()  # the first bytes of a new head on a kept-alive connection
         limit = self._limits.max_header_bytes
         transport = self.transport
-        while data:
+        at, size = 0, len(data)
+        while at < size:
             body_left = None if self._reading_head else self._body_left
             if body_left:  # up to the body's end
-                cut = min(len(data), body_left)
-                self._body_left = body_left - cut
+                end = at + min(size - at, body_left)
+                self._body_left = body_left - (end - at)
             else:
                 if self._reading_head and self._answers_pending():
                     # between requests (or in a head) while an answer is owed: the rest
                     # waits unparsed until it is written
-                    self._hold(data)
+                    self._hold(data[at:])
                     return
                 # a piece ends after the next blank line: it completes at most one head
-                end = _BLANK_LINE.search(data)
-                cut = len(data) if end is None else end.end()
-                if cut > limit - self._held:
-                    rest = self._feed_over(data, limit)
+                found = _BLANK_LINE.search(data, at)
+                end = size if found is None else found.end()
+                if end - at > limit - self._held:
+                    rest = self._feed_over(data[at:], limit)
                     if rest is None:
                         return
-                    data = rest
+                    data, at, size = rest, 0, len(rest)
                     continue
-            if cut < len(data):
-                piece, data = data[:cut], data[cut:]
-            else:
-                piece, data = data, b""
+            piece = data if at == 0 and end == size else data[at:end]
+            at = end
             self._held += len(piece)  # the parser's callbacks reset it
             _base.data_received(self, piece)
             if self._handed_over or transport.is_closing():
                 return  # refused by the parser, or handed over (a WebSocket upgrade)
+        if self._keepalive_due:  # pings were answered in this read: idle from now on
+            self._keepalive_due = False
+            if self._reading_head and not self._answers_pending():
+                self._unset_keepalive_if_required()
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
 
     def _feed_over(self, data: bytes, limit: int) -> bytes | None:
         """Feed the parser no more than it may hold: past that it must have finished the
@@ -472,9 +484,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             head += (key, b": ", value, b"\r\n")
         head += (b"x-request-id: ", request_id, b"\r\n\r\n")
         self.transport.write(b"".join(head))
-        # uvicorn's bookkeeping of a complete response (keep-alive timer, reading on); what
-        # this protocol adds to it concerns answers owed, and none is
-        _base.on_response_complete(self)
+        # uvicorn's bookkeeping of a complete response, but its keep-alive timer once the
+        # read is parsed (`_feed`), not once per answer: a read of pipelined pings would
+        # leave a cancelled timer per ping alive until the loop's next turn
+        self.server_state.total_requests += 1
+        self._keepalive_due = True
 
     # --- the bounds
 

@@ -583,6 +583,36 @@ async def test_pipelined_requests_stay_unparsed_while_one_is_answered(
         assert grown < 16 * 1024 * 1024, f"RSS grew by {grown >> 20} MiB on {total} bytes"
 
 
+async def test_valid_pings_pipelined_never_read_are_answered_until_the_write_buffer_is_full(
+    tmp_path: Path,
+) -> None:
+    """One connection pipelines 8 MiB of valid pings and never reads an answer. The server
+    answers pings as it parses them, which costs the manager nothing while the kernel
+    takes the answers; once the connection's write buffer is full the next ping waits for
+    it to drain like any request, and what follows stays unread in the kernel (not in the
+    manager): its memory grows by the buffer, not with the ~50,000 answers (uvicorn's
+    keep-alive timer, armed per answer, left 20 MiB of cancelled timers behind; it is
+    armed once a read)."""
+    ping = ping_request()
+    attack = ping * (8 * 1024 * 1024 // len(ping))
+    with running(tmp_path, HTTP_HEADER_TIMEOUT_SECONDS="60") as m:
+        process = psutil.Process(m.pid)
+        for _ in range(3):
+            assert await ping_once(m) == 204
+        peak_rss_reset(m.pid)
+        before = process.memory_info().rss
+        async with connections(m, 1) as [(_, writer)]:
+            writer.write(attack)  # buffered by the client's transport; never drained here
+
+            async def held() -> bool:
+                return unread_bytes(m.port) > 0
+
+            await eventually(held, within=30)
+            assert await ping_once(m, source=OTHER_CLIENT) == 204
+            grown = max(peak_rss(m.pid), process.memory_info().rss) - before
+        assert grown < 8 * 1024 * 1024, f"RSS grew by {grown >> 20} MiB"
+
+
 async def probe(port: int, path: str) -> int:
     """GET `path` on a connection of its own, as the kubelet probes (0: refused or cut)."""
     try:
