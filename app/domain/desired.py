@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.domain.health import is_workload_name
+from app.domain.rollout import RolloutSpec, UpdateSpec
 
 # the MAX_DESIRED_WORKLOADS default
 DEFAULT_MAX_WORKLOADS = 200
@@ -31,6 +32,10 @@ class DesiredWorkload(BaseModel):
     # what the backend last recorded as running here (its answer to the version PUTs);
     # advisory: a value that is not a version is read as unknown, never as an error
     reported_version: str | None = None
+    # how an update to a new version is made and judged (app/domain/rollout.py); absent,
+    # the node's defaults and every node at once
+    update: UpdateSpec | None = None
+    rollout: RolloutSpec | None = None
 
     @field_validator("reported_version", mode="before")
     @classmethod

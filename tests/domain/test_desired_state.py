@@ -85,3 +85,100 @@ def test_a_desired_state_with_more_workloads_than_the_bound_is_refused_whole() -
     ):
         parse_desired(workloads(3), max_workloads=2)
     assert len(parse_desired(workloads(2), max_workloads=2).workloads) == 2
+
+
+def one(**fields: Any) -> dict[str, Any]:
+    return {"workloads": [{"name": "api", "version": "1.4.3", **fields}]}
+
+
+def test_update_and_rollout_parse_and_ignore_unknown_fields() -> None:
+    workload = parse_desired(
+        one(
+            update={
+                "judge": "pings",
+                "min_healthy_seconds": 60,
+                "deadline_seconds": 600,
+                "revert": True,
+                "window": {"days": ["sat", "sun"], "start": "02:00", "end": "05:00",
+                           "tz": "Europe/Kyiv", "later": 1},
+                "max_defer_seconds": 1800,
+                "later": True,
+            },
+            rollout={"percent": 20, "halt": False, "seed": "api/1.4.3", "later": 1},
+        )
+    ).workloads[0]  # fmt: skip
+    assert workload.update is not None and workload.rollout is not None
+    assert workload.update.judge == "pings"
+    assert workload.update.window is not None
+    assert workload.update.window.days == ("sat", "sun")
+    assert workload.update.window.tz == "Europe/Kyiv"
+    assert (workload.rollout.percent, workload.rollout.halt) == (20, False)
+
+
+def test_update_fields_left_out_are_the_node_s_defaults() -> None:
+    workload = parse_desired(one(update={}, rollout={})).workloads[0]
+    assert workload.update is not None and workload.rollout is not None
+    assert workload.update.model_dump() == {
+        "judge": None,
+        "min_healthy_seconds": None,
+        "deadline_seconds": None,
+        "revert": None,
+        "window": None,
+        "max_defer_seconds": None,
+    }
+    assert workload.rollout.model_dump() == {"percent": 100, "halt": False, "seed": None}
+    plain = parse_desired(one()).workloads[0]
+    assert (plain.update, plain.rollout) == (None, None)
+
+
+WINDOW = {"start": "02:00", "end": "05:00"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"update": 5}, "workloads.0.update"),
+        ({"update": {"judge": "maybe"}}, "workloads.0.update.judge"),
+        ({"update": {"min_healthy_seconds": 1}}, "workloads.0.update.min_healthy_seconds"),
+        ({"update": {"min_healthy_seconds": 3601}}, "workloads.0.update.min_healthy_seconds"),
+        ({"update": {"deadline_seconds": 5}}, "workloads.0.update.deadline_seconds"),
+        ({"update": {"deadline_seconds": 86_401}}, "workloads.0.update.deadline_seconds"),
+        ({"update": {"deadline_seconds": "nan"}}, "workloads.0.update.deadline_seconds"),
+        ({"update": {"revert": "sometimes"}}, "workloads.0.update.revert"),
+        ({"update": {"max_defer_seconds": -1}}, "workloads.0.update.max_defer_seconds"),
+        ({"update": {"max_defer_seconds": 8 * 86_400}}, "workloads.0.update.max_defer_seconds"),
+        ({"update": {"window": {"end": "05:00"}}}, "workloads.0.update.window.start"),
+        ({"update": {"window": {**WINDOW, "start": "2:00"}}}, "workloads.0.update.window.start"),
+        ({"update": {"window": {**WINDOW, "end": "24:00"}}}, "workloads.0.update.window.end"),
+        (
+            {"update": {"window": {**WINDOW, "end": "02:00"}}},
+            "workloads.0.update.window: Value error, start and end",
+        ),
+        ({"update": {"window": {**WINDOW, "days": []}}}, "workloads.0.update.window.days"),
+        (
+            {"update": {"window": {**WINDOW, "days": ["sat", "saturday"]}}},
+            "workloads.0.update.window.days.1",
+        ),
+        (
+            {"update": {"window": {**WINDOW, "days": ["sat", "sat"]}}},
+            "workloads.0.update.window.days",
+        ),
+        ({"update": {"window": {**WINDOW, "tz": "Mars/Olympus"}}}, "workloads.0.update.window.tz"),
+        (
+            {"update": {"window": {**WINDOW, "tz": "../../etc/passwd"}}},
+            "workloads.0.update.window.tz",
+        ),
+        ({"update": {"window": {**WINDOW, "tz": "zone.tab"}}}, "workloads.0.update.window.tz"),
+        ({"rollout": []}, "workloads.0.rollout"),
+        ({"rollout": {"percent": -1}}, "workloads.0.rollout.percent"),
+        ({"rollout": {"percent": 100.5}}, "workloads.0.rollout.percent"),
+        ({"rollout": {"percent": "half"}}, "workloads.0.rollout.percent"),
+        ({"rollout": {"halt": "soon"}}, "workloads.0.rollout.halt"),
+        ({"rollout": {"seed": ""}}, "workloads.0.rollout.seed"),
+        ({"rollout": {"seed": "s" * 129}}, "workloads.0.rollout.seed"),
+    ],
+)
+def test_a_malformed_update_or_rollout_names_the_field(fields: dict[str, Any], where: str) -> None:
+    with pytest.raises(DesiredStateError) as caught:
+        parse_desired(one(**fields))
+    assert str(caught.value).startswith(where)
