@@ -45,10 +45,12 @@ class _StateCollector(Collector):
         workloads: Callable[[], dict[str, int]],
         components: Callable[[], dict[str, bool]],
         uptimes: Callable[[], list[tuple[str, str, float]]],
+        updates: Callable[[], list[tuple[str, str]]],
     ) -> None:
         self._workloads = workloads
         self._components = components
         self._uptimes = uptimes
+        self._updates = updates
 
     def collect(self) -> Iterable[Metric]:
         by_status = GaugeMetricFamily(
@@ -65,6 +67,16 @@ class _StateCollector(Collector):
         for name, window, value in self._uptimes():
             uptime.add_metric([name, window], value)
         yield uptime
+        update = GaugeMetricFamily(
+            f"{PREFIX}_workload_update_state",
+            "1 for the state of each managed workload's update (current, waiting-wave, "
+            "halted, outside-window, deferred, applying, judging, healthy, rolled-back, "
+            "held-failed).",
+            labels=["workload", "state"],
+        )
+        for name, state in self._updates():
+            update.add_metric([name, state], 1.0)
+        yield update
         up = GaugeMetricFamily(
             f"{PREFIX}_component_up",
             "1 when an enabled component is not failing, 0 when failing; absent when off.",
@@ -183,6 +195,13 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.workload_updates = Counter(
+            f"{PREFIX}_workload_updates_total",
+            "Workload update outcomes: applied, healthy, rolled_back, held (both versions "
+            "failed, or nowhere to go back to).",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.workload_restarts = Counter(
             f"{PREFIX}_workload_restarts_total",
             "Rollout restarts made by uptime management, by outcome (restarted, failed, "
@@ -221,5 +240,6 @@ class Metrics:
         workloads: Callable[[], dict[str, int]],
         components: Callable[[], dict[str, bool]],
         uptimes: Callable[[], list[tuple[str, str, float]]] = list,
+        updates: Callable[[], list[tuple[str, str]]] = list,
     ) -> None:
-        self.registry.register(_StateCollector(workloads, components, uptimes))
+        self.registry.register(_StateCollector(workloads, components, uptimes, updates))

@@ -482,6 +482,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         head = [b"HTTP/1.1 204 No Content\r\n"]
         for key, value in self.server_state.default_headers:
             head += (key, b": ", value, b"\r\n")
+        notice = pings.notice(target)
+        if notice is not None:
+            head += (b"x-workload-update: ", notice, b"\r\n")
         head += (b"x-request-id: ", request_id, b"\r\n\r\n")
         self.transport.write(b"".join(head))
         # uvicorn's bookkeeping of a complete response, but its keep-alive timer once the

@@ -15,7 +15,7 @@ import re
 from datetime import time
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -163,6 +163,18 @@ class Settings(BaseSettings):
     sync_max_deletes: int = Field(default=5, ge=0, le=10_000)
     sync_max_delete_percent: float = _ranged(50.0, 0.0, 100.0)
     cluster_refresh_seconds: float = _ranged(15.0, 1.0, 3_600.0)
+    # safe rollout of workload updates (app/domain/rollout.py): the defaults a desired
+    # workload's `update` overrides, and how often an update in flight is looked at
+    workload_update_judge: Literal["auto", "pings", "rollout", "off"] = "auto"
+    workload_update_min_healthy_seconds: float = _ranged(60.0, 2.0, 3_600.0)
+    workload_update_deadline_seconds: float = _ranged(600.0, 10.0, 86_400.0)
+    workload_update_unhealthy_seconds: float = _ranged(60.0, 1.0, 86_400.0)
+    workload_update_revert: bool = True
+    # when workload updates may start: `HH:MM-HH:MM` (UTC) or the JSON window object
+    workload_update_window: str | None = None
+    update_defer_max_seconds: float = _ranged(3_600.0, 0.0, 7 * 86_400.0)
+    update_defer_step_seconds: float = _ranged(600.0, 1.0, 86_400.0)
+    update_judge_interval_seconds: float = _ranged(5.0, 0.2, 300.0)
     # uptime management: rollout restarts of managed workloads that stay bad
     uptime_restart_enabled: bool = True
     uptime_restart_after_seconds: float = _ranged(180.0, 10.0, 86_400.0)
@@ -301,6 +313,16 @@ class Settings(BaseSettings):
                 "dots and hyphens, and the object's key)"
             )
         return value
+
+    @field_validator("workload_update_window")
+    @classmethod
+    def _update_window(cls, value: str | None) -> str | None:
+        if value is not None and value.strip():
+            from app.domain.rollout import UpdateWindow
+
+            UpdateWindow.from_setting(value)  # a ValueError names what is wrong
+            return value
+        return None
 
     @model_validator(mode="after")
     def _probe_port_of_its_own(self) -> Settings:

@@ -36,6 +36,7 @@ STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
 FIELD_MANAGER = "workload-manager"
 RESTART_FIELD_MANAGER = "workload-manager-uptime"
+ROLLOUT_FIELD_MANAGER = "workload-manager-rollout"
 RESTARTED_AT = "kubectl.kubernetes.io/restartedAt"  # what `kubectl rollout restart` sets
 DEFAULT_KUBECONFIG = Path("~/.kube/config")
 IN_CLUSTER_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -285,6 +286,15 @@ class KubeDeployments:
         return await self._patch(
             f"restart deployment {name}", name, patch, STRATEGIC_MERGE_PATCH,
             manager=RESTART_FIELD_MANAGER,
+        )  # fmt: skip
+
+    async def annotate(self, name: str, annotations: dict[str, str]) -> dict[str, Any]:
+        """Set annotations on a Deployment (the update record), under a field manager of
+        their own: nothing else of the object is touched."""
+        patch = {"metadata": {"annotations": annotations}}
+        return await self._patch(
+            f"annotate deployment {name}", name, patch, STRATEGIC_MERGE_PATCH,
+            manager=ROLLOUT_FIELD_MANAGER,
         )  # fmt: skip
 
     async def _patch(

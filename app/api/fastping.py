@@ -73,6 +73,10 @@ class PingAnswers:
         known = self._targets[target] = PingTarget(name, token)
         return known
 
+    def notice(self, target: PingTarget) -> bytes | None:
+        """The `x-workload-update` value for the answer to a ping just recorded, if any."""
+        return self._book.update_notice(target.name)
+
     def answer(
         self, target: PingTarget, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> bytes | None:

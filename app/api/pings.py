@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from app.api.auth import check_ping_token
 from app.api.deps import BookDep, MetricsDep, SettingsDep
 from app.domain.health import DNS1123_LABEL, Ping, is_workload_name
-from app.services.workloads import BookFull
+from app.services.workloads import UPDATE_HEADER, BookFull
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["workloads"])
@@ -93,6 +93,17 @@ def _name_error(name: str) -> RequestValidationError:
         413: {"description": "Body larger than the ping limit (16 KiB by default)"},
         422: {"description": "Invalid workload name or body; `loc` names the field"},
         429: {"description": "The node tracks the maximum number of workloads"},
+        204: {
+            "description": "Recorded",
+            "headers": {
+                UPDATE_HEADER: {
+                    "description": "Present while an update of this workload is pending: "
+                    "`version=<target>; state=<waiting-wave|halted|outside-window|deferred|"
+                    "applying>`",
+                    "schema": {"type": "string"},
+                }
+            },
+        },
     },
     summary="Record a workload's health ping",
 )
@@ -132,4 +143,6 @@ async def post_ping(
             detail=f"the node already tracks {settings.max_tracked_workloads} workloads",
         ) from None
     metrics.count_ping(name, ping.status.value)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+    notice = book.update_notice(name)
+    headers = {UPDATE_HEADER: notice.decode()} if notice is not None else None
+    return Response(status_code=status.HTTP_204_NO_CONTENT, headers=headers)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -29,6 +29,20 @@ class ComponentInfo(BaseModel):
     detail: dict[str, Any]
 
 
+class UpdateInfo(BaseModel):
+    """A workload's update as the node last decided it (docs/rollout.md)."""
+
+    target: str
+    state: Literal[
+        "current", "waiting-wave", "halted", "outside-window", "deferred", "applying",
+        "judging", "healthy", "rolled-back", "held-failed",
+    ]  # fmt: skip
+    since: datetime
+    reason: str
+    place: float
+    failed_versions: list[str]
+
+
 class WorkloadInfo(BaseModel):
     name: str
     status: str
@@ -41,6 +55,7 @@ class WorkloadInfo(BaseModel):
     rollout: str | None
     uptime_24h: float | None = None
     uptime_7d: float | None = None
+    update: UpdateInfo | None = None
 
 
 class ReportInfo(BaseModel):

@@ -40,7 +40,9 @@ router = APIRouter(
 
 
 def _workload(view: WorkloadView) -> WorkloadInfo:
-    return WorkloadInfo(**scrub(asdict(view)))
+    fields = asdict(view)
+    fields["update"] = view.update.as_dict() if view.update is not None else None
+    return WorkloadInfo(**scrub(fields))
 
 
 def build_status(rt: Runtime) -> Status:

@@ -107,6 +107,12 @@ class Ping(BaseModel):
     version: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     message: Annotated[str, Field(max_length=1024)] | None = None
     details: dict[str, Any] | None = None
+    # a request to hold a pending update back this long from now (a lease each ping
+    # renews; capped per ping by UPDATE_DEFER_STEP_SECONDS, per version by the cap), and why
+    defer_update_seconds: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)] | None = (
+        None
+    )
+    defer_reason: Annotated[str, Field(max_length=256)] | None = None
 
     @field_validator("details")
     @classmethod

@@ -33,6 +33,13 @@ MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
 ENV_MANAGER_URL = "WORKLOAD_MANAGER_URL"
 ENV_PING_TOKEN = "WORKLOAD_MANAGER_PING_TOKEN"
 ENV_WORKLOAD_NAME = "WORKLOAD_NAME"
+# the version the Deployment is put at, for a workload to echo in its pings' `version`
+ENV_WORKLOAD_VERSION = "WORKLOAD_VERSION"
+# the revision of the ping API the manager serves: a workload may send a field only a
+# revision that knows it accepts (pings refuse unknown fields). 2: `defer_update_seconds`
+# and `defer_reason`, and the `x-workload-update` header on the 204.
+ENV_MANAGER_API = "WORKLOAD_MANAGER_API"
+PING_API_REVISION = "2"
 
 # a Deployment nests about a dozen levels deep; far more is no manifest but an attack on
 # whatever walks it
@@ -160,7 +167,7 @@ def prepare_manifest(
         )
 
     for container in [*containers, *(pod.get("initContainers") or [])]:
-        _inject(container, name=name, injection=injection)
+        _inject(container, name=name, version=version, injection=injection)
 
     annotations = metadata.setdefault("annotations", {})
     annotations[VERSION_ANNOTATION] = version
@@ -252,8 +259,13 @@ def _own_rules(spec: dict[str, Any], *, name: str, max_replicas: int) -> list[Vi
     return found
 
 
-def _inject(container: dict[str, Any], *, name: str, injection: Injection) -> None:
-    wanted = {ENV_MANAGER_URL: injection.manager_url, ENV_WORKLOAD_NAME: name}
+def _inject(container: dict[str, Any], *, name: str, version: str, injection: Injection) -> None:
+    wanted = {
+        ENV_MANAGER_URL: injection.manager_url,
+        ENV_WORKLOAD_NAME: name,
+        ENV_WORKLOAD_VERSION: version,
+        ENV_MANAGER_API: PING_API_REVISION,
+    }
     if injection.ping_token is not None:
         wanted[ENV_PING_TOKEN] = injection.ping_token
     env = [

@@ -7,6 +7,36 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+# the update states in which a new version is known and not yet running
+PENDING_STATES = frozenset({"waiting-wave", "halted", "outside-window", "deferred", "applying"})
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateView:
+    """A workload's update as the node decided it last (app/domain/rollout_machine.py)."""
+
+    target: str
+    state: str
+    since: datetime
+    reason: str
+    place: float  # the node's place in the target's rollout, [0, 100)
+    failed_versions: tuple[str, ...] = ()
+    in_flight: bool = False  # applying, or judging an update or a revert
+
+    @property
+    def pending(self) -> bool:
+        return self.state in PENDING_STATES
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "state": self.state,
+            "since": _rfc3339(self.since),
+            "reason": self.reason,
+            "place": round(self.place, 3),
+            "failed_versions": list(self.failed_versions),
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class WorkloadView:
@@ -24,6 +54,7 @@ class WorkloadView:
     # share of time healthy (healthy or degraded) over the last 24 h and 7 d, when known
     uptime_24h: float | None = None
     uptime_7d: float | None = None
+    update: UpdateView | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +106,7 @@ def build_report(
                 "rollout": w.rollout,
                 "uptime_24h": w.uptime_24h,
                 "uptime_7d": w.uptime_7d,
+                "update": w.update.as_dict() if w.update else None,
             }
             for w in sorted(workloads, key=lambda w: w.name)
         ],

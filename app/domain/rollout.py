@@ -392,3 +392,49 @@ def judge(
     if late:
         return Failed(f"not healthy within {_num(deadline + needed)} s: {progress}")
     return Judging(progress)
+
+
+# --- the pings a judgement reads
+
+
+@dataclass(slots=True)
+class _Run:
+    version: str | None
+    bad: bool
+    first: PingSeen
+    last: PingSeen
+    count: int = 1
+
+
+class Trail:
+    """A workload's pings while its update is judged, kept short: consecutive pings of one
+    version and one kind (unhealthy, or not) are one run, kept as its first and last ping
+    and a count. That is all `judge` reads of them (runs of a version's pings, their first
+    and last times, two pings at least), so a judgement of an hour of 5 s pings costs a
+    few runs, not 720 pings. At most `MAX_RUNS` runs, the oldest dropped first."""
+
+    MAX_RUNS = 64
+    __slots__ = ("_runs",)
+
+    def __init__(self) -> None:
+        self._runs: list[_Run] = []
+
+    def add(self, seen: PingSeen) -> None:
+        bad = seen.status is PingStatus.UNHEALTHY
+        runs = self._runs
+        if runs and runs[-1].version == seen.version and runs[-1].bad == bad:
+            runs[-1].last = seen
+            runs[-1].count += 1
+            return
+        runs.append(_Run(seen.version, bad, seen, seen))
+        if len(runs) > self.MAX_RUNS:
+            del runs[0]
+
+    def pings(self) -> list[PingSeen]:
+        """The runs' first and last pings, in order: what `judge` needs of them."""
+        kept: list[PingSeen] = []
+        for run in self._runs:
+            kept.append(run.first)
+            if run.count > 1:
+                kept.append(run.last)
+        return kept

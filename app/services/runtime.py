@@ -159,7 +159,9 @@ def build_runtime(settings: Settings, *, clock: Callable[[], float] = time.monot
         runtime.refresh()
         return {n: c.healthy for n, c in components.items() if c.enabled}
 
-    metrics.watch_state(workloads=book.counts, components=healthy, uptimes=book.uptimes)
+    metrics.watch_state(
+        workloads=book.counts, components=healthy, uptimes=book.uptimes, updates=book.update_states
+    )
     return runtime
 
 

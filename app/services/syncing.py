@@ -53,7 +53,10 @@ from app.domain.manifests import (
     prepare_manifest,
 )
 from app.domain.planning import Action, ActionKind, LiveDeployment, SyncPolicy, plan_sync
+from app.domain.rollout_machine import RECORD_ANNOTATION, Step, dump_record
+from app.domain.rollout_machine import Action as StepAction
 from app.metrics import Metrics
+from app.services.rollouts import Rollouts
 from app.services.workloads import Deployed, WorkloadBook
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ DEFAULT_DEADLINE_SECONDS = 300.0
 REPLANS = 5
 
 SOURCE_ERRORS = (BackendError, DesiredStateError, DesiredFilesError)
+MAX_REPORT_REASON = 256
 
 
 class DesiredSource(Protocol):
@@ -72,7 +76,7 @@ class DesiredSource(Protocol):
 
     async def manifest(self, name: str, version: str) -> Any: ...
 
-    async def applied(self, name: str, version: str, at: datetime) -> None: ...
+    async def applied(self, name: str, report: VersionReport) -> None: ...
 
 
 class BackendSource:
@@ -98,9 +102,8 @@ class BackendSource:
     async def manifest(self, name: str, version: str) -> Any:
         return await self._backend.get_manifest(name, version)
 
-    async def applied(self, name: str, version: str, at: datetime) -> None:
-        body = {"version": version, "applied_at": at.isoformat().replace("+00:00", "Z")}
-        await self._backend.put_version(name, body)
+    async def applied(self, name: str, report: VersionReport) -> None:
+        await self._backend.put_version(name, report.body())
 
 
 class FolderSource:
@@ -115,8 +118,33 @@ class FolderSource:
     async def manifest(self, name: str, version: str) -> Any:
         return await self._files.load_manifest(name, version)
 
-    async def applied(self, name: str, version: str, at: datetime) -> None:
-        await self._files.record_applied(name, {"version": version, "applied_at": at.isoformat()})
+    async def applied(self, name: str, report: VersionReport) -> None:
+        await self._files.record_applied(name, report.body())
+
+
+@dataclass(frozen=True, slots=True)
+class VersionReport:
+    """A version PUT: `version` runs now (`applied_at`); `outcome` says what became of
+    the update (`applied`, judged `healthy`, or `rolled_back` from `attempted_version`
+    for `reason`)."""
+
+    version: str
+    at: datetime
+    outcome: str = "applied"
+    attempted_version: str | None = None
+    reason: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "version": self.version,
+            "applied_at": self.at.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+            "outcome": self.outcome,
+        }
+        if self.attempted_version is not None:
+            body["attempted_version"] = self.attempted_version
+        if self.reason:
+            body["reason"] = self.reason[:MAX_REPORT_REASON]
+        return body
 
 
 class SyncBusy(RuntimeError):
@@ -142,6 +170,7 @@ class WorkloadResult:
 class SyncOutcome:
     started_at: datetime
     dry_run: bool
+    fetched: bool = True  # False: a look with the desired state last read (rollout steps)
     finished_at: datetime | None = None
     duration_seconds: float = 0.0
     revision: str | None = None
@@ -168,6 +197,7 @@ class SyncOutcome:
             "finished_at": self.finished_at,
             "duration_seconds": round(self.duration_seconds, 3),
             "dry_run": self.dry_run,
+            "fetched": self.fetched,
             "revision": self.revision,
             "ok": self.ok,
             "aborted": self.aborted,
@@ -190,8 +220,12 @@ class Syncer:
         metrics: Metrics,
         cluster_lock: asyncio.Lock,
         deadline: float = DEFAULT_DEADLINE_SECONDS,
+        rollouts: Rollouts | None = None,
     ) -> None:
         self._deadline = deadline
+        self.rollouts = rollouts
+        # the desired state as last read: the rollout's looks between syncs decide from it
+        self._desired: DesiredState | None = None
         self.source = source
         self.kube = kube
         self._book = book
@@ -203,8 +237,8 @@ class Syncer:
         self._lock = cluster_lock
         # raw manifests by (name, version); one over MANIFEST_MAX_BYTES is kept as its hold
         self._manifests: dict[tuple[str, str], Any] = {}
-        # versions owed to the backend, and the last one it confirmed, per workload
-        self._unreported: dict[str, str] = {}
+        # version reports owed to the backend, and the last version it confirmed, per workload
+        self._unreported: dict[str, VersionReport] = {}
         self._reported: dict[str, str] = {}
         # the backend's `reported_version`s as last learned
         self._backend_view: dict[str, str] = {}
@@ -240,7 +274,9 @@ class Syncer:
     def outcome_of(self, sync: SyncOutcome) -> Outcome:
         """A sync as the supervisor records it on the `sync` component; the versions
         applied and not told to the backend yet (retried by the next syncs) with it."""
-        owed = {"versions_not_reported": dict(sorted(self._unreported.items()))}
+        owed = {
+            "versions_not_reported": {n: r.version for n, r in sorted(self._unreported.items())}
+        }
         if sync.dry_run:
             return Outcome.skipped("a dry run changes nothing", **owed)
         if sync.aborted is not None:
@@ -254,11 +290,25 @@ class Syncer:
             )
         return Outcome.ok(revision=sync.revision, counts=sync.counts(), **owed)
 
-    async def sync(self, *, dry_run: bool = False) -> SyncOutcome:
+    async def run_rollout(self) -> Outcome:
+        """A look between syncs while an update is in flight or waits on time (a window, a
+        deferral): the same sync, from the desired state last read (no backend call)."""
+        if self.rollouts is None or self._desired is None or not self.rollouts.ticking():
+            return Outcome.skipped("no update in flight")
+        if self._lock.locked():
+            return Outcome.skipped("another sync or a self-update is running")
+        return self.outcome_of(await self.sync(fetch=False))
+
+    async def sync(self, *, dry_run: bool = False, fetch: bool = True) -> SyncOutcome:
+        """One sync; `fetch=False` decides from the desired state last read."""
         if self._lock.locked():
             raise SyncBusy("a sync or a self-update is already running")
         async with self._lock:
-            outcome = SyncOutcome(started_at=datetime.now(UTC), dry_run=dry_run)
+            outcome = SyncOutcome(
+                started_at=datetime.now(UTC),
+                dry_run=dry_run,
+                fetched=fetch or self._desired is None,
+            )
             started = time.monotonic()
             self._stage, self._missed, self._undone = "", None, []
             limit = asyncio.timeout(self._deadline)
@@ -303,12 +353,16 @@ class Syncer:
 
     async def _sync(self, outcome: SyncOutcome) -> None:
         self._stage = "while reading the desired state, nothing changed"
-        try:
-            desired = await self.source.desired()
-        except SOURCE_ERRORS as exc:
-            outcome.aborted = f"desired state unavailable, nothing changed: {exc}"
-            outcome.retry_after = getattr(exc, "retry_after", None)
-            return
+        if outcome.fetched or self._desired is None:
+            try:
+                desired = await self.source.desired()
+            except SOURCE_ERRORS as exc:
+                outcome.aborted = f"desired state unavailable, nothing changed: {exc}"
+                outcome.retry_after = getattr(exc, "retry_after", None)
+                return
+            self._desired = desired
+        else:
+            desired = self._desired
         outcome.revision = desired.revision
         self._learn_reported(desired)
         self._stage = "while listing Deployments, nothing changed"
@@ -322,6 +376,7 @@ class Syncer:
         live = [LiveDeployment.from_object(o) for o in objects]
         plan = plan_sync(desired, live, self._policy)
         self._forget_manifests(desired)
+        steps = {} if outcome.dry_run else await self._decide_updates(desired, objects)
 
         semaphore = asyncio.Semaphore(self._concurrency)
         done: dict[str, WorkloadResult] = {}
@@ -329,8 +384,9 @@ class Syncer:
         async def run(action: Action) -> None:
             async with semaphore:
                 done[action.name] = await self._carry_out(
-                    action, desired, dry_run=outcome.dry_run, landed=done
-                )
+                    action, desired, dry_run=outcome.dry_run, landed=done,
+                    step=steps.get(action.name),
+                )  # fmt: skip
 
         # A task group, not gather: every action has ended (or been cancelled and
         # awaited) when it exits, so no write of this sync lands after it returns.
@@ -343,12 +399,43 @@ class Syncer:
                     group.create_task(run(action), name=f"sync-{action.name}")
         finally:
             outcome.results = [done.get(a.name) or self._not_done(a) for a in plan]
+            if self.rollouts is not None and not outcome.dry_run:
+                self.rollouts.publish(desired.by_name())
         self._stage = "after the plan was carried out, while re-reading rollout state"
         if not outcome.dry_run and any(r.outcome == "applied" for r in outcome.results):
             try:
                 self._book.set_deployed(_deployed(await self.kube.list_managed(MANAGED_SELECTOR)))
             except KubeError as exc:
                 log.warning("could not refresh rollout state after the sync: %s", exc)
+
+    async def _decide_updates(
+        self, desired: DesiredState, objects: list[dict[str, Any]]
+    ) -> dict[str, Step]:
+        """The update step of each desired workload with a managed Deployment (a create
+        is an install, not an update: its version is the first last good one)."""
+        rollouts = self.rollouts
+        if rollouts is None:
+            return {}
+        crash: dict[str, str] = {}
+        if rollouts.in_flight():  # a crash loop fails a judgement: looked at now
+            try:
+                crash = crashlooping_workloads(objects, await self.kube.list_pods())
+            except KubeError as exc:
+                log.warning("crash loops not checked for the updates judged: %s", exc)
+            else:
+                self._book.set_crashlooping(crash)
+        live = {LiveDeployment.from_object(o).name: o for o in objects}
+        steps: dict[str, Step] = {}
+        for workload in desired.workloads:
+            obj = live.get(workload.name)
+            if obj is None or workload.name in self._policy.protected:
+                continue
+            current = LiveDeployment.from_object(obj)
+            if current.managed and current.deleting_since is None:
+                steps[workload.name] = rollouts.decide(
+                    workload, obj, crash=crash.get(workload.name)
+                )
+        return steps
 
     def _not_done(self, action: Action) -> WorkloadResult:
         """A workload the sync did not finish before it ended; its error is set then."""
@@ -363,6 +450,7 @@ class Syncer:
         *,
         dry_run: bool,
         landed: dict[str, WorkloadResult],
+        step: Step | None = None,
     ) -> WorkloadResult:
         """The action's result; put in `landed` as soon as its outcome is known, so that a
         sync cut short by its deadline while telling the backend the version still
@@ -373,6 +461,8 @@ class Syncer:
                 result.outcome = "held"
             elif action.kind is ActionKind.DELETING:
                 pass  # deleted already; the cluster finishes it once its finalizers go
+            elif step is not None and action.kind in (ActionKind.UPDATE, ActionKind.NOOP):
+                await self._take_step(action, step, result, desired, landed)
             elif action.kind is ActionKind.NOOP:
                 landed[action.name] = result
                 if not dry_run:
@@ -381,14 +471,15 @@ class Syncer:
             elif action.kind is ActionKind.DELETE:
                 result.outcome = "planned" if dry_run else await self._delete(action, desired)
             else:
-                manifest = await self._prepared(action)
+                assert action.version is not None
+                manifest = await self._prepared(action.name, action.version)
                 if dry_run:
                     result.outcome = "planned"
                 else:
                     result.outcome, result.reason = await self._apply(action, manifest, desired)
                     landed[action.name] = result
-                    if result.outcome == "applied" and action.version is not None:
-                        self._unreported[action.name] = action.version
+                    if result.outcome == "applied":
+                        self._owe(action.name, VersionReport(action.version, datetime.now(UTC)))
                         await self._report_pending(action.name)
         except ManifestRejected as exc:
             result.outcome, result.action, result.reason = "held", "hold", str(exc)
@@ -404,17 +495,98 @@ class Syncer:
         self._metrics.sync_actions.labels(result.action, result.outcome).inc()
         return result
 
-    async def _prepared(self, action: Action) -> dict[str, Any]:
-        assert action.version is not None
-        key = (action.name, action.version)
+    async def _take_step(
+        self,
+        action: Action,
+        step: Step,
+        result: WorkloadResult,
+        desired: DesiredState,
+        landed: dict[str, WorkloadResult],
+    ) -> None:
+        """Carry out a workload's update step (`app/services/rollouts.py`)."""
+        rollouts = self.rollouts
+        assert rollouts is not None
+        name, record = action.name, step.record
+        if step.action in (StepAction.APPLY, StepAction.REVERT):
+            assert step.version is not None
+            manifest = await self._prepared(name, step.version, record=dump_record(record))
+            if step.action is StepAction.REVERT:
+                result.action, result.version = "revert", step.version
+            result.reason = record.reason
+            result.outcome, why = await self._apply_step(name, manifest, action)
+            landed[name] = result
+            if result.outcome != "applied":
+                result.reason = why
+                return
+            rollouts.landed(name, record)
+        else:
+            if action.kind is ActionKind.UPDATE and action.from_version == action.version:
+                # the running version drifted: put its spec back, the record with it
+                assert action.version is not None
+                manifest = await self._prepared(name, action.version, record=dump_record(record))
+                result.outcome, result.reason = await self._apply(action, manifest, desired)
+                if result.outcome == "applied":
+                    rollouts.landed(name, record)
+            elif action.kind is ActionKind.UPDATE:  # the new version waits, or failed here
+                result.outcome, result.reason = "held", f"{record.state}: {record.reason}"
+            elif record.in_flight:
+                result.reason = f"{record.state}: {record.reason}"
+            landed[name] = result
+        if step.report is not None:
+            report = step.report
+            self._owe(
+                name,
+                VersionReport(report.version, datetime.now(UTC), report.outcome.value,
+                              report.attempted_version, report.reason),
+            )  # fmt: skip
+        elif action.kind is ActionKind.NOOP:
+            self._owe_unconfirmed(action)
+        rollouts.carried_out(step, name)
+        value = rollouts.to_write(name)
+        if value is not None:
+            await self.kube.annotate(name, {RECORD_ANNOTATION: value})
+            rollouts.landed(name, record)
+        await self._report_pending(name)
+
+    async def _apply_step(
+        self, name: str, manifest: dict[str, Any], planned: Action
+    ) -> tuple[str, str]:
+        """Apply an update step's manifest on the Deployment as it was planned from; on a
+        conflict re-read it and apply again while it still runs the version the step was
+        decided from (the deployment controller's status writes conflict), REPLANS times.
+        Anything else changed meanwhile: nothing applied, decided again at the next look."""
+        resource_version = planned.resource_version
+        async for attempt in _conflict_retries():
+            with attempt:
+                if attempt.num > 1:
+                    current = await self.kube.get(name)
+                    live = LiveDeployment.from_object(current) if current is not None else None
+                    if (
+                        live is None
+                        or not live.managed
+                        or live.deleting_since is not None
+                        or live.version != planned.from_version
+                    ):
+                        return "unchanged", "changed meanwhile: decided again at the next look"
+                    resource_version = live.resource_version
+                await self.kube.apply(_with_resource_version(manifest, resource_version))
+                return "applied", ""
+        raise AssertionError("unreachable")  # the last conflict is raised by stamina
+
+    async def _prepared(
+        self, name: str, version: str, *, record: str | None = None
+    ) -> dict[str, Any]:
+        """The manifest of `name` at `version`, prepared; with the update record (the
+        current one unless given: an apply keeps it on the Deployment)."""
+        key = (name, version)
         raw = self._manifests.get(key)
         if raw is None:
             if self._missed is not None:
                 raise FetchSkipped(f"skipped: the backend missed its deadline on {self._missed}")
             try:
-                raw = await self.source.manifest(action.name, action.version)
+                raw = await self.source.manifest(name, version)
             except BackendDeadlineError:
-                self._missed = self._missed or action.name
+                self._missed = self._missed or name
                 raise
             try:
                 check_size(raw, self._manifest_policy.max_bytes)
@@ -423,14 +595,19 @@ class Syncer:
             self._manifests[key] = raw
         if isinstance(raw, ManifestRejected):
             raise ManifestRejected(str(raw))
-        return prepare_manifest(
+        manifest = prepare_manifest(
             raw,
-            name=action.name,
-            version=action.version,
+            name=name,
+            version=version,
             namespace=self.kube.namespace,
             policy=self._manifest_policy,
-            injection=self._injection_for(action.name),
+            injection=self._injection_for(name),
         )
+        if record is None and self.rollouts is not None:
+            record = self.rollouts.current(name)
+        if record:
+            manifest["metadata"]["annotations"][RECORD_ANNOTATION] = record
+        return manifest
 
     async def _apply(
         self, action: Action, manifest: dict[str, Any], desired: DesiredState
@@ -510,7 +687,12 @@ class Syncer:
         after a restart nothing is known. Tell it (the PUT is idempotent)."""
         version = action.version
         if version is not None and self._reported.get(action.name) != version:
-            self._unreported[action.name] = version
+            if action.name not in self._unreported:
+                self._owe(action.name, VersionReport(version, datetime.now(UTC)))
+
+    def _owe(self, name: str, report: VersionReport) -> None:
+        """A version report to send (replacing one not sent yet: the latest says more)."""
+        self._unreported[name] = report
 
     def _learn_reported(self, desired: DesiredState) -> None:
         """What the backend says it recorded (`reported_version`) counts as confirmed: a
@@ -527,24 +709,28 @@ class Syncer:
         self._backend_view = view
         for name, known in view.items():
             self._reported[name] = known
-            if self._unreported.get(name) == known:
-                del self._unreported[name]
+            owed = self._unreported.get(name)
+            if owed is not None and owed.outcome == "applied" and owed.version == known:
+                del self._unreported[name]  # an outcome beyond `applied` is still told
 
     async def _report_pending(self, name: str) -> None:
         """Tell the backend an applied version; kept and retried by later syncs on failure."""
-        version = self._unreported.get(name)
-        if version is None:
+        report = self._unreported.get(name)
+        if report is None:
             return
         try:
-            await self.source.applied(name, version, datetime.now(UTC))
+            await self.source.applied(name, report)
         except SOURCE_ERRORS as exc:
-            log.warning("version %s of %s not reported yet: %s", version, name, exc)
+            log.warning("version %s of %s not reported yet: %s", report.version, name, exc)
             return
-        self._unreported.pop(name, None)
-        self._reported[name] = version
+        if self._unreported.get(name) is report:
+            del self._unreported[name]
+        self._reported[name] = report.version
 
     def _forget_manifests(self, desired: DesiredState) -> None:
         keep = {(w.name, w.version) for w in desired.workloads}
+        if self.rollouts is not None:  # the last good versions, for a revert
+            keep |= self.rollouts.versions_kept()
         for key in [k for k in self._manifests if k not in keep]:
             del self._manifests[key]
         names = {w.name for w in desired.workloads}

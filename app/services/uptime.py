@@ -106,6 +106,11 @@ class UptimeKeeper:
                 self._bad_since.setdefault(view.name, now)
             else:
                 self._bad_since.pop(view.name, None)
+            if self._book.update_in_flight(view.name):
+                # its update is being judged: a restart would blur the verdict
+                self._bad_since.pop(view.name, None)
+                self._reasons[view.name] = "an update is being judged: not restarted meanwhile"
+                continue
             decision = decide_restart(
                 view.status, managed=view.name in managed,
                 bad_since=self._bad_since.get(view.name), now=now,

@@ -21,7 +21,11 @@ from app.domain.health import (
     derive_status,
     ping_age,
 )
-from app.domain.reports import WorkloadView
+from app.domain.reports import UpdateView, WorkloadView
+from app.domain.rollout import PingSeen, Trail
+
+# the ping answer's header naming a pending update (docs/rollout.md)
+UPDATE_HEADER = "x-workload-update"
 
 
 class BookFull(Exception):
@@ -60,6 +64,12 @@ class WorkloadBook:
         self._deployed: dict[str, Deployed] | None = None
         self._crashlooping: dict[str, str] = {}  # name -> why, from the last look at pods
         self._uptime: Callable[[str], tuple[float | None, float | None]] | None = None
+        # the pings of workloads whose update is being judged, from its start (`watch`)
+        self._trails: dict[str, Trail] = {}
+        # each managed workload's update, as the last sync decided it (`set_updates`), and
+        # the `x-workload-update` value of those with an update pending
+        self._updates: dict[str, UpdateView] = {}
+        self._notices: dict[str, bytes] = {}
 
     def record(self, name: str, ping: Ping) -> PingRecord:
         if name not in self._pings and len(self._pings) >= self._capacity:
@@ -68,7 +78,49 @@ class WorkloadBook:
                 raise BookFull(name)
         entry = PingRecord(ping=ping, received_at=self._clock(), received_wall=self._wall_clock())
         self._pings[name] = entry
+        trail = self._trails.get(name)
+        if trail is not None:
+            at = datetime.fromtimestamp(entry.received_wall, UTC)
+            trail.add(PingSeen(at, ping.status, ping.version))
         return entry
+
+    def last_ping(self, name: str) -> PingRecord | None:
+        return self._pings.get(name)
+
+    def watch(self, names: set[str]) -> None:
+        """Keep the pings of these workloads from now on (their updates are judged), and no
+        longer those of the others."""
+        for name in [n for n in self._trails if n not in names]:
+            del self._trails[name]
+        for name in names:
+            self._trails.setdefault(name, Trail())
+
+    def pings_seen(self, name: str) -> list[PingSeen]:
+        """The pings kept for `name`'s judgement (`watch`), as `judge` reads them."""
+        trail = self._trails.get(name)
+        return trail.pings() if trail is not None else []
+
+    def set_updates(self, updates: dict[str, UpdateView]) -> None:
+        """Each managed workload's update, as the last sync decided it."""
+        self._updates = dict(updates)
+        self._notices = {
+            name: f"version={view.target}; state={view.state}".encode()
+            for name, view in updates.items()
+            if view.pending
+        }
+
+    def update_notice(self, name: str) -> bytes | None:
+        """The `x-workload-update` header value for a ping from `name`: an update pending."""
+        return self._notices.get(name)
+
+    def update_states(self) -> list[tuple[str, str]]:
+        """(workload, update state) of every managed workload, for the metrics."""
+        return sorted((name, view.state) for name, view in self._updates.items())
+
+    def update_in_flight(self, name: str) -> bool:
+        """Whether `name`'s update is applying or judged: uptime restarts leave it alone."""
+        view = self._updates.get(name)
+        return view is not None and view.in_flight
 
     def set_desired(self, versions: dict[str, str]) -> None:
         """The desired workloads and versions, as of the last sync that read them."""
@@ -170,4 +222,5 @@ class WorkloadBook:
             rollout=deployed.rollout.phase.value if deployed else None,
             uptime_24h=day,
             uptime_7d=week,
+            update=self._updates.get(name),
         )

@@ -4,6 +4,7 @@ the cluster that the pings and the report read is refreshed."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from app.settings import Settings
 if TYPE_CHECKING:
     from app.domain.manifests import Injection, ManifestPolicy
     from app.domain.planning import SyncPolicy
+    from app.services.rollouts import RolloutConfig
     from app.services.syncing import Syncer
 
 
@@ -45,6 +47,8 @@ class SyncConfig:
     deadline: float
     interval: float
     refresh_interval: float
+    rollout: RolloutConfig
+    judge_interval: float
 
 
 @dataclass(kw_only=True)
@@ -75,6 +79,10 @@ class _Sync(Spec[SyncConfig, Syncing]):
         from app.domain.manifests import MANAGER_POD_LABELS, ManifestPolicy
         from app.domain.planning import SyncPolicy
         from app.domain.pod_security import Level
+        from app.domain.rollout import Judge, UpdateTerms, UpdateWindow
+        from app.services.rollouts import RolloutConfig
+
+        window = settings.workload_update_window
 
         # the manager's own Deployment, when it lives among the workloads it manages
         own = settings.pod_namespace in (None, settings.managed_namespace)
@@ -105,6 +113,21 @@ class _Sync(Spec[SyncConfig, Syncing]):
             deadline=settings.sync_deadline_seconds,
             interval=settings.sync_interval_seconds,
             refresh_interval=settings.cluster_refresh_seconds,
+            rollout=RolloutConfig(
+                node_id=settings.node_id or socket.gethostname(),
+                terms=UpdateTerms(
+                    judge=Judge(settings.workload_update_judge),
+                    min_healthy_seconds=settings.workload_update_min_healthy_seconds,
+                    deadline_seconds=settings.workload_update_deadline_seconds,
+                    unhealthy_seconds=settings.workload_update_unhealthy_seconds,
+                    revert=settings.workload_update_revert,
+                    window=UpdateWindow.from_setting(window) if window else None,
+                    max_defer_seconds=settings.update_defer_max_seconds,
+                    defer_step_seconds=settings.update_defer_step_seconds,
+                ),
+                stale_after=settings.ping_stale_seconds,
+            ),
+            judge_interval=settings.update_judge_interval_seconds,
         )
         return On(config, reason)
 
@@ -115,6 +138,7 @@ class _Sync(Spec[SyncConfig, Syncing]):
             return cluster
         from app.adapters.desired_files import DesiredFiles
         from app.adapters.kube import KubeError
+        from app.services.rollouts import Rollouts
         from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
 
         source: DesiredSource
@@ -143,6 +167,9 @@ class _Sync(Spec[SyncConfig, Syncing]):
             metrics=deps.metrics,
             cluster_lock=deps.cluster_lock,
             deadline=config.deadline,
+            rollouts=Rollouts(
+                config.rollout, book=deps.book, metrics=deps.metrics, alerts=deps.alerts
+            ),
         )
         every, refresh = config.interval, config.refresh_interval
         return Syncing(
@@ -156,6 +183,15 @@ class _Sync(Spec[SyncConfig, Syncing]):
                     refresh,
                     refresh,
                     "cluster view",
+                    outage=(KubeError,),
+                    recorded=False,
+                ),
+                Timer(
+                    "rollout",
+                    syncer.run_rollout,
+                    config.judge_interval,
+                    config.judge_interval,
+                    "update look",
                     outage=(KubeError,),
                     recorded=False,
                 ),
