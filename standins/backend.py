@@ -718,6 +718,23 @@ class LocalBackend:
             raise _ContractError(
                 422, "field 'applied_at' must be an RFC 3339 date-time with offset", "applied_at"
             )
+        outcome = document.get("outcome", "applied")
+        if outcome not in ("applied", "healthy", "rolled_back"):
+            raise _ContractError(
+                422, "field 'outcome' must be one of applied, healthy, rolled_back", "outcome"
+            )
+        for key, limit in (("attempted_version", 128), ("reason", 256)):
+            value = document.get(key)
+            if value is not None and not (isinstance(value, str) and 0 < len(value) <= limit):
+                raise _ContractError(
+                    422, f"field '{key}' must be a string of 1 to {limit} characters", key
+                )
+        if outcome == "rolled_back" and not (
+            document.get("attempted_version") and document.get("reason")
+        ):
+            raise _ContractError(
+                422, "a rolled_back outcome names its 'attempted_version' and 'reason'", "outcome"
+            )
         with self._lock:
             self._versions.append((name, copy.deepcopy(document)))
             self._recorded[name] = version

@@ -242,9 +242,9 @@ def _judged(record: UpdateRecord, judged: str, s: Situation, now: datetime) -> S
         terms=s.terms,
         now=now,
     )
-    if isinstance(verdict, Judging):
-        return Step(Action.NONE, replace(record, reason=verdict.reason))
     reverting = record.state is UpdateState.ROLLED_BACK
+    if isinstance(verdict, Judging):  # a revert keeps its reason: why it was reverted
+        return Step(Action.NONE, record if reverting else replace(record, reason=verdict.reason))
     if isinstance(verdict, Healthy):
         if reverting:  # back on the last good version; the reason stays why
             return Step(Action.NONE, replace(record, applied_at=None))

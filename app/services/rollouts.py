@@ -127,7 +127,8 @@ class Rollouts:
         if step.action in (Action.APPLY, Action.REVERT):
             assert step.version is not None
             # what the record says once the Deployment runs it: written with the apply
-            landed = replace(situation, running=step.version)
+            # (nothing is seen of it yet: what was seen is of the version it replaces)
+            landed = replace(situation, running=step.version, seen=Observed())
             after = next_step(step.record, landed, now)
             step = replace(step, record=after.record, report=step.report or after.report)
         else:
@@ -138,6 +139,8 @@ class Rollouts:
         self, name: str, live: Mapping[str, Any], crash: str | None, now: datetime
     ) -> Observed:
         rollout = rollout_of(live)
+        record = self._records.get(name)
+        applied_at = record.applied_at if record is not None else None
         if (
             rollout.phase is RolloutPhase.READY
             and rollout.observed_generation >= rollout.generation
@@ -158,7 +161,7 @@ class Rollouts:
                 pings = [PingSeen(at, last.ping.status, last.ping.version)]
         return Observed(
             complete_since=complete_since,
-            deadline_exceeded=rollout.deadline_exceeded,
+            deadline_exceeded=rollout.deadline_exceeded and _exceeded_since(live, applied_at),
             crash_loop=crash,
             pings=pings,
         )
@@ -244,3 +247,25 @@ def _first_sight(record: UpdateRecord) -> bool:
         and record.attempted_version is None
         and record.deferred_since is None
     )
+
+
+def _exceeded_since(live: Mapping[str, Any], applied_at: datetime | None) -> bool:
+    """Whether the Deployment's ProgressDeadlineExceeded is about the spec applied at
+    `applied_at`. The controller keeps the condition, times and all, from a version before
+    until the new one makes progress, so a revert's first looks would see the failed
+    version's deadline. The condition's time is in whole seconds and at least a second
+    after its apply (progressDeadlineSeconds >= 1); one from before a revert's apply is
+    at most that apply's second."""
+    if applied_at is None:
+        return True
+    status = live.get("status") or {}
+    for condition in status.get("conditions") or ():
+        if isinstance(condition, Mapping) and condition.get("reason") == "ProgressDeadlineExceeded":
+            stamp = condition.get("lastTransitionTime") or condition.get("lastUpdateTime")
+            try:
+                at = datetime.fromisoformat(str(stamp))
+            except ValueError:
+                return True
+            floor = applied_at.replace(microsecond=0)
+            return (at - floor).total_seconds() >= 1
+    return True
