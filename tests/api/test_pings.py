@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,6 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from app.domain.reports import UpdateView
 from app.domain.tokens import ping_token
 from app.main import create_app
 from app.settings import Settings
@@ -232,3 +234,36 @@ async def test_a_forgotten_workload_takes_its_metric_series_with_it(
         await client.post("/v1/workloads/gone/health", json={"status": "healthy"})
         metrics = (await client.get("/metrics")).text
     assert 'workload_manager_pings_total{status="healthy",workload="gone"} 1.0' in metrics
+
+
+async def test_a_ping_may_ask_to_defer_an_update_within_bounds(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    asking = {**GOOD, "defer_update_seconds": 120, "defer_reason": "draining a batch"}
+    assert (await client.post("/v1/workloads/api/health", json=asking)).status_code == 204
+    last = runtime_of(app).book.last_ping("api")
+    assert last is not None
+    assert (last.ping.defer_update_seconds, last.ping.defer_reason) == (120, "draining a batch")
+    for bad in ({"defer_update_seconds": -1}, {"defer_update_seconds": 86_401},
+                {"defer_reason": "x" * 257}, {"defer_update_seconds": "soon"}):  # fmt: skip
+        response = await client.post("/v1/workloads/api/health", json={**GOOD, **bad})
+        assert response.status_code == 422, bad
+        assert response.json()["detail"][0]["loc"] == ["body", next(iter(bad))]
+
+
+async def test_the_answer_names_a_pending_update_and_only_then(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    book = runtime_of(app).book
+    response = await client.post("/v1/workloads/api/health", json=GOOD)
+    assert "x-workload-update" not in response.headers
+    since = datetime(2026, 1, 1, tzinfo=UTC)
+    book.set_updates({
+        "api": UpdateView("1.3.0", "deferred", since, "the workload asks to wait", 12.5),
+        "web": UpdateView("2.0.0", "judging", since, "judging", 80.0, in_flight=True),
+    })  # fmt: skip
+    response = await client.post("/v1/workloads/api/health", json=GOOD)
+    assert response.status_code == 204
+    assert response.headers["x-workload-update"] == "version=1.3.0; state=deferred"
+    response = await client.post("/v1/workloads/web/health", json=GOOD)
+    assert (response.status_code, response.headers.get("x-workload-update")) == (204, None)

@@ -7,6 +7,8 @@ import math
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from app.domain.health import PingStatus
 from app.domain.rollout import (
@@ -21,6 +23,7 @@ from app.domain.rollout import (
     Observed,
     PingSeen,
     RolloutSpec,
+    Trail,
     UpdateSpec,
     UpdateTerms,
     UpdateWindow,
@@ -386,3 +389,57 @@ def test_auto_is_pings_for_a_workload_that_pings_its_version(
     mode: Judge, last: PingSeen | None, expected: Judge
 ) -> None:
     assert judge_mode(mode, last) is expected
+
+
+# --- the trail of pings a judgement reads
+
+
+def test_a_trail_keeps_each_run_as_its_first_and_last_ping() -> None:
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    trail = Trail()
+    pings = [
+        PingSeen(t0 + timedelta(seconds=i), status, version)
+        for i, (status, version) in enumerate(
+            [(PingStatus.HEALTHY, "1"), (PingStatus.DEGRADED, "1"), (PingStatus.HEALTHY, "1"),
+             (PingStatus.UNHEALTHY, "1"), (PingStatus.HEALTHY, "2")]
+        )
+    ]  # fmt: skip
+    for ping in pings:
+        trail.add(ping)
+    assert trail.pings() == [pings[0], pings[2], pings[3], pings[4]]
+
+
+def test_a_trail_is_bounded() -> None:
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    trail = Trail()
+    for i in range(10 * Trail.MAX_RUNS):
+        trail.add(PingSeen(t0 + timedelta(seconds=i), PingStatus.HEALTHY, str(i % 2)))
+    assert len(trail.pings()) == Trail.MAX_RUNS
+
+
+_statuses = st.sampled_from(list(PingStatus))
+_versions = st.sampled_from([None, "1.0.0", "1.1.0"])
+
+
+@given(st.lists(st.tuples(st.integers(1, 20), _statuses, _versions), max_size=40),
+       st.integers(0, 400), st.sampled_from([Judge.PINGS, Judge.ROLLOUT]))  # fmt: skip
+def test_judging_the_trail_is_judging_every_ping(
+    steps: list[tuple[int, PingStatus, str | None]], extra: int, mode: Judge
+) -> None:
+    """The trail's few pings give the verdict all the pings give (while within its bound)."""
+    applied = datetime(2026, 1, 1, tzinfo=UTC)
+    at, pings, trail = applied, [], Trail()
+    for gap, status, version in steps:
+        at += timedelta(seconds=gap)
+        ping = PingSeen(at, status, version)
+        pings.append(ping)
+        trail.add(ping)
+    terms = UpdateTerms(min_healthy_seconds=30, deadline_seconds=120, unhealthy_seconds=20)
+    now = at + timedelta(seconds=extra)
+    complete = applied + timedelta(seconds=5)
+
+    def verdict(seen: list[PingSeen]) -> object:
+        observed = Observed(complete_since=complete, pings=seen)
+        return judge(mode, "1.1.0", applied_at=applied, seen=observed, terms=terms, now=now)
+
+    assert verdict(trail.pings()) == verdict(pings)

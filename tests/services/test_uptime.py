@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 
 from prometheus_client import generate_latest
 
 from app.adapters.kube import RESTARTED_AT, KubeError
 from app.domain.components import Result
 from app.domain.health import Ping, PingStatus
+from app.domain.reports import UpdateView
 from app.domain.uptime import RestartPolicy, UptimeRecord
 from app.services.healthwatch import HealthWatch
 from app.services.uptime import UPTIME_KEY, ConfigMapStore, UptimeKeeper, UptimeRecorder
@@ -227,3 +228,28 @@ async def test_a_restart_due_while_a_sync_holds_the_cluster_waits_for_it_not_a_t
 
 async def _waits_for(lock: asyncio.Lock) -> bool:
     return bool(getattr(lock, "_waiters", None))
+
+
+async def test_a_workload_whose_update_is_judged_is_not_restarted(world: World) -> None:
+    world.desire(("api", "1.0.0"))
+    await world.syncer.sync()
+    await world.settled("api")
+    book = world.runtime.book
+    since = datetime(2026, 1, 1, tzinfo=UTC)
+    book.set_updates({"api": UpdateView("1.1.0", "judging", since, "judging", 3.0, in_flight=True)})
+    now = [0.0]
+    keeper = UptimeKeeper(
+        book=book, kube=world.syncer.kube, errors=(KubeError,), cluster_lock=asyncio.Lock(),
+        alerts=world.runtime.alerts, metrics=world.runtime.metrics, policy=POLICY,
+        clock=lambda: now[0], wall=lambda: WALL + now[0],
+    )  # fmt: skip
+    for now[0] in (0.0, 200.0, 400.0):
+        book.record("api", Ping(status=PingStatus.UNHEALTHY, message="new version failing"))
+        shown = (await keeper.check()).detail["workloads"]["api"]
+        assert shown["reason"] == "an update is being judged: not restarted meanwhile"
+    assert restarted_at(world, "api") is None
+    # judged (here: reverted): the rule applies again, counted from then
+    book.set_updates({"api": UpdateView("1.1.0", "rolled-back", since, "failed", 3.0)})
+    book.record("api", Ping(status=PingStatus.UNHEALTHY))
+    shown = (await keeper.check()).detail["workloads"]["api"]
+    assert "restarted after 180 s" in str(shown["reason"])
