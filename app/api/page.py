@@ -164,14 +164,26 @@ def _uptime(w: WorkloadInfo, history: UptimeHistory | None) -> str:
 def _workloads(workloads: list[WorkloadInfo], uptime: Callable[[str], UptimeHistory | None]) -> str:
     rows = []
     for w in workloads:
-        rollout = w.rollout or ""
+        rollout = _text(w.rollout or "")
         versions = _text(w.version or "—")
         if w.desired_version and w.desired_version != w.version:
             versions += f" <span class='meta'>(desired {_text(w.desired_version)})</span>"
+        if w.update is not None and w.update.state not in ("current", "healthy"):
+            update = w.update
+            failed = (
+                f"; failed here: {', '.join(update.failed_versions)}"
+                if update.failed_versions
+                else ""
+            )
+            rollout += (
+                f' <span class="meta" data-update="{_text(update.state)}" '
+                f'title="{_text(update.reason + failed)}">update {_text(update.target)}: '
+                f"{_text(update.state)} ({_text(update.reason)})</span>"
+            )
         rows.append(
             f'<tr data-workload="{_text(w.name)}"><td>{_text(w.name)}</td>'
             f"<td>{_badge(w.status)}</td><td>{_age(w.ping_age_seconds)}</td>"
-            f"<td>{versions}</td><td>{_text(rollout)}</td>"
+            f"<td>{versions}</td><td>{rollout}</td>"
             f"<td>{_uptime(w, uptime(w.name))}</td>"
             f"<td>{_text(w.message)}</td></tr>"
         )

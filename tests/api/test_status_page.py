@@ -12,6 +12,7 @@ import pytest
 
 from app.api.page import SYNC_ROWS, render
 from app.api.schemas import NodeInfo, ReportInfo, Status, SyncInfo, WorkloadInfo
+from app.domain.reports import UpdateView
 from app.domain.uptime import DAY, HOUR, UptimeRecord
 from app.main import create_app
 from app.services.features.uptime import UPTIME_RECORD
@@ -245,3 +246,26 @@ async def test_the_page_shows_the_managers_own_uptime_record(
         recording.recorder.record.observe({"api": "healthy"}, start=now - 39, end=now)
         cell = uptime_cell((await client.get("/", headers=auth)).text, "api")
     assert cell.startswith('100.0% of 39 s / 100.0% of 39 s<span class="strip"')
+
+
+async def test_an_update_in_progress_shows_in_the_status_and_on_the_page(
+    client: httpx.AsyncClient, app: Any
+) -> None:
+    book = runtime_of(app).book
+    book.set_desired({"api": "1.3.0", "web": "2.0.0"})
+    since = datetime(2026, 1, 1, 3, tzinfo=UTC)
+    book.set_updates({
+        "api": UpdateView("1.3.0", "rolled-back", since,
+                          "1.3.0 failed: unhealthy pings from 1.3.0 for 60 s", 12.5, ("1.3.0",)),
+        "web": UpdateView("2.0.0", "waiting-wave", since, "place 37.2 ≥ 20 %", 37.25),
+    })  # fmt: skip
+    status = (await client.get("/v1/status")).json()
+    shown = {w["name"]: w["update"] for w in status["workloads"]}
+    assert shown["web"] == {
+        "target": "2.0.0", "state": "waiting-wave", "since": "2026-01-01T03:00:00Z",
+        "reason": "place 37.2 ≥ 20 %", "place": 37.25, "failed_versions": [],
+    }  # fmt: skip
+    assert shown["api"]["failed_versions"] == ["1.3.0"]
+    page = (await client.get("/")).text
+    assert 'data-update="rolled-back"' in page and 'data-update="waiting-wave"' in page
+    assert "update 2.0.0: waiting-wave (place 37.2 ≥ 20 %)" in page
