@@ -4,23 +4,85 @@ example desired state, to watch the sync do its job.
 Starts the test control plane (etcd, kube-apiserver, controllers, kwok with one fake
 node; `make control-plane` builds it), applies the repo's namespaces, ServiceAccount and
 RBAC, and runs `workload-manager serve` with the manager's own ServiceAccount token,
-syncing `examples/desired-state/` into the `workloads` namespace every 30 s. Prints the
-admin kubeconfig for kubectl. Ctrl-C stops everything. kwok fakes pods' status: no
-container ever runs, this is not a container runtime.
+syncing a copy of `examples/desired-state/` (in .data/desired-state) into the `workloads`
+namespace every 30 s. Once both workloads run, a second desired state shows a safe
+rollout (docs/rollout.md) on the status page: `echo` 2.2.0 waits for its wave (this
+node's place is above the rollout's 50 %), and `hello` 1.1.0, an image kwok never makes
+ready, misses its progress deadline and is reverted to 1.0.0. Prints the admin
+kubeconfig for kubectl. Ctrl-C stops everything. kwok fakes pods' status: no container
+ever runs, this is not a container runtime.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from app.domain.manifests import VERSION_ANNOTATION
+from app.domain.rollout import place
 from standins.control_plane import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
+NODE_ID = "run-cluster-node"
+NAMESPACE = "workloads"
+
+
+def wave_seed(node_id: str, percent: float) -> str:
+    """A rollout seed that places `node_id` at or above `percent`: it waits for the wave."""
+    return next(s for n in itertools.count() if place(s := f"echo/demo-{n}", node_id) >= percent)
+
+
+def second_act(desired: Path) -> None:
+    """The desired state that shows a wave and a revert, with the manifests it names."""
+    manifests = desired / "manifests"
+    echo = yaml.safe_load((manifests / "echo" / "2.1.0.yaml").read_text())
+    (manifests / "echo" / "2.2.0.yaml").write_text(yaml.safe_dump(echo))
+    hello: dict[str, Any] = yaml.safe_load((manifests / "hello" / "1.0.0.yaml").read_text())
+    container = hello["spec"]["template"]["spec"]["containers"][0]
+    container["image"] = "localhost/pinger:1.1.0-never-ready"  # kwok never makes it ready
+    hello["spec"]["progressDeadlineSeconds"] = 20
+    (manifests / "hello" / "1.1.0.yaml").write_text(yaml.safe_dump(hello))
+    workloads = {
+        "allow_empty": False,
+        "workloads": [
+            {"name": "echo", "version": "2.2.0",
+             "rollout": {"percent": 50, "seed": wave_seed(NODE_ID, 50)}},
+            {"name": "hello", "version": "1.1.0",
+             "update": {"judge": "rollout", "min_healthy_seconds": 10, "deadline_seconds": 120}},
+        ],
+    }  # fmt: skip
+    (desired / "workloads.yaml").write_text(yaml.safe_dump(workloads, sort_keys=False))
+
+
+def stage_when_running(plane: ControlPlane, desired: Path, stop: threading.Event) -> None:
+    """Write the second act once both example workloads run their first versions."""
+    while not stop.wait(1.0):
+        versions = {
+            name: ((plane.get("deployment", name, NAMESPACE) or {}).get("metadata") or {})
+            .get("annotations", {})
+            .get(VERSION_ANNOTATION)
+            for name in ("echo", "hello")
+        }
+        if versions == {"echo": "2.1.0", "hello": "1.0.0"}:
+            time.sleep(15)  # let the page show them running first
+            second_act(desired)
+            print(  # noqa: T201
+                "\nsecond act: echo 2.2.0 waits for its wave, hello 1.1.0 never becomes "
+                "ready and is reverted; watch the status page's rollout column\n",
+                flush=True,
+            )
+            return
 
 
 def _interrupted(_signum: int, _frame: object) -> None:
@@ -43,10 +105,14 @@ def main() -> int:
         kubeconfig = plane.write_kubeconfig(
             workdir / "manager.kubeconfig", token=token, namespace="workloads"
         )
+        desired = data / "desired-state"
+        shutil.rmtree(desired, ignore_errors=True)
+        shutil.copytree(ROOT / "examples" / "desired-state", desired)
         env = {
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
-            "DESIRED_STATE_DIR": str(ROOT / "examples" / "desired-state"),
+            "DESIRED_STATE_DIR": str(desired),
+            "NODE_ID": os.environ.get("NODE_ID", NODE_ID),
             "MANAGED_NAMESPACE": "workloads",
             "SYNC_INTERVAL_SECONDS": os.environ.get("SYNC_INTERVAL_SECONDS", "30"),
             "CLUSTER_REFRESH_SECONDS": os.environ.get("CLUSTER_REFRESH_SECONDS", "5"),
@@ -59,12 +125,17 @@ def main() -> int:
             flush=True,
         )
         manager = subprocess.Popen([sys.executable, "-m", "app", "serve"], env=env, cwd=ROOT)
+        stop = threading.Event()
+        act = threading.Thread(target=stage_when_running, args=(plane, desired, stop), daemon=True)
+        act.start()
         try:
             return manager.wait()
         except KeyboardInterrupt:
             manager.send_signal(signal.SIGTERM)
             manager.wait()
             return 0
+        finally:
+            stop.set()
     finally:
         plane.stop()
 

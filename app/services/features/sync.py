@@ -4,7 +4,6 @@ the cluster that the pings and the report read is refreshed."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from app.settings import Settings
 if TYPE_CHECKING:
     from app.domain.manifests import Injection, ManifestPolicy
     from app.domain.planning import SyncPolicy
-    from app.services.rollouts import RolloutConfig
+    from app.domain.rollout import UpdateTerms
     from app.services.syncing import Syncer
 
 
@@ -47,7 +46,8 @@ class SyncConfig:
     deadline: float
     interval: float
     refresh_interval: float
-    rollout: RolloutConfig
+    update_terms: UpdateTerms
+    stale_after: float
     judge_interval: float
 
 
@@ -80,7 +80,6 @@ class _Sync(Spec[SyncConfig, Syncing]):
         from app.domain.planning import SyncPolicy
         from app.domain.pod_security import Level
         from app.domain.rollout import Judge, UpdateTerms, UpdateWindow
-        from app.services.rollouts import RolloutConfig
 
         window = settings.workload_update_window
 
@@ -113,20 +112,17 @@ class _Sync(Spec[SyncConfig, Syncing]):
             deadline=settings.sync_deadline_seconds,
             interval=settings.sync_interval_seconds,
             refresh_interval=settings.cluster_refresh_seconds,
-            rollout=RolloutConfig(
-                node_id=settings.node_id or socket.gethostname(),
-                terms=UpdateTerms(
-                    judge=Judge(settings.workload_update_judge),
-                    min_healthy_seconds=settings.workload_update_min_healthy_seconds,
-                    deadline_seconds=settings.workload_update_deadline_seconds,
-                    unhealthy_seconds=settings.workload_update_unhealthy_seconds,
-                    revert=settings.workload_update_revert,
-                    window=UpdateWindow.from_setting(window) if window else None,
-                    max_defer_seconds=settings.update_defer_max_seconds,
-                    defer_step_seconds=settings.update_defer_step_seconds,
-                ),
-                stale_after=settings.ping_stale_seconds,
+            update_terms=UpdateTerms(
+                judge=Judge(settings.workload_update_judge),
+                min_healthy_seconds=settings.workload_update_min_healthy_seconds,
+                deadline_seconds=settings.workload_update_deadline_seconds,
+                unhealthy_seconds=settings.workload_update_unhealthy_seconds,
+                revert=settings.workload_update_revert,
+                window=UpdateWindow.from_setting(window) if window else None,
+                max_defer_seconds=settings.update_defer_max_seconds,
+                defer_step_seconds=settings.update_defer_step_seconds,
             ),
+            stale_after=settings.ping_stale_seconds,
             judge_interval=settings.update_judge_interval_seconds,
         )
         return On(config, reason)
@@ -138,7 +134,7 @@ class _Sync(Spec[SyncConfig, Syncing]):
             return cluster
         from app.adapters.desired_files import DesiredFiles
         from app.adapters.kube import KubeError
-        from app.services.rollouts import Rollouts
+        from app.services.rollouts import RolloutConfig, Rollouts
         from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
 
         source: DesiredSource
@@ -168,7 +164,11 @@ class _Sync(Spec[SyncConfig, Syncing]):
             cluster_lock=deps.cluster_lock,
             deadline=config.deadline,
             rollouts=Rollouts(
-                config.rollout, book=deps.book, metrics=deps.metrics, alerts=deps.alerts
+                # the node's place in each rollout is computed from its id
+                RolloutConfig(deps.node_id, config.update_terms, config.stale_after),
+                book=deps.book,
+                metrics=deps.metrics,
+                alerts=deps.alerts,
             ),
         )
         every, refresh = config.interval, config.refresh_interval
