@@ -27,13 +27,15 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, time
+from datetime import UTC, datetime
 from enum import StrEnum
 from urllib.parse import urlsplit, urlunsplit
 
 from packaging.version import InvalidVersion, Version
 
 from app.domain.health import RolloutPhase
+from app.domain.rollout import UpdateWindow, window_open
+from app.domain.rollout import in_window as in_window  # its home was here
 
 _BARE = re.compile(r"^v?[0-9][0-9A-Za-z.+!-]*$")
 MAX_VERSION_FILE_BYTES = 4096
@@ -227,7 +229,8 @@ def signature_needs_own_url(url: str) -> bool:
 class UpdatePolicy:
     repository: str
     allow_prerelease: bool = False
-    window: tuple[time, time] | None = None  # UTC, start inclusive, end exclusive
+    # SELF_UPDATE_WINDOW: when an update may start (`window_open`); None is always
+    window: UpdateWindow | None = None
 
 
 class Choice(StrEnum):
@@ -296,16 +299,6 @@ def reassertion(
     )
 
 
-def in_window(now: datetime, window: tuple[time, time] | None) -> bool:
-    if window is None:
-        return True
-    start, end = window
-    moment = now.time().replace(tzinfo=None)
-    if start <= end:
-        return start <= moment < end
-    return moment >= start or moment < end  # the window spans midnight
-
-
 def decide_update(
     *,
     current: str,
@@ -354,12 +347,9 @@ def decide_update(
         return UpdateDecision(
             Choice.SKIP, f"{published.version} is a pre-release (not allowed)", published.version
         )
-    if not in_window(now, policy.window):
-        start, end = policy.window or (time(), time())
+    if not window_open(policy.window, now):
         return UpdateDecision(
-            Choice.SKIP,
-            f"outside the maintenance window {start:%H:%M}-{end:%H:%M} UTC",
-            published.version,
+            Choice.SKIP, f"outside the maintenance window {policy.window}", published.version
         )
     return UpdateDecision(
         Choice.UPDATE, f"{current} -> {published.version}", published.version, image

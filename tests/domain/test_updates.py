@@ -9,6 +9,7 @@ from datetime import UTC, datetime, time, timedelta
 import pytest
 
 from app.domain.health import RolloutPhase
+from app.domain.rollout import UpdateWindow
 from app.domain.updates import (
     CONFIRMED_VERSION,
     FAILED_VERSIONS,
@@ -50,6 +51,11 @@ POLICY = UpdatePolicy(repository=REPO)
 NOON = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 DIGEST = "0123456789abcdef" * 4
 NEW_IMAGE = f"{REPO}:1.1.0"
+
+
+def windowed(setting: str) -> UpdatePolicy:
+    """The policy with SELF_UPDATE_WINDOW set to `setting`."""
+    return UpdatePolicy(REPO, window=UpdateWindow.from_setting(setting))
 
 
 @pytest.mark.parametrize(
@@ -121,10 +127,30 @@ def test_split_image(image: str, parts: tuple[str, str | None]) -> None:
         ("1.4.1", Published("1.4.2", f"{REPO}"), frozenset(), POLICY, Choice.SKIP,
          "no tag or digest"),
         ("dev-build", Published("1.4.2"), frozenset(), POLICY, Choice.SKIP, "not a version"),
+        # the window (NOON is a Sunday, 14:00 in Kyiv)
+        ("1.4.1", Published("1.4.2"), frozenset(), windowed("02:00-05:00"), Choice.SKIP,
+         "outside the maintenance window every day 02:00-05:00 UTC"),
+        ("1.4.1", Published("1.4.2"), frozenset(), windowed("11:00-13:00"), Choice.UPDATE,
+         "1.4.2"),
         ("1.4.1", Published("1.4.2"), frozenset(),
-         UpdatePolicy(REPO, window=(time(2), time(5))), Choice.SKIP, "maintenance window 02:00"),
+         windowed('{"days": ["sat"], "start": "11:00", "end": "13:00"}'), Choice.SKIP,
+         "outside the maintenance window sat 11:00-13:00 UTC"),
         ("1.4.1", Published("1.4.2"), frozenset(),
-         UpdatePolicy(REPO, window=(time(11), time(13))), Choice.UPDATE, "1.4.2"),
+         windowed('{"days": ["sun"], "start": "13:00", "end": "15:00", "tz": "Europe/Kyiv"}'),
+         Choice.UPDATE, "1.4.1 -> 1.4.2"),
+        ("1.4.1", Published("1.4.2"), frozenset(),
+         windowed('{"days": ["sun"], "start": "11:00", "end": "13:00", "tz": "Europe/Kyiv"}'),
+         Choice.SKIP, "outside the maintenance window sun 11:00-13:00 Europe/Kyiv"),
+        # crossing midnight: the window's day is the day it opens
+        ("1.4.1", Published("1.4.2"), frozenset(),
+         windowed('{"days": ["sat"], "start": "23:00", "end": "13:00"}'), Choice.UPDATE,
+         "1.4.2"),
+        ("1.4.1", Published("1.4.2"), frozenset(),
+         windowed('{"days": ["sun"], "start": "23:00", "end": "13:00"}'), Choice.SKIP,
+         "outside the maintenance window sun 23:00-13:00 UTC"),
+        # nothing to start: the window is not what the decision says
+        ("1.4.2", Published("1.4.2"), frozenset(), windowed("02:00-05:00"), Choice.NOOP,
+         "published 1.4.2"),
         # the image's tag is the version: a newer version cannot carry an older image
         ("1.4.1", Published("9.9.9", f"{REPO}:0.0.1"), frozenset(), POLICY, Choice.SKIP,
          "tag '0.0.1' is not the version 9.9.9"),

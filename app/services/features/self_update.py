@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from datetime import time
 from typing import TYPE_CHECKING
 
 from app.domain.components import Outcome
@@ -54,7 +53,6 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
             return Off("not running in a cluster (no POD_NAMESPACE from the downward API)")
         from app.domain.updates import UpdatePolicy
 
-        window: tuple[time, time] | None = settings.update_window
         config = SelfUpdateConfig(
             url=settings.self_update_url,
             timeout=settings.self_update_timeout_seconds,
@@ -67,7 +65,7 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
             policy=UpdatePolicy(
                 repository=settings.self_image_repository,
                 allow_prerelease=settings.self_update_allow_prerelease,
-                window=window,
+                window=settings.update_window,
             ),
             deadline=settings.self_update_deadline_seconds,
             poll_interval=settings.self_update_poll_seconds,
