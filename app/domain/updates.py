@@ -1,12 +1,16 @@
 """Self-update: read the published version file, and decide whether to move to it.
 
 The version file is a bare version (`1.4.2`) or JSON `{"version": "1.4.2", "image":
-"repo/name:1.4.2"}`. `decide_update` is pure: only an image of the configured repository
-whose tag is the version (or which pins a sha256 digest, a tag beside it being the
-version), never a version below the highest one confirmed on this node, only a newer
-version than the running one (PEP 440 ordering), never one that failed before,
-pre-releases (of the version or the tag) only when allowed, and only inside the
-maintenance window when one is set.
+"repo/name:1.4.2", "rollout": {"percent": 20, "halt": false, "seed": "..."}}` (`rollout`
+is a workload's `RolloutSpec`; without it every node updates at once). `decide_update` is
+pure: only an image of the configured repository whose tag is the version (or which pins
+a sha256 digest, a tag beside it being the version), never a version below the highest
+one confirmed on this node, only a newer version than the running one (PEP 440
+ordering), never one that failed before, pre-releases (of the version or the tag) only
+when allowed, only on a node the rollout's wave has reached (`waiting-wave`) and is not
+halted (`halted`), and only inside the maintenance window (a workload's `UpdateWindow`)
+when one is set. The wave and the window gate starting an update only: what an update
+in flight owes (`pending_update`) is done whatever they say.
 
 When a public key is configured the file must carry a detached Ed25519 signature over its
 exact bytes (base64, at the file's location plus `.sig`, or where SELF_UPDATE_SIGNATURE_URL
@@ -32,9 +36,19 @@ from enum import StrEnum
 from urllib.parse import urlsplit, urlunsplit
 
 from packaging.version import InvalidVersion, Version
+from pydantic import ValidationError
 
 from app.domain.health import RolloutPhase
-from app.domain.rollout import UpdateWindow, window_open
+from app.domain.rollout import (
+    Halted,
+    RolloutSpec,
+    UpdateWindow,
+    WaitingWave,
+    place,
+    seed_for,
+    wave,
+    window_open,
+)
 from app.domain.rollout import in_window as in_window  # its home was here
 
 _BARE = re.compile(r"^v?[0-9][0-9A-Za-z.+!-]*$")
@@ -49,6 +63,21 @@ class VersionFileError(ValueError):
 class Published:
     version: str
     image: str | None = None
+    rollout: RolloutSpec | None = None  # None: every node at once
+
+
+def _rollout(value: object) -> RolloutSpec | None:
+    """The version file's `rollout`, validated as a workload's is."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise VersionFileError("version file `rollout` must be an object")
+    try:
+        return RolloutSpec.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(("rollout", *(str(part) for part in first["loc"])))
+        raise VersionFileError(f"version file `{where}`: {first['msg']}") from None
 
 
 def parse_version_file(content: bytes) -> Published:
@@ -70,7 +99,9 @@ def parse_version_file(content: bytes) -> Published:
             raise VersionFileError("version file JSON has no string `version`")
         if image is not None and not isinstance(image, str):
             raise VersionFileError("version file `image` must be a string")
-        published = Published(version.strip(), image.strip() if image else None)
+        published = Published(
+            version.strip(), image.strip() if image else None, _rollout(data.get("rollout"))
+        )
     elif _BARE.fullmatch(text):
         published = Published(text)
     else:
@@ -231,12 +262,20 @@ class UpdatePolicy:
     allow_prerelease: bool = False
     # SELF_UPDATE_WINDOW: when an update may start (`window_open`); None is always
     window: UpdateWindow | None = None
+    # the node's id: its place in a wave of the version file's `rollout`
+    node_id: str = ""
+
+
+# the name a version file's rollout places nodes under (its seed: `workload-manager/<version>`)
+ROLLOUT_NAME = "workload-manager"
 
 
 class Choice(StrEnum):
     NOOP = "noop"
     UPDATE = "update"
     SKIP = "skip"
+    WAITING_WAVE = "waiting-wave"  # the version file's rollout has not reached this node
+    HALTED = "halted"  # the version file's rollout is halted
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,12 +386,20 @@ def decide_update(
         return UpdateDecision(
             Choice.SKIP, f"{published.version} is a pre-release (not allowed)", published.version
         )
+    rollout = published.rollout
+    where = place(seed_for(ROLLOUT_NAME, published.version, rollout), policy.node_id)
+    gate = wave(where, rollout)
+    if isinstance(gate, Halted):
+        return UpdateDecision(Choice.HALTED, gate.reason, published.version)
+    if isinstance(gate, WaitingWave):
+        return UpdateDecision(Choice.WAITING_WAVE, gate.reason, published.version)
     if not window_open(policy.window, now):
         return UpdateDecision(
             Choice.SKIP, f"outside the maintenance window {policy.window}", published.version
         )
+    waved = f" ({gate.reason})" if rollout is not None else ""
     return UpdateDecision(
-        Choice.UPDATE, f"{current} -> {published.version}", published.version, image
+        Choice.UPDATE, f"{current} -> {published.version}{waved}", published.version, image
     )
 
 

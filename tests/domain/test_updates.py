@@ -9,7 +9,7 @@ from datetime import UTC, datetime, time, timedelta
 import pytest
 
 from app.domain.health import RolloutPhase
-from app.domain.rollout import UpdateWindow
+from app.domain.rollout import RolloutSpec, UpdateWindow, place, seed_for
 from app.domain.updates import (
     CONFIRMED_VERSION,
     FAILED_VERSIONS,
@@ -92,6 +92,126 @@ def test_version_files(content: bytes, published: Published) -> None:
 def test_garbage_version_files_are_refused(content: bytes, says: str) -> None:
     with pytest.raises(VersionFileError, match=says):
         parse_version_file(content)
+
+
+@pytest.mark.parametrize(
+    ("content", "rollout"),
+    [
+        (b"1.4.2", None),  # a bare version: everyone at once
+        (b'{"version": "1.4.2"}', None),
+        (b'{"version": "1.4.2", "rollout": null}', None),
+        (b'{"version": "1.4.2", "rollout": {"percent": 20}}', RolloutSpec(percent=20)),
+        (b'{"version": "1.4.2", "rollout": {"percent": 20, "halt": false, "seed": "wave-1"}}',
+         RolloutSpec(percent=20, seed="wave-1")),
+        (b'{"version": "1.4.2", "rollout": {"halt": true}}', RolloutSpec(halt=True)),
+        (b'{"version": "1.4.2", "rollout": {}}', RolloutSpec()),  # 100 %: everyone
+        (b'{"version": "1.4.2", "rollout": {"percent": 0.5, "later": 1}}',
+         RolloutSpec(percent=0.5)),  # fields to come are ignored, as a workload's are
+    ],
+)  # fmt: skip
+def test_the_version_file_may_carry_a_rollout(content: bytes, rollout: RolloutSpec | None) -> None:
+    published = parse_version_file(content)
+    assert (published.version, published.rollout) == ("1.4.2", rollout)
+
+
+@pytest.mark.parametrize(
+    ("rollout", "says"),
+    [
+        ("5", "version file `rollout` must be an object"),
+        ('"20%"', "version file `rollout` must be an object"),
+        ('{"percent": 150}', "version file `rollout.percent`: .*less than or equal to 100"),
+        ('{"percent": -1}', "version file `rollout.percent`"),
+        ('{"percent": "half"}', "version file `rollout.percent`"),
+        ('{"percent": NaN}', "version file `rollout.percent`"),
+        ('{"halt": "maybe"}', "version file `rollout.halt`"),
+        ('{"seed": ""}', "version file `rollout.seed`"),
+        ('{"seed": 7}', "version file `rollout.seed`"),
+    ],
+)
+def test_a_bad_rollout_is_refused_naming_the_field(rollout: str, says: str) -> None:
+    with pytest.raises(VersionFileError, match=says):
+        parse_version_file(f'{{"version": "1.4.2", "rollout": {rollout}}}'.encode())
+
+
+# places for the default seed `workload-manager/1.4.2`, and for the seed "canary-7"
+PLACES = {"node-a": (0.26, 30.93), "node-b": (25.86, 93.72), "node-c": (92.86, 95.41),
+          "node-d": (90.52, 22.10)}  # fmt: skip
+
+
+def test_the_places_of_the_wave_tests() -> None:
+    for node, (default, canary) in PLACES.items():
+        assert place(seed_for("workload-manager", "1.4.2", None), node) == pytest.approx(
+            default, abs=0.01
+        )
+        assert place("canary-7", node) == pytest.approx(canary, abs=0.01)
+
+
+def waves(node: str, *, window: str | None = None) -> UpdatePolicy:
+    return UpdatePolicy(
+        REPO, node_id=node, window=UpdateWindow.from_setting(window) if window else None
+    )
+
+
+def rolling(percent: float = 100.0, *, halt: bool = False, seed: str | None = None) -> Published:
+    return Published("1.4.2", rollout=RolloutSpec(percent=percent, halt=halt, seed=seed))
+
+
+@pytest.mark.parametrize(
+    ("current", "published", "failed", "policy", "choice", "says"),
+    [
+        # no rollout: everyone at once
+        ("1.4.1", Published("1.4.2"), frozenset(), waves("node-c"), Choice.UPDATE,
+         "1.4.1 -> 1.4.2"),
+        # a node placed below the percent applies, the others wait for a wider wave
+        ("1.4.1", rolling(20), frozenset(), waves("node-a"), Choice.UPDATE,
+         "1.4.1 -> 1.4.2 (place 0.2 < 20 %)"),
+        ("1.4.1", rolling(20), frozenset(), waves("node-b"), Choice.WAITING_WAVE,
+         "place 25.8 ≥ 20 %"),
+        ("1.4.1", rolling(30), frozenset(), waves("node-b"), Choice.UPDATE,
+         "(place 25.8 < 30 %)"),
+        ("1.4.1", rolling(100), frozenset(), waves("node-c"), Choice.UPDATE, "1.4.1 -> 1.4.2"),
+        ("1.4.1", rolling(0), frozenset(), waves("node-a"), Choice.WAITING_WAVE,
+         "place 0.2 ≥ 0 %"),
+        # the seed chooses the early nodes
+        ("1.4.1", rolling(25, seed="canary-7"), frozenset(), waves("node-d"), Choice.UPDATE,
+         "(place 22 < 25 %)"),  # rounded down, as shown
+        ("1.4.1", rolling(25, seed="canary-7"), frozenset(), waves("node-a"),
+         Choice.WAITING_WAVE, "place 30.9 ≥ 25 %"),
+        # a halt stops every new update, whatever the percent
+        ("1.4.1", rolling(100, halt=True), frozenset(), waves("node-a"), Choice.HALTED,
+         "the rollout is halted"),
+        # the wave is judged before the window (as a workload's is)
+        ("1.4.1", rolling(20), frozenset(), waves("node-b", window="02:00-05:00"),
+         Choice.WAITING_WAVE, "place 25.8 ≥ 20 %"),
+        ("1.4.1", rolling(20), frozenset(), waves("node-a", window="02:00-05:00"), Choice.SKIP,
+         "outside the maintenance window"),
+        # and after what is no update at all: nothing new, failed before, a pre-release
+        ("1.4.2", rolling(100, halt=True), frozenset(), waves("node-a"), Choice.NOOP,
+         "published 1.4.2"),
+        ("1.4.1", rolling(0), frozenset({"1.4.2"}), waves("node-a"), Choice.SKIP,
+         "failed before"),
+        ("1.4.1", Published("1.5.0rc1", rollout=RolloutSpec(halt=True)), frozenset(),
+         waves("node-a"), Choice.SKIP, "pre-release"),
+        ("1.4.1", Published("1.4.2", "evil.example/wm:1.4.2", RolloutSpec(percent=0)),
+         frozenset(), waves("node-a"), Choice.SKIP, "not from the configured repository"),
+    ],
+)  # fmt: skip
+def test_decide_update_waves(
+    current: str,
+    published: Published,
+    failed: frozenset[str],
+    policy: UpdatePolicy,
+    choice: Choice,
+    says: str,
+) -> None:
+    decision = decide_update(
+        current=current, published=published, failed=failed, policy=policy, now=NOON
+    )
+    assert decision.choice is choice, decision
+    assert says in decision.reason
+    if choice in (Choice.WAITING_WAVE, Choice.HALTED):
+        assert decision.reason == says  # the wave's own reason
+        assert (decision.version, decision.image) == ("1.4.2", None)
 
 
 @pytest.mark.parametrize(

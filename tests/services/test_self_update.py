@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +30,7 @@ from app.adapters.versions import VersionFile, VersionSourceError
 from app.api.schemas import ComponentInfo
 from app.domain.components import Outcome
 from app.domain.health import RolloutPhase, rollout_of
+from app.domain.rollout import place, seed_for
 from app.domain.updates import MAX_VERSION_FILE_BYTES, UpdatePolicy
 from app.services.features.sync import SYNC
 from app.services.runtime import Runtime, build_runtime, open_self_update_only, open_sync_only
@@ -441,6 +443,117 @@ async def test_with_a_public_key_a_validly_signed_file_is_applied(
     await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.2.0"
     assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
+
+
+# --- the version file's rollout, and the window: they gate starting an update only
+
+# a window that is closed now (it opens in two hours, for one): a check that met it
+# while these tests run would be refused an update
+_OPENS = datetime.now(UTC) + timedelta(hours=2)
+CLOSED_WINDOW = pytest.mark.parametrize(
+    "runtime",
+    [{"self_update_window": json.dumps({
+        "start": f"{_OPENS:%H:%M}", "end": f"{_OPENS + timedelta(hours=1):%H:%M}",
+        "tz": "UTC"})}],
+    indirect=True, ids=["window-closed"],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rollout", "decision", "says"),
+    [
+        ({"percent": 0}, "waiting-wave", "≥ 0 %"),
+        ({"percent": 100, "halt": True}, "halted", "the rollout is halted"),
+    ],
+)
+async def test_a_node_outside_the_wave_or_a_halted_rollout_starts_nothing_and_says_so(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
+    rollout: dict[str, Any], decision: str, says: str,
+) -> None:  # fmt: skip
+    version_file[0].set(body=json.dumps({"version": "0.2.0", "rollout": rollout}).encode())
+    cluster.clear_requests()
+    await scheduled(runtime)
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    assert non_get_requests(cluster) == []
+    # what /v1/status shows for the component: its state, and why
+    shown = ComponentInfo(**runtime.components["self_update"].as_dict())
+    assert shown.state == "ok", shown
+    assert shown.detail["decision"] == decision and says in shown.detail["reason"], shown
+    assert shown.detail["published"] == "0.2.0"
+    # the wave reaches every node: the update starts
+    version_file[0].set(body=b'{"version": "0.2.0", "rollout": {"percent": 100}}')
+    await scheduled(runtime)
+    assert image_of(cluster) == f"{REPO}:0.2.0"
+    assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
+    assert "(place " in (updater(runtime).last or {})["reason"]
+
+
+@pytest.mark.parametrize("runtime", [{"node_id": "node-b"}], indirect=True, ids=["node-b"])
+async def test_the_node_is_placed_in_the_wave_by_its_id(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    where = place(seed_for("workload-manager", "0.2.0", None), "node-b")
+    version_file[0].set(body=json.dumps({"version": "0.2.0", "rollout": {"percent": where}})
+                        .encode())  # fmt: skip
+    await scheduled(runtime)
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "waiting-wave", last
+    assert last["reason"] == f"place {math.floor(where * 10) / 10:g} ≥ {where:g} %"
+    version_file[0].set(
+        body=json.dumps({"version": "0.2.0", "rollout": {"percent": where + 0.01}}).encode()
+    )
+    await scheduled(runtime)
+    assert image_of(cluster) == f"{REPO}:0.2.0"
+
+
+async def test_a_bad_rollout_in_the_version_file_changes_nothing_and_names_the_field(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    version_file[0].set(body=b'{"version": "0.2.0", "rollout": {"percent": 200}}')
+    cluster.clear_requests()
+    await scheduled(runtime)
+    assert non_get_requests(cluster) == []
+    component = runtime.components["self_update"]
+    assert component.state == "failing"
+    assert "version file `rollout.percent`" in (component.last_error or ""), component
+
+
+@CLOSED_WINDOW
+async def test_a_halt_or_a_closed_window_leaves_an_owed_rollback_to_be_done(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    version_file[0].set(body=json.dumps({"version": BAD, "rollout": {"halt": True}}).encode())
+    as_left_by_an_update(
+        cluster, image=f"{REPO}:{BAD}", target=BAD,
+        started=datetime.now(UTC) - timedelta(hours=1),
+    )  # fmt: skip
+    await scheduled(runtime)
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "rollback", last
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    assert annotations_of(cluster)[FAILED_VERSIONS] == BAD
+    # and a new version is not started: halted (the window would refuse it too)
+    version_file[0].set(body=b'{"version": "0.2.0", "rollout": {"halt": true}}')
+    await scheduled(runtime)
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "halted", last
+    version_file[0].set(body=b'{"version": "0.2.0"}')
+    await scheduled(runtime)
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "skip", last
+    assert "outside the maintenance window" in last["reason"]
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+
+
+@CLOSED_WINDOW
+async def test_a_halt_or_a_closed_window_leaves_an_owed_confirmation_to_be_made(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    version_file[0].set(body=b'{"version": "0.2.0", "rollout": {"halt": true}}')
+    as_left_by_an_update(cluster, image=f"{REPO}:0.2.0", target="0.2.0", started=datetime.now(UTC))
+    assert await resumed(runtime) == "available"
+    assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
+    assert image_of(cluster) == f"{REPO}:0.2.0"
 
 
 async def test_sync_and_self_update_never_overlap(

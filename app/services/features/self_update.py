@@ -4,7 +4,7 @@ patched to a newer published version, watched, and rolled back when it does not 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from app.domain.components import Outcome
@@ -100,7 +100,8 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
             kube=cluster.client.in_namespace(config.namespace),
             deployment=config.deployment,
             container=config.container,
-            policy=config.policy,
+            # placed in the version file's waves by the node's id, as the backend knows it
+            policy=replace(config.policy, node_id=deps.node_id),
             deadline=config.deadline,
             poll_interval=config.poll_interval,
             metrics=deps.metrics,
