@@ -147,6 +147,8 @@ class Settings(BaseSettings):
     # "end", "tz"} (app/domain/rollout.py); it gates the start of an update only
     self_update_window: Annotated[WindowSetting | None, NoDecode] = None
     self_update_deadline_seconds: float = _ranged(300.0, 1.0, 3_600.0)
+    # once available, the new pod must stay so this long to be confirmed (0: at once)
+    self_update_min_healthy_seconds: float = _ranged(60.0, 0.0, 3_600.0)
     self_update_poll_seconds: float = _ranged(5.0, 0.05, 60.0)
     self_update_timeout_seconds: float = _ranged(10.0, 0.1, 120.0)
     # an S3-compatible store for an s3:// SELF_UPDATE_URL (default: AWS's regional endpoint)

@@ -409,6 +409,9 @@ PREVIOUS_IMAGE = "workload-manager.io/previous-image"
 TARGET_VERSION = "workload-manager.io/update-target"
 TARGET_IMAGE = "workload-manager.io/update-image"
 UPDATE_STARTED = "workload-manager.io/update-started"
+# when the update's new ReplicaSet was first seen available: the start of its min healthy
+# time (SELF_UPDATE_MIN_HEALTHY_SECONDS), which a manager that resumes the watch continues
+AVAILABLE_SINCE = "workload-manager.io/update-available-since"
 CONFIRMED_VERSION = "workload-manager.io/update-confirmed"
 FAILED_VERSIONS = "workload-manager.io/failed-versions"
 # the highest version a confirmation recorded on this node, and its image: the floor below
@@ -443,6 +446,7 @@ class UpdateMarks:
     confirmed_version: str | None = None
     failed: frozenset[str] = frozenset()
     highest: Confirmed | None = None
+    available_since: datetime | None = None  # the new ReplicaSet first seen available
 
 
 def _highest(version: str | None, image: str | None) -> Confirmed | None:
@@ -465,6 +469,7 @@ def read_marks(annotations: Mapping[str, str] | None) -> UpdateMarks:
         confirmed_version=notes.get(CONFIRMED_VERSION) or None,
         failed=frozenset(v for v in notes.get(FAILED_VERSIONS, "").split(",") if v),
         highest=_highest(notes.get(HIGHEST_VERSION), notes.get(HIGHEST_IMAGE)),
+        available_since=_parse_time(notes.get(AVAILABLE_SINCE)),
     )
 
 
@@ -503,6 +508,18 @@ class Pending:
     previous_image: str | None = None
     remaining: float = 0.0  # WATCH: seconds left of the update's deadline
     image: str | None = None  # WATCH: the image the update set, when recorded
+    # WATCH of an available update: when it was first seen available (None: not yet)
+    available_since: datetime | None = None
+
+
+def healthy_span(
+    since: datetime | None, *, now: datetime, min_healthy: float
+) -> tuple[datetime, float]:
+    """The start of an available update's min healthy time, and the seconds of it left:
+    from `since` (when it was first seen available), or from now when it was not (or
+    when `since` is in the future: clock skew)."""
+    start = since if since is not None and since <= now else now
+    return start, max(0.0, min_healthy - (now - start).total_seconds())
 
 
 def pending_update(
@@ -512,11 +529,14 @@ def pending_update(
     rollout: RolloutPhase,
     now: datetime,
     deadline: float,
+    min_healthy: float = 0.0,
 ) -> Pending:
     """What the last self-update still needs, from the own Deployment alone.
 
     Pure, and the same for every manager instance: the old pod that applied the update,
-    a restart of it, or the new pod once it runs.
+    a restart of it, or the new pod once it runs. With a min healthy time, an update
+    first seen available (`available_since`) is confirmed only once it stayed so that
+    long: available now, it is watched on; unavailable now, it failed.
     """
     target, previous = marks.target_version, marks.previous_image
     if target is None:
@@ -553,11 +573,24 @@ def pending_update(
     else:
         elapsed = max(0.0, (now - marks.started_at).total_seconds())
         remaining = deadline - elapsed
+    since = marks.available_since if min_healthy > 0 else None
     if rollout is RolloutPhase.READY:
+        if since is None:
+            why = "the new pod is available; to be confirmed"
+        else:
+            seen = max(0.0, (now - since).total_seconds())
+            why = f"the new pod available for {seen:.0f} s of {min_healthy:.0f} s; to be confirmed"
         return Pending(
-            Owed.WATCH, "the new pod is available; to be confirmed", target, previous,
-            max(remaining, 0.0), marks.target_image,
-        )  # fmt: skip
+            Owed.WATCH, why, target, previous, max(remaining, 0.0), marks.target_image, since
+        )
+    if since is not None:
+        return Pending(
+            Owed.ROLLBACK,
+            f"the Deployment became unavailable within the {min_healthy:.0f} s the new pod "
+            "must stay available",
+            target,
+            previous,
+        )
     if remaining <= 0:
         return Pending(
             Owed.ROLLBACK,

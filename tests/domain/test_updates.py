@@ -11,6 +11,7 @@ import pytest
 from app.domain.health import RolloutPhase
 from app.domain.rollout import RolloutSpec, UpdateWindow, place, seed_for
 from app.domain.updates import (
+    AVAILABLE_SINCE,
     CONFIRMED_VERSION,
     FAILED_VERSIONS,
     HIGHEST_IMAGE,
@@ -32,6 +33,7 @@ from app.domain.updates import (
     VersionFileKey,
     confirmation,
     decide_update,
+    healthy_span,
     in_window,
     parse_image,
     parse_public_key,
@@ -670,6 +672,64 @@ def test_pending_update(
         assert pending.image == marks.target_image
 
 
+MIN_HEALTHY = 60.0
+SEEN = replace(IN_FLIGHT, available_since=NOON - timedelta(seconds=20))  # available 20 s ago
+
+
+@pytest.mark.parametrize(
+    ("marks", "image", "rollout", "min_healthy", "owed", "says"),
+    [
+        # available, its min healthy time under way: watched until it is over
+        (SEEN, NEW, READY, MIN_HEALTHY, Owed.WATCH, "available for 20 s of 60 s"),
+        (replace(SEEN, available_since=NOON - timedelta(hours=1)), NEW, READY, MIN_HEALTHY,
+         Owed.WATCH, "available for 3600 s of 60 s"),  # over: confirmed at the next read
+        (IN_FLIGHT, NEW, READY, MIN_HEALTHY, Owed.WATCH,
+         "the new pod is available; to be confirmed"),  # not seen yet: the time starts now
+        # available once, unavailable since, not confirmed: a failed update
+        (SEEN, NEW, ROLLING, MIN_HEALTHY, Owed.ROLLBACK,
+         "the Deployment became unavailable within the 60 s the new pod must stay available"),
+        (SEEN, NEW, FAILED, MIN_HEALTHY, Owed.ROLLBACK, "ProgressDeadlineExceeded"),
+        # 0 s: today's rule, the mark means nothing
+        (SEEN, NEW, ROLLING, 0.0, Owed.WATCH, "rolling out"),
+        (SEEN, NEW, READY, 0.0, Owed.WATCH, "the new pod is available; to be confirmed"),
+        # settled before the min healthy time is looked at
+        (replace(SEEN, confirmed_version="1.1.0"), NEW, ROLLING, MIN_HEALTHY, Owed.NOTHING,
+         "confirmed"),
+        (SEEN, OLD, ROLLING, MIN_HEALTHY, Owed.FINISH_ROLLBACK, "put back to"),
+        (SEEN, OTHER, ROLLING, MIN_HEALTHY, Owed.NOTHING, "outside the self-update"),
+    ],
+)  # fmt: skip
+def test_pending_update_with_a_min_healthy_time(
+    marks: UpdateMarks, image: str, rollout: RolloutPhase, min_healthy: float, owed: Owed,
+    says: str,
+) -> None:  # fmt: skip
+    pending = pending_update(
+        marks=marks, image=image, rollout=rollout, now=NOON, deadline=DEADLINE,
+        min_healthy=min_healthy,
+    )  # fmt: skip
+    assert pending.owed is owed, pending
+    assert says in pending.reason, pending
+    if owed is Owed.WATCH and rollout is READY and min_healthy:
+        assert pending.available_since == marks.available_since
+
+
+@pytest.mark.parametrize(
+    ("since", "min_healthy", "start", "left"),
+    [
+        (None, 60.0, NOON, 60.0),  # first seen now
+        (NOON - timedelta(seconds=20), 60.0, NOON - timedelta(seconds=20), 40.0),
+        (NOON - timedelta(seconds=60), 60.0, NOON - timedelta(seconds=60), 0.0),
+        (NOON - timedelta(hours=1), 60.0, NOON - timedelta(hours=1), 0.0),
+        (NOON + timedelta(seconds=5), 60.0, NOON, 60.0),  # clock skew: a future mark is now
+        (NOON - timedelta(seconds=20), 0.0, NOON - timedelta(seconds=20), 0.0),
+    ],
+)  # fmt: skip
+def test_healthy_span(
+    since: datetime | None, min_healthy: float, start: datetime, left: float
+) -> None:
+    assert healthy_span(since, now=NOON, min_healthy=min_healthy) == (start, left)
+
+
 @pytest.mark.parametrize(
     ("annotations", "marks"),
     [
@@ -693,6 +753,9 @@ def test_pending_update(
         ({HIGHEST_VERSION: "1.1.0"}, UpdateMarks(highest=Confirmed("1.1.0"))),
         ({HIGHEST_VERSION: "one", HIGHEST_IMAGE: NEW}, UpdateMarks()),
         ({HIGHEST_IMAGE: NEW}, UpdateMarks()),
+        ({AVAILABLE_SINCE: "2026-11-29T11:59:40Z"},
+         UpdateMarks(available_since=NOON - timedelta(seconds=20))),
+        ({AVAILABLE_SINCE: "soon"}, UpdateMarks()),
         # the last confirmation alone sets no floor (it may predate the floor's checks)
         ({CONFIRMED_VERSION: "9.9.9"}, UpdateMarks(confirmed_version="9.9.9")),
     ],

@@ -30,6 +30,7 @@ class SelfUpdateConfig:
     container: str
     policy: UpdatePolicy
     deadline: float
+    min_healthy: float
     poll_interval: float
     interval: float
 
@@ -68,6 +69,7 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
                 window=settings.update_window,
             ),
             deadline=settings.self_update_deadline_seconds,
+            min_healthy=settings.self_update_min_healthy_seconds,
             poll_interval=settings.self_update_poll_seconds,
             interval=settings.self_update_interval_seconds,
         )
@@ -103,6 +105,7 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
             # placed in the version file's waves by the node's id, as the backend knows it
             policy=replace(config.policy, node_id=deps.node_id),
             deadline=config.deadline,
+            min_healthy=config.min_healthy,
             poll_interval=config.poll_interval,
             metrics=deps.metrics,
             cluster_lock=deps.cluster_lock,
