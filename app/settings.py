@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from datetime import time
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,6 +24,7 @@ from pydantic import (
     PlainSerializer,
     SecretStr,
     TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -34,6 +34,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from app.domain.http_targets import AllowedTargets
 from app.domain.nats_servers import NatsServers
 from app.domain.requirements import CAPABILITY_NAME, LOCATION_NAME, Tier
+from app.domain.rollout import UpdateWindow
 from app.domain.updates import VersionFileKey, signature_needs_own_url
 
 # Where the original (Express) service kept the node's key (`Settings.node_config_path`):
@@ -66,6 +67,9 @@ TargetsSetting = Annotated[
     InstanceOf[AllowedTargets], PlainSerializer(AllowedTargets.entries, return_type=list[str])
 ]
 KeySetting = Annotated[InstanceOf[VersionFileKey], PlainSerializer(str, return_type=str)]
+WindowSetting = Annotated[
+    InstanceOf[UpdateWindow], PlainSerializer(UpdateWindow.model_dump_json, return_type=str)
+]
 _NAMES = TypeAdapter(list[str])
 
 
@@ -139,10 +143,12 @@ class Settings(BaseSettings):
     self_image_repository: str = "ghcr.io/node-system/workload-manager"
     self_container_name: str = "manager"
     self_update_allow_prerelease: bool = False
-    self_update_window: str | None = Field(
-        default=None, pattern=r"^([01][0-9]|2[0-3]):[0-5][0-9]-([01][0-9]|2[0-3]):[0-5][0-9]$"
-    )
+    # `HH:MM-HH:MM` (UTC, every day) or a workload's window as JSON: {"days", "start",
+    # "end", "tz"} (app/domain/rollout.py); it gates the start of an update only
+    self_update_window: Annotated[WindowSetting | None, NoDecode] = None
     self_update_deadline_seconds: float = _ranged(300.0, 1.0, 3_600.0)
+    # once available, the new pod must stay so this long to be confirmed (0: at once)
+    self_update_min_healthy_seconds: float = _ranged(60.0, 0.0, 3_600.0)
     self_update_poll_seconds: float = _ranged(5.0, 0.05, 60.0)
     self_update_timeout_seconds: float = _ranged(10.0, 0.1, 120.0)
     # an S3-compatible store for an s3:// SELF_UPDATE_URL (default: AWS's regional endpoint)
@@ -297,6 +303,29 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return VersionFileKey.parse(value) if value.strip() else None
         return value
+
+    @field_validator("self_update_window", mode="before")
+    @classmethod
+    def _update_window(cls, value: Any) -> Any:
+        """Parsed once (`UpdateWindow.from_setting`); the first problem, on one line."""
+        if not isinstance(value, str):
+            return value
+        if not value.strip():
+            return None  # `SELF_UPDATE_WINDOW=` is not set
+        try:
+            return UpdateWindow.from_setting(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            if first["type"] == "json_invalid":
+                what = "is not a JSON object"
+            else:
+                msg = first["msg"].removeprefix("Value error, ")
+                what = f"{where}: {msg}" if where else msg
+            raise ValueError(
+                f"{what} (expected HH:MM-HH:MM, UTC, or "
+                '{"days": [...], "start": "HH:MM", "end": "HH:MM", "tz": "Area/City"})'
+            ) from None
 
     @field_validator("self_update_url", "self_update_signature_url")
     @classmethod
@@ -506,11 +535,8 @@ class Settings(BaseSettings):
         return self.log_format == "json"
 
     @property
-    def update_window(self) -> tuple[time, time] | None:
-        if self.self_update_window is None:
-            return None
-        start, end = self.self_update_window.split("-")
-        return time.fromisoformat(start), time.fromisoformat(end)
+    def update_window(self) -> UpdateWindow | None:
+        return self.self_update_window
 
     @property
     def auto_init_streams(self) -> bool:

@@ -57,7 +57,6 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.domain.health import PingStatus
-from app.domain.updates import in_window
 
 Day = Literal["mon", "tue", "wed", "thu", "fri", "sat", "sun"]
 DAYS: tuple[Day, ...] = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -122,6 +121,18 @@ class UpdateWindow(BaseModel):
             return cls.model_validate_json(text)
         start, _, end = text.partition("-")
         return cls(start=start, end=end)
+
+
+def in_window(now: datetime, window: tuple[time, time] | None) -> bool:
+    """Whether the time of day of `now` is in [start, end), which crosses midnight when
+    the end is not after the start; None is always."""
+    if window is None:
+        return True
+    start, end = window
+    moment = now.time().replace(tzinfo=None)
+    if start <= end:
+        return start <= moment < end
+    return moment >= start or moment < end  # the window spans midnight
 
 
 def window_open(window: UpdateWindow | None, now: datetime) -> bool:

@@ -1,12 +1,16 @@
 """Self-update: read the published version file, and decide whether to move to it.
 
 The version file is a bare version (`1.4.2`) or JSON `{"version": "1.4.2", "image":
-"repo/name:1.4.2"}`. `decide_update` is pure: only an image of the configured repository
-whose tag is the version (or which pins a sha256 digest, a tag beside it being the
-version), never a version below the highest one confirmed on this node, only a newer
-version than the running one (PEP 440 ordering), never one that failed before,
-pre-releases (of the version or the tag) only when allowed, and only inside the
-maintenance window when one is set.
+"repo/name:1.4.2", "rollout": {"percent": 20, "halt": false, "seed": "..."}}` (`rollout`
+is a workload's `RolloutSpec`; without it every node updates at once). `decide_update` is
+pure: only an image of the configured repository whose tag is the version (or which pins
+a sha256 digest, a tag beside it being the version), never a version below the highest
+one confirmed on this node, only a newer version than the running one (PEP 440
+ordering), never one that failed before, pre-releases (of the version or the tag) only
+when allowed, only on a node the rollout's wave has reached (`waiting-wave`) and is not
+halted (`halted`), and only inside the maintenance window (a workload's `UpdateWindow`)
+when one is set. The wave and the window gate starting an update only: what an update
+in flight owes (`pending_update`) is done whatever they say.
 
 When a public key is configured the file must carry a detached Ed25519 signature over its
 exact bytes (base64, at the file's location plus `.sig`, or where SELF_UPDATE_SIGNATURE_URL
@@ -27,13 +31,25 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, time
+from datetime import UTC, datetime
 from enum import StrEnum
 from urllib.parse import urlsplit, urlunsplit
 
 from packaging.version import InvalidVersion, Version
+from pydantic import ValidationError
 
 from app.domain.health import RolloutPhase
+from app.domain.rollout import (
+    Halted,
+    RolloutSpec,
+    UpdateWindow,
+    WaitingWave,
+    place,
+    seed_for,
+    wave,
+    window_open,
+)
+from app.domain.rollout import in_window as in_window  # its home was here
 
 _BARE = re.compile(r"^v?[0-9][0-9A-Za-z.+!-]*$")
 MAX_VERSION_FILE_BYTES = 4096
@@ -47,6 +63,21 @@ class VersionFileError(ValueError):
 class Published:
     version: str
     image: str | None = None
+    rollout: RolloutSpec | None = None  # None: every node at once
+
+
+def _rollout(value: object) -> RolloutSpec | None:
+    """The version file's `rollout`, validated as a workload's is."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise VersionFileError("version file `rollout` must be an object")
+    try:
+        return RolloutSpec.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(("rollout", *(str(part) for part in first["loc"])))
+        raise VersionFileError(f"version file `{where}`: {first['msg']}") from None
 
 
 def parse_version_file(content: bytes) -> Published:
@@ -68,7 +99,9 @@ def parse_version_file(content: bytes) -> Published:
             raise VersionFileError("version file JSON has no string `version`")
         if image is not None and not isinstance(image, str):
             raise VersionFileError("version file `image` must be a string")
-        published = Published(version.strip(), image.strip() if image else None)
+        published = Published(
+            version.strip(), image.strip() if image else None, _rollout(data.get("rollout"))
+        )
     elif _BARE.fullmatch(text):
         published = Published(text)
     else:
@@ -227,13 +260,22 @@ def signature_needs_own_url(url: str) -> bool:
 class UpdatePolicy:
     repository: str
     allow_prerelease: bool = False
-    window: tuple[time, time] | None = None  # UTC, start inclusive, end exclusive
+    # SELF_UPDATE_WINDOW: when an update may start (`window_open`); None is always
+    window: UpdateWindow | None = None
+    # the node's id: its place in a wave of the version file's `rollout`
+    node_id: str = ""
+
+
+# the name a version file's rollout places nodes under (its seed: `workload-manager/<version>`)
+ROLLOUT_NAME = "workload-manager"
 
 
 class Choice(StrEnum):
     NOOP = "noop"
     UPDATE = "update"
     SKIP = "skip"
+    WAITING_WAVE = "waiting-wave"  # the version file's rollout has not reached this node
+    HALTED = "halted"  # the version file's rollout is halted
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,16 +338,6 @@ def reassertion(
     )
 
 
-def in_window(now: datetime, window: tuple[time, time] | None) -> bool:
-    if window is None:
-        return True
-    start, end = window
-    moment = now.time().replace(tzinfo=None)
-    if start <= end:
-        return start <= moment < end
-    return moment >= start or moment < end  # the window spans midnight
-
-
 def decide_update(
     *,
     current: str,
@@ -354,15 +386,20 @@ def decide_update(
         return UpdateDecision(
             Choice.SKIP, f"{published.version} is a pre-release (not allowed)", published.version
         )
-    if not in_window(now, policy.window):
-        start, end = policy.window or (time(), time())
+    rollout = published.rollout
+    where = place(seed_for(ROLLOUT_NAME, published.version, rollout), policy.node_id)
+    gate = wave(where, rollout)
+    if isinstance(gate, Halted):
+        return UpdateDecision(Choice.HALTED, gate.reason, published.version)
+    if isinstance(gate, WaitingWave):
+        return UpdateDecision(Choice.WAITING_WAVE, gate.reason, published.version)
+    if not window_open(policy.window, now):
         return UpdateDecision(
-            Choice.SKIP,
-            f"outside the maintenance window {start:%H:%M}-{end:%H:%M} UTC",
-            published.version,
+            Choice.SKIP, f"outside the maintenance window {policy.window}", published.version
         )
+    waved = f" ({gate.reason})" if rollout is not None else ""
     return UpdateDecision(
-        Choice.UPDATE, f"{current} -> {published.version}", published.version, image
+        Choice.UPDATE, f"{current} -> {published.version}{waved}", published.version, image
     )
 
 
@@ -372,6 +409,9 @@ PREVIOUS_IMAGE = "workload-manager.io/previous-image"
 TARGET_VERSION = "workload-manager.io/update-target"
 TARGET_IMAGE = "workload-manager.io/update-image"
 UPDATE_STARTED = "workload-manager.io/update-started"
+# when the update's new ReplicaSet was first seen available: the start of its min healthy
+# time (SELF_UPDATE_MIN_HEALTHY_SECONDS), which a manager that resumes the watch continues
+AVAILABLE_SINCE = "workload-manager.io/update-available-since"
 CONFIRMED_VERSION = "workload-manager.io/update-confirmed"
 FAILED_VERSIONS = "workload-manager.io/failed-versions"
 # the highest version a confirmation recorded on this node, and its image: the floor below
@@ -406,6 +446,7 @@ class UpdateMarks:
     confirmed_version: str | None = None
     failed: frozenset[str] = frozenset()
     highest: Confirmed | None = None
+    available_since: datetime | None = None  # the new ReplicaSet first seen available
 
 
 def _highest(version: str | None, image: str | None) -> Confirmed | None:
@@ -428,6 +469,7 @@ def read_marks(annotations: Mapping[str, str] | None) -> UpdateMarks:
         confirmed_version=notes.get(CONFIRMED_VERSION) or None,
         failed=frozenset(v for v in notes.get(FAILED_VERSIONS, "").split(",") if v),
         highest=_highest(notes.get(HIGHEST_VERSION), notes.get(HIGHEST_IMAGE)),
+        available_since=_parse_time(notes.get(AVAILABLE_SINCE)),
     )
 
 
@@ -466,6 +508,18 @@ class Pending:
     previous_image: str | None = None
     remaining: float = 0.0  # WATCH: seconds left of the update's deadline
     image: str | None = None  # WATCH: the image the update set, when recorded
+    # WATCH of an available update: when it was first seen available (None: not yet)
+    available_since: datetime | None = None
+
+
+def healthy_span(
+    since: datetime | None, *, now: datetime, min_healthy: float
+) -> tuple[datetime, float]:
+    """The start of an available update's min healthy time, and the seconds of it left:
+    from `since` (when it was first seen available), or from now when it was not (or
+    when `since` is in the future: clock skew)."""
+    start = since if since is not None and since <= now else now
+    return start, max(0.0, min_healthy - (now - start).total_seconds())
 
 
 def pending_update(
@@ -475,11 +529,14 @@ def pending_update(
     rollout: RolloutPhase,
     now: datetime,
     deadline: float,
+    min_healthy: float = 0.0,
 ) -> Pending:
     """What the last self-update still needs, from the own Deployment alone.
 
     Pure, and the same for every manager instance: the old pod that applied the update,
-    a restart of it, or the new pod once it runs.
+    a restart of it, or the new pod once it runs. With a min healthy time, an update
+    first seen available (`available_since`) is confirmed only once it stayed so that
+    long: available now, it is watched on; unavailable now, it failed.
     """
     target, previous = marks.target_version, marks.previous_image
     if target is None:
@@ -516,11 +573,24 @@ def pending_update(
     else:
         elapsed = max(0.0, (now - marks.started_at).total_seconds())
         remaining = deadline - elapsed
+    since = marks.available_since if min_healthy > 0 else None
     if rollout is RolloutPhase.READY:
+        if since is None:
+            why = "the new pod is available; to be confirmed"
+        else:
+            seen = max(0.0, (now - since).total_seconds())
+            why = f"the new pod available for {seen:.0f} s of {min_healthy:.0f} s; to be confirmed"
         return Pending(
-            Owed.WATCH, "the new pod is available; to be confirmed", target, previous,
-            max(remaining, 0.0), marks.target_image,
-        )  # fmt: skip
+            Owed.WATCH, why, target, previous, max(remaining, 0.0), marks.target_image, since
+        )
+    if since is not None:
+        return Pending(
+            Owed.ROLLBACK,
+            f"the Deployment became unavailable within the {min_healthy:.0f} s the new pod "
+            "must stay available",
+            target,
+            previous,
+        )
     if remaining <= 0:
         return Pending(
             Owed.ROLLBACK,

@@ -17,10 +17,15 @@ below the highest one confirmed on this node, which each confirmation records on
 Deployment, so it outlives pods and managers. An update patches only the manager
 container's image (the published one: a pinned digest is patched as such) and the
 annotations; then the old pod (this one, still serving: maxUnavailable 0) watches the
-rollout. If the new ReplicaSet is available it writes the confirmation (and raises the
-floor); if it is not available by the deadline
-(counted from the recorded start), or the Deployment reports ProgressDeadlineExceeded, the
-previous image is put back and the version recorded as failed (skipped from then on). The
+rollout. Once the new ReplicaSet is available, and stayed so for the min healthy time
+(SELF_UPDATE_MIN_HEALTHY_SECONDS, counted from when it was first seen available, which is
+recorded on the Deployment so the manager that resumes the watch continues it), it writes
+the confirmation (and raises the floor); if it is not available by the deadline
+(counted from the recorded start), turns unavailable within the min healthy time, or the
+Deployment reports ProgressDeadlineExceeded, the
+previous image is put back and the version recorded as failed (skipped from then on).
+The watch thus ends within the deadline plus the min healthy time. The version file's
+`rollout` (waves, a halt) and SELF_UPDATE_WINDOW gate starting an update only. The
 rollback is retried with jittered exponential backoff for up to the deadline; if it still
 fails, the component fails naming it, an alert is raised, and the next check tries again.
 Updates and syncs share one lock: they never overlap.
@@ -43,6 +48,7 @@ from app.adapters.versions import VersionFile, VersionSourceError
 from app.domain.components import Outcome
 from app.domain.health import RolloutPhase, rollout_of
 from app.domain.updates import (
+    AVAILABLE_SINCE,
     FAILED_VERSIONS,
     PREVIOUS_IMAGE,
     TARGET_IMAGE,
@@ -57,6 +63,7 @@ from app.domain.updates import (
     VersionFileError,
     confirmation,
     decide_update,
+    healthy_span,
     parse_image,
     parse_version_file,
     pending_update,
@@ -96,6 +103,7 @@ class SelfUpdater:
         metrics: Metrics,
         cluster_lock: asyncio.Lock,
         alerts: Alerter | None = None,
+        min_healthy: float = 0.0,
     ) -> None:
         self._alerts = alerts
         self._source = source
@@ -104,6 +112,7 @@ class SelfUpdater:
         self._container = container
         self._policy = policy
         self._deadline = deadline
+        self._min_healthy = min_healthy
         self._poll = poll_interval
         self._metrics = metrics
         self._lock = cluster_lock
@@ -206,8 +215,8 @@ class SelfUpdater:
         A skip when nothing is owed, else the outcome, its `update` detail "available",
         "rolled-back" or "rollback-failed". Waits for a sync that holds the cluster lock.
         Never raises for cluster errors: they are its outcome, and the scheduled checks
-        try again. It may watch a rollout for up to the deadline, so run it as a
-        background task, not in the start-up path.
+        try again. It may watch a rollout for up to the deadline and the min healthy
+        time, so run it as a background task, not in the start-up path.
         """
         try:
             own = await self._own()
@@ -278,6 +287,7 @@ class SelfUpdater:
                     TARGET_VERSION: decision.version,
                     TARGET_IMAGE: decision.image,
                     UPDATE_STARTED: stamp(datetime.now(UTC)),
+                    AVAILABLE_SINCE: None,
                 }},
                 "spec": self._images(own, decision.image, instead_of=previous),
             },
@@ -307,18 +317,24 @@ class SelfUpdater:
             )  # fmt: skip
 
     async def _see_through(self, pending: Pending, generation: int, marks: UpdateMarks) -> Outcome:
-        """Watch an applied update to its end: confirm it, or roll it back."""
+        """Watch an applied update to its end: confirm it once available (and, with a min
+        healthy time, once it stayed so that long), or roll it back."""
         assert pending.version is not None and pending.previous_image is not None
-        outcome, why = await self._watch(generation, pending.remaining)
+        outcome, why, seen = await self._watch(generation, pending.remaining)
+        if outcome == "available" and self._min_healthy > 0 and seen is not None:
+            outcome, why = await self._stay_available(pending.version, seen)
         if outcome == "available":
             return await self._confirm(pending.version, pending.image, marks)
         return await self._roll_back(
             pending.version, pending.previous_image, why, marks, put_image_back=True
         )
 
-    async def _watch(self, generation: int, budget: float) -> tuple[str, str]:
+    async def _watch(
+        self, generation: int, budget: float
+    ) -> tuple[str, str, dict[str, Any] | None]:
         """Read the rollout until it is done, failed, or `budget` seconds have passed (at
-        least one read, so a finished rollout is seen even with no time left)."""
+        least one read, so a finished rollout is seen even with no time left); with the
+        own Deployment as read when it was available."""
         started = time.monotonic()
         while True:
             try:
@@ -329,12 +345,68 @@ class SelfUpdater:
                 rollout = rollout_of(own)
                 if rollout.observed_generation >= generation:
                     if rollout.phase is RolloutPhase.FAILED:
-                        return "failed", "the Deployment reports ProgressDeadlineExceeded"
+                        return "failed", "the Deployment reports ProgressDeadlineExceeded", None
                     if rollout.phase is RolloutPhase.READY:
-                        return "available", ""
+                        return "available", "", own
             if time.monotonic() - started >= budget:
-                return "failed", f"the new pod was not available within {self._deadline:.0f} s"
+                why = f"the new pod was not available within {self._deadline:.0f} s"
+                return "failed", why, None
             await asyncio.sleep(self._poll)
+
+    async def _stay_available(self, version: str, own: dict[str, Any]) -> tuple[str, str]:
+        """The min healthy time of an available update: "available" once the Deployment
+        stayed available (the new ReplicaSet available, no ProgressDeadlineExceeded) for
+        SELF_UPDATE_MIN_HEALTHY_SECONDS, "failed" as soon as it is not.
+
+        The time starts when the update was first seen available, which the first manager
+        to see it records on the Deployment (the old pod that watches is ended by the
+        rollout itself: the new pod's own resume continues the same time from the mark).
+        Reads that fail are retried: after the time and a deadline more without one, the
+        update is taken as failed, as a rollout that could not be seen finishing is."""
+        now = datetime.now(UTC)
+        recorded = read_marks(_annotations(own)).available_since
+        since, left = healthy_span(recorded, now=now, min_healthy=self._min_healthy)
+        if recorded is None or recorded > now:
+            try:
+                await self._kube.patch(
+                    self._deployment, {"metadata": {"annotations": {AVAILABLE_SINCE: stamp(now)}}}
+                )
+            except KubeError as exc:
+                # the time still runs here; a manager that resumes starts it again
+                log.warning("self-update to %s: the time it became available not recorded: %s",
+                            version, exc)  # fmt: skip
+        log.info("self-update to %s is available; confirmed once it stays so %.0f s more",
+                 version, left)  # fmt: skip
+        ends = time.monotonic() + left
+        while True:
+            try:
+                own = await self._own()
+            except KubeError as exc:
+                log.warning("self-update: cannot read the rollout: %s", exc)
+                if time.monotonic() >= ends + self._deadline:
+                    return "failed", (
+                        f"the rollout could not be read for {self._deadline:.0f} s after the "
+                        f"{self._min_healthy:.0f} s the new pod must stay available"
+                    )
+            else:
+                rollout = rollout_of(own)
+                if rollout.phase is not RolloutPhase.READY:
+                    after = (datetime.now(UTC) - since).total_seconds()
+                    detail = (
+                        "it reports ProgressDeadlineExceeded"
+                        if rollout.phase is RolloutPhase.FAILED
+                        else f"{rollout.available} of {rollout.replicas} available, "
+                        f"{rollout.ready} ready"
+                    )
+                    return "failed", (
+                        f"the Deployment became unavailable {after:.0f} s after the new pod "
+                        f"was available, within the {self._min_healthy:.0f} s it must stay "
+                        f"available ({detail})"
+                    )
+                if time.monotonic() >= ends:
+                    return "available", ""
+            wait = ends - time.monotonic()
+            await asyncio.sleep(min(self._poll, wait) if wait > 0 else self._poll)
 
     async def _confirm(self, version: str, image: str | None, marks: UpdateMarks) -> Outcome:
         """Record the confirmation, and the highest confirmed version (the floor below
@@ -361,7 +433,7 @@ class SelfUpdater:
         patch: dict[str, Any] = {
             "metadata": {"annotations": {
                 FAILED_VERSIONS: ",".join(failed), TARGET_VERSION: None, TARGET_IMAGE: None,
-                UPDATE_STARTED: None,
+                UPDATE_STARTED: None, AVAILABLE_SINCE: None,
             }},
         }  # fmt: skip
 
@@ -424,6 +496,7 @@ class SelfUpdater:
             rollout=rollout_of(own).phase,
             now=datetime.now(UTC),
             deadline=self._deadline,
+            min_healthy=self._min_healthy,
         )
 
     async def _own(self) -> dict[str, Any]:

@@ -62,6 +62,7 @@ async def updater(
         self_image_repository=REPO,
         self_update_allow_prerelease=True,
         self_update_deadline_seconds=60,
+        self_update_min_healthy_seconds=0,  # confirmed once available, as before the setting
         self_update_poll_seconds=0.2,
         kube_timeout_seconds=10,
     )

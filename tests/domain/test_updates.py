@@ -9,7 +9,9 @@ from datetime import UTC, datetime, time, timedelta
 import pytest
 
 from app.domain.health import RolloutPhase
+from app.domain.rollout import RolloutSpec, UpdateWindow, place, seed_for
 from app.domain.updates import (
+    AVAILABLE_SINCE,
     CONFIRMED_VERSION,
     FAILED_VERSIONS,
     HIGHEST_IMAGE,
@@ -31,6 +33,7 @@ from app.domain.updates import (
     VersionFileKey,
     confirmation,
     decide_update,
+    healthy_span,
     in_window,
     parse_image,
     parse_public_key,
@@ -50,6 +53,11 @@ POLICY = UpdatePolicy(repository=REPO)
 NOON = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 DIGEST = "0123456789abcdef" * 4
 NEW_IMAGE = f"{REPO}:1.1.0"
+
+
+def windowed(setting: str) -> UpdatePolicy:
+    """The policy with SELF_UPDATE_WINDOW set to `setting`."""
+    return UpdatePolicy(REPO, window=UpdateWindow.from_setting(setting))
 
 
 @pytest.mark.parametrize(
@@ -89,6 +97,126 @@ def test_garbage_version_files_are_refused(content: bytes, says: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("content", "rollout"),
+    [
+        (b"1.4.2", None),  # a bare version: everyone at once
+        (b'{"version": "1.4.2"}', None),
+        (b'{"version": "1.4.2", "rollout": null}', None),
+        (b'{"version": "1.4.2", "rollout": {"percent": 20}}', RolloutSpec(percent=20)),
+        (b'{"version": "1.4.2", "rollout": {"percent": 20, "halt": false, "seed": "wave-1"}}',
+         RolloutSpec(percent=20, seed="wave-1")),
+        (b'{"version": "1.4.2", "rollout": {"halt": true}}', RolloutSpec(halt=True)),
+        (b'{"version": "1.4.2", "rollout": {}}', RolloutSpec()),  # 100 %: everyone
+        (b'{"version": "1.4.2", "rollout": {"percent": 0.5, "later": 1}}',
+         RolloutSpec(percent=0.5)),  # fields to come are ignored, as a workload's are
+    ],
+)  # fmt: skip
+def test_the_version_file_may_carry_a_rollout(content: bytes, rollout: RolloutSpec | None) -> None:
+    published = parse_version_file(content)
+    assert (published.version, published.rollout) == ("1.4.2", rollout)
+
+
+@pytest.mark.parametrize(
+    ("rollout", "says"),
+    [
+        ("5", "version file `rollout` must be an object"),
+        ('"20%"', "version file `rollout` must be an object"),
+        ('{"percent": 150}', "version file `rollout.percent`: .*less than or equal to 100"),
+        ('{"percent": -1}', "version file `rollout.percent`"),
+        ('{"percent": "half"}', "version file `rollout.percent`"),
+        ('{"percent": NaN}', "version file `rollout.percent`"),
+        ('{"halt": "maybe"}', "version file `rollout.halt`"),
+        ('{"seed": ""}', "version file `rollout.seed`"),
+        ('{"seed": 7}', "version file `rollout.seed`"),
+    ],
+)
+def test_a_bad_rollout_is_refused_naming_the_field(rollout: str, says: str) -> None:
+    with pytest.raises(VersionFileError, match=says):
+        parse_version_file(f'{{"version": "1.4.2", "rollout": {rollout}}}'.encode())
+
+
+# places for the default seed `workload-manager/1.4.2`, and for the seed "canary-7"
+PLACES = {"node-a": (0.26, 30.93), "node-b": (25.86, 93.72), "node-c": (92.86, 95.41),
+          "node-d": (90.52, 22.10)}  # fmt: skip
+
+
+def test_the_places_of_the_wave_tests() -> None:
+    for node, (default, canary) in PLACES.items():
+        assert place(seed_for("workload-manager", "1.4.2", None), node) == pytest.approx(
+            default, abs=0.01
+        )
+        assert place("canary-7", node) == pytest.approx(canary, abs=0.01)
+
+
+def waves(node: str, *, window: str | None = None) -> UpdatePolicy:
+    return UpdatePolicy(
+        REPO, node_id=node, window=UpdateWindow.from_setting(window) if window else None
+    )
+
+
+def rolling(percent: float = 100.0, *, halt: bool = False, seed: str | None = None) -> Published:
+    return Published("1.4.2", rollout=RolloutSpec(percent=percent, halt=halt, seed=seed))
+
+
+@pytest.mark.parametrize(
+    ("current", "published", "failed", "policy", "choice", "says"),
+    [
+        # no rollout: everyone at once
+        ("1.4.1", Published("1.4.2"), frozenset(), waves("node-c"), Choice.UPDATE,
+         "1.4.1 -> 1.4.2"),
+        # a node placed below the percent applies, the others wait for a wider wave
+        ("1.4.1", rolling(20), frozenset(), waves("node-a"), Choice.UPDATE,
+         "1.4.1 -> 1.4.2 (place 0.2 < 20 %)"),
+        ("1.4.1", rolling(20), frozenset(), waves("node-b"), Choice.WAITING_WAVE,
+         "place 25.8 ≥ 20 %"),
+        ("1.4.1", rolling(30), frozenset(), waves("node-b"), Choice.UPDATE,
+         "(place 25.8 < 30 %)"),
+        ("1.4.1", rolling(100), frozenset(), waves("node-c"), Choice.UPDATE, "1.4.1 -> 1.4.2"),
+        ("1.4.1", rolling(0), frozenset(), waves("node-a"), Choice.WAITING_WAVE,
+         "place 0.2 ≥ 0 %"),
+        # the seed chooses the early nodes
+        ("1.4.1", rolling(25, seed="canary-7"), frozenset(), waves("node-d"), Choice.UPDATE,
+         "(place 22 < 25 %)"),  # rounded down, as shown
+        ("1.4.1", rolling(25, seed="canary-7"), frozenset(), waves("node-a"),
+         Choice.WAITING_WAVE, "place 30.9 ≥ 25 %"),
+        # a halt stops every new update, whatever the percent
+        ("1.4.1", rolling(100, halt=True), frozenset(), waves("node-a"), Choice.HALTED,
+         "the rollout is halted"),
+        # the wave is judged before the window (as a workload's is)
+        ("1.4.1", rolling(20), frozenset(), waves("node-b", window="02:00-05:00"),
+         Choice.WAITING_WAVE, "place 25.8 ≥ 20 %"),
+        ("1.4.1", rolling(20), frozenset(), waves("node-a", window="02:00-05:00"), Choice.SKIP,
+         "outside the maintenance window"),
+        # and after what is no update at all: nothing new, failed before, a pre-release
+        ("1.4.2", rolling(100, halt=True), frozenset(), waves("node-a"), Choice.NOOP,
+         "published 1.4.2"),
+        ("1.4.1", rolling(0), frozenset({"1.4.2"}), waves("node-a"), Choice.SKIP,
+         "failed before"),
+        ("1.4.1", Published("1.5.0rc1", rollout=RolloutSpec(halt=True)), frozenset(),
+         waves("node-a"), Choice.SKIP, "pre-release"),
+        ("1.4.1", Published("1.4.2", "evil.example/wm:1.4.2", RolloutSpec(percent=0)),
+         frozenset(), waves("node-a"), Choice.SKIP, "not from the configured repository"),
+    ],
+)  # fmt: skip
+def test_decide_update_waves(
+    current: str,
+    published: Published,
+    failed: frozenset[str],
+    policy: UpdatePolicy,
+    choice: Choice,
+    says: str,
+) -> None:
+    decision = decide_update(
+        current=current, published=published, failed=failed, policy=policy, now=NOON
+    )
+    assert decision.choice is choice, decision
+    assert says in decision.reason
+    if choice in (Choice.WAITING_WAVE, Choice.HALTED):
+        assert decision.reason == says  # the wave's own reason
+        assert (decision.version, decision.image) == ("1.4.2", None)
+
+
+@pytest.mark.parametrize(
     ("image", "parts"),
     [
         ("repo/x:1.2", ("repo/x", "1.2")),
@@ -121,10 +249,30 @@ def test_split_image(image: str, parts: tuple[str, str | None]) -> None:
         ("1.4.1", Published("1.4.2", f"{REPO}"), frozenset(), POLICY, Choice.SKIP,
          "no tag or digest"),
         ("dev-build", Published("1.4.2"), frozenset(), POLICY, Choice.SKIP, "not a version"),
+        # the window (NOON is a Sunday, 14:00 in Kyiv)
+        ("1.4.1", Published("1.4.2"), frozenset(), windowed("02:00-05:00"), Choice.SKIP,
+         "outside the maintenance window every day 02:00-05:00 UTC"),
+        ("1.4.1", Published("1.4.2"), frozenset(), windowed("11:00-13:00"), Choice.UPDATE,
+         "1.4.2"),
         ("1.4.1", Published("1.4.2"), frozenset(),
-         UpdatePolicy(REPO, window=(time(2), time(5))), Choice.SKIP, "maintenance window 02:00"),
+         windowed('{"days": ["sat"], "start": "11:00", "end": "13:00"}'), Choice.SKIP,
+         "outside the maintenance window sat 11:00-13:00 UTC"),
         ("1.4.1", Published("1.4.2"), frozenset(),
-         UpdatePolicy(REPO, window=(time(11), time(13))), Choice.UPDATE, "1.4.2"),
+         windowed('{"days": ["sun"], "start": "13:00", "end": "15:00", "tz": "Europe/Kyiv"}'),
+         Choice.UPDATE, "1.4.1 -> 1.4.2"),
+        ("1.4.1", Published("1.4.2"), frozenset(),
+         windowed('{"days": ["sun"], "start": "11:00", "end": "13:00", "tz": "Europe/Kyiv"}'),
+         Choice.SKIP, "outside the maintenance window sun 11:00-13:00 Europe/Kyiv"),
+        # crossing midnight: the window's day is the day it opens
+        ("1.4.1", Published("1.4.2"), frozenset(),
+         windowed('{"days": ["sat"], "start": "23:00", "end": "13:00"}'), Choice.UPDATE,
+         "1.4.2"),
+        ("1.4.1", Published("1.4.2"), frozenset(),
+         windowed('{"days": ["sun"], "start": "23:00", "end": "13:00"}'), Choice.SKIP,
+         "outside the maintenance window sun 23:00-13:00 UTC"),
+        # nothing to start: the window is not what the decision says
+        ("1.4.2", Published("1.4.2"), frozenset(), windowed("02:00-05:00"), Choice.NOOP,
+         "published 1.4.2"),
         # the image's tag is the version: a newer version cannot carry an older image
         ("1.4.1", Published("9.9.9", f"{REPO}:0.0.1"), frozenset(), POLICY, Choice.SKIP,
          "tag '0.0.1' is not the version 9.9.9"),
@@ -524,6 +672,64 @@ def test_pending_update(
         assert pending.image == marks.target_image
 
 
+MIN_HEALTHY = 60.0
+SEEN = replace(IN_FLIGHT, available_since=NOON - timedelta(seconds=20))  # available 20 s ago
+
+
+@pytest.mark.parametrize(
+    ("marks", "image", "rollout", "min_healthy", "owed", "says"),
+    [
+        # available, its min healthy time under way: watched until it is over
+        (SEEN, NEW, READY, MIN_HEALTHY, Owed.WATCH, "available for 20 s of 60 s"),
+        (replace(SEEN, available_since=NOON - timedelta(hours=1)), NEW, READY, MIN_HEALTHY,
+         Owed.WATCH, "available for 3600 s of 60 s"),  # over: confirmed at the next read
+        (IN_FLIGHT, NEW, READY, MIN_HEALTHY, Owed.WATCH,
+         "the new pod is available; to be confirmed"),  # not seen yet: the time starts now
+        # available once, unavailable since, not confirmed: a failed update
+        (SEEN, NEW, ROLLING, MIN_HEALTHY, Owed.ROLLBACK,
+         "the Deployment became unavailable within the 60 s the new pod must stay available"),
+        (SEEN, NEW, FAILED, MIN_HEALTHY, Owed.ROLLBACK, "ProgressDeadlineExceeded"),
+        # 0 s: today's rule, the mark means nothing
+        (SEEN, NEW, ROLLING, 0.0, Owed.WATCH, "rolling out"),
+        (SEEN, NEW, READY, 0.0, Owed.WATCH, "the new pod is available; to be confirmed"),
+        # settled before the min healthy time is looked at
+        (replace(SEEN, confirmed_version="1.1.0"), NEW, ROLLING, MIN_HEALTHY, Owed.NOTHING,
+         "confirmed"),
+        (SEEN, OLD, ROLLING, MIN_HEALTHY, Owed.FINISH_ROLLBACK, "put back to"),
+        (SEEN, OTHER, ROLLING, MIN_HEALTHY, Owed.NOTHING, "outside the self-update"),
+    ],
+)  # fmt: skip
+def test_pending_update_with_a_min_healthy_time(
+    marks: UpdateMarks, image: str, rollout: RolloutPhase, min_healthy: float, owed: Owed,
+    says: str,
+) -> None:  # fmt: skip
+    pending = pending_update(
+        marks=marks, image=image, rollout=rollout, now=NOON, deadline=DEADLINE,
+        min_healthy=min_healthy,
+    )  # fmt: skip
+    assert pending.owed is owed, pending
+    assert says in pending.reason, pending
+    if owed is Owed.WATCH and rollout is READY and min_healthy:
+        assert pending.available_since == marks.available_since
+
+
+@pytest.mark.parametrize(
+    ("since", "min_healthy", "start", "left"),
+    [
+        (None, 60.0, NOON, 60.0),  # first seen now
+        (NOON - timedelta(seconds=20), 60.0, NOON - timedelta(seconds=20), 40.0),
+        (NOON - timedelta(seconds=60), 60.0, NOON - timedelta(seconds=60), 0.0),
+        (NOON - timedelta(hours=1), 60.0, NOON - timedelta(hours=1), 0.0),
+        (NOON + timedelta(seconds=5), 60.0, NOON, 60.0),  # clock skew: a future mark is now
+        (NOON - timedelta(seconds=20), 0.0, NOON - timedelta(seconds=20), 0.0),
+    ],
+)  # fmt: skip
+def test_healthy_span(
+    since: datetime | None, min_healthy: float, start: datetime, left: float
+) -> None:
+    assert healthy_span(since, now=NOON, min_healthy=min_healthy) == (start, left)
+
+
 @pytest.mark.parametrize(
     ("annotations", "marks"),
     [
@@ -547,6 +753,9 @@ def test_pending_update(
         ({HIGHEST_VERSION: "1.1.0"}, UpdateMarks(highest=Confirmed("1.1.0"))),
         ({HIGHEST_VERSION: "one", HIGHEST_IMAGE: NEW}, UpdateMarks()),
         ({HIGHEST_IMAGE: NEW}, UpdateMarks()),
+        ({AVAILABLE_SINCE: "2026-11-29T11:59:40Z"},
+         UpdateMarks(available_since=NOON - timedelta(seconds=20))),
+        ({AVAILABLE_SINCE: "soon"}, UpdateMarks()),
         # the last confirmation alone sets no floor (it may predate the floor's checks)
         ({CONFIRMED_VERSION: "9.9.9"}, UpdateMarks(confirmed_version="9.9.9")),
     ],

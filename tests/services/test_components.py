@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from datetime import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from app.domain.http_targets import AllowedTargets
+from app.domain.rollout import UpdateWindow
 from app.services.features import FEATURES, Plan, decide
 from app.services.features.base import Off, On
 from app.services.features.deps import Deps
@@ -188,7 +188,11 @@ CONFIGS: list[tuple[str, dict[str, Any], bool, str, Any]] = [
      "registry.config.migrate_on_start", False),
     ("the self-update's namespace", SELF_UPDATE, False, "self_update.config.namespace", "wm"),
     ("the self-update's window", {**SELF_UPDATE, "self_update_window": "02:00-04:00"}, False,
-     "self_update.config.policy.window", (time(2), time(4))),
+     "self_update.config.policy.window", UpdateWindow(start="02:00", end="04:00")),
+    ("the self-update's window in a workload's form", {**SELF_UPDATE, "self_update_window":
+     '{"days": ["sun"], "start": "02:00", "end": "04:00", "tz": "Europe/Kyiv"}'}, False,
+     "self_update.config.policy.window",
+     UpdateWindow(days=("sun",), start="02:00", end="04:00", tz="Europe/Kyiv")),
     ("the uptime record's ConfigMap namespace", {"pod_namespace": "wm"}, False,
      "uptime_record.config.config_map_namespace", "wm"),
     ("the book is watched at half the stale time", {"ping_stale_seconds": 10}, False,

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +30,7 @@ from app.adapters.versions import VersionFile, VersionSourceError
 from app.api.schemas import ComponentInfo
 from app.domain.components import Outcome
 from app.domain.health import RolloutPhase, rollout_of
+from app.domain.rollout import place, seed_for
 from app.domain.updates import MAX_VERSION_FILE_BYTES, UpdatePolicy
 from app.services.features.sync import SYNC
 from app.services.runtime import Runtime, build_runtime, open_self_update_only, open_sync_only
@@ -59,6 +61,7 @@ CONFIRMED = "workload-manager.io/update-confirmed"
 FAILED_VERSIONS = "workload-manager.io/failed-versions"
 HIGHEST = "workload-manager.io/highest-confirmed-version"
 HIGHEST_IMAGE = "workload-manager.io/highest-confirmed-image"
+AVAILABLE_SINCE = "workload-manager.io/update-available-since"
 DEADLINE = 10.0  # the updater's own bound on a rollout, and on retrying its rollback
 PROGRESS_DEADLINE = 2  # the own Deployment's progressDeadlineSeconds
 POLL = 0.05
@@ -98,20 +101,21 @@ async def runtime(
     cluster.add_deployment(own_deployment(f"{REPO}:0.1.0", progress_deadline=PROGRESS_DEADLINE))
     plane.kubectl("-n", OWN_NS, "rollout", "status", "deployment/workload-manager",
                   "--timeout=60s")  # fmt: skip
-    settings = make_settings(
-        self_update_url=f"{server.url}/version",
-        pod_namespace=OWN_NS,
-        kubeconfig=cluster.write_kubeconfig(tmp_path / "kc", OWN_NS),
-        self_image_repository=REPO,
-        self_update_deadline_seconds=DEADLINE,
-        self_update_poll_seconds=POLL,
-        self_update_timeout_seconds=0.5,
-        self_update_allow_prerelease=True,
-        kube_timeout_seconds=3.0,
-        desired_state_dir=tmp_path,  # sync on, for the lock test
-        managed_namespace="workloads",
+    settings = make_settings(**{
+        "self_update_url": f"{server.url}/version",
+        "pod_namespace": OWN_NS,
+        "kubeconfig": cluster.write_kubeconfig(tmp_path / "kc", OWN_NS),
+        "self_image_repository": REPO,
+        "self_update_deadline_seconds": DEADLINE,
+        "self_update_poll_seconds": POLL,
+        "self_update_timeout_seconds": 0.5,
+        "self_update_allow_prerelease": True,
+        "self_update_min_healthy_seconds": 0,  # confirmed once available, unless a test says
+        "kube_timeout_seconds": 3.0,
+        "desired_state_dir": tmp_path,  # sync on, for the lock test
+        "managed_namespace": "workloads",
         **extra,
-    )
+    })  # fmt: skip
     rt = build_runtime(settings)
     async with AsyncExitStack() as stack:
         updater = await open_self_update_only(rt, stack)
@@ -440,6 +444,238 @@ async def test_with_a_public_key_a_validly_signed_file_is_applied(
     version_file[0].set(body=body, sig=sig(RELEASE_KEY, body))
     await scheduled(runtime)
     assert image_of(cluster) == f"{REPO}:0.2.0"
+    assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
+
+
+# --- the version file's rollout, and the window: they gate starting an update only
+
+# a window that is closed now (it opens in two hours, for one): a check that met it
+# while these tests run would be refused an update
+_OPENS = datetime.now(UTC) + timedelta(hours=2)
+CLOSED_WINDOW = pytest.mark.parametrize(
+    "runtime",
+    [{"self_update_window": json.dumps({
+        "start": f"{_OPENS:%H:%M}", "end": f"{_OPENS + timedelta(hours=1):%H:%M}",
+        "tz": "UTC"})}],
+    indirect=True, ids=["window-closed"],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rollout", "decision", "says"),
+    [
+        ({"percent": 0}, "waiting-wave", "≥ 0 %"),
+        ({"percent": 100, "halt": True}, "halted", "the rollout is halted"),
+    ],
+)
+async def test_a_node_outside_the_wave_or_a_halted_rollout_starts_nothing_and_says_so(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any],
+    rollout: dict[str, Any], decision: str, says: str,
+) -> None:  # fmt: skip
+    version_file[0].set(body=json.dumps({"version": "0.2.0", "rollout": rollout}).encode())
+    cluster.clear_requests()
+    await scheduled(runtime)
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    assert non_get_requests(cluster) == []
+    # what /v1/status shows for the component: its state, and why
+    shown = ComponentInfo(**runtime.components["self_update"].as_dict())
+    assert shown.state == "ok", shown
+    assert shown.detail["decision"] == decision and says in shown.detail["reason"], shown
+    assert shown.detail["published"] == "0.2.0"
+    # the wave reaches every node: the update starts
+    version_file[0].set(body=b'{"version": "0.2.0", "rollout": {"percent": 100}}')
+    await scheduled(runtime)
+    assert image_of(cluster) == f"{REPO}:0.2.0"
+    assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
+    assert "(place " in (updater(runtime).last or {})["reason"]
+
+
+@pytest.mark.parametrize("runtime", [{"node_id": "node-b"}], indirect=True, ids=["node-b"])
+async def test_the_node_is_placed_in_the_wave_by_its_id(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    where = place(seed_for("workload-manager", "0.2.0", None), "node-b")
+    version_file[0].set(body=json.dumps({"version": "0.2.0", "rollout": {"percent": where}})
+                        .encode())  # fmt: skip
+    await scheduled(runtime)
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "waiting-wave", last
+    assert last["reason"] == f"place {math.floor(where * 10) / 10:g} ≥ {where:g} %"
+    version_file[0].set(
+        body=json.dumps({"version": "0.2.0", "rollout": {"percent": where + 0.01}}).encode()
+    )
+    await scheduled(runtime)
+    assert image_of(cluster) == f"{REPO}:0.2.0"
+
+
+async def test_a_bad_rollout_in_the_version_file_changes_nothing_and_names_the_field(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    version_file[0].set(body=b'{"version": "0.2.0", "rollout": {"percent": 200}}')
+    cluster.clear_requests()
+    await scheduled(runtime)
+    assert non_get_requests(cluster) == []
+    component = runtime.components["self_update"]
+    assert component.state == "failing"
+    assert "version file `rollout.percent`" in (component.last_error or ""), component
+
+
+@CLOSED_WINDOW
+async def test_a_halt_or_a_closed_window_leaves_an_owed_rollback_to_be_done(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    version_file[0].set(body=json.dumps({"version": BAD, "rollout": {"halt": True}}).encode())
+    as_left_by_an_update(
+        cluster, image=f"{REPO}:{BAD}", target=BAD,
+        started=datetime.now(UTC) - timedelta(hours=1),
+    )  # fmt: skip
+    await scheduled(runtime)
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "rollback", last
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    assert annotations_of(cluster)[FAILED_VERSIONS] == BAD
+    # and a new version is not started: halted (the window would refuse it too)
+    version_file[0].set(body=b'{"version": "0.2.0", "rollout": {"halt": true}}')
+    await scheduled(runtime)
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "halted", last
+    version_file[0].set(body=b'{"version": "0.2.0"}')
+    await scheduled(runtime)
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "skip", last
+    assert "outside the maintenance window" in last["reason"]
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+
+
+@CLOSED_WINDOW
+async def test_a_halt_or_a_closed_window_leaves_an_owed_confirmation_to_be_made(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    version_file[0].set(body=b'{"version": "0.2.0", "rollout": {"halt": true}}')
+    as_left_by_an_update(cluster, image=f"{REPO}:0.2.0", target="0.2.0", started=datetime.now(UTC))
+    assert await resumed(runtime) == "available"
+    assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
+    assert image_of(cluster) == f"{REPO}:0.2.0"
+
+
+# --- the min healthy time: confirmed only once the new pod stayed available that long
+
+
+def min_healthy(seconds: float) -> pytest.MarkDecorator:
+    return pytest.mark.parametrize(
+        "runtime", [{"self_update_min_healthy_seconds": seconds}], indirect=True,
+        ids=[f"min-healthy-{seconds:g}"],
+    )  # fmt: skip
+
+
+async def first_seen_available(cluster: RealCluster) -> None:
+    """Until the updater recorded when it first saw the new ReplicaSet available."""
+
+    async def marked() -> bool:
+        return AVAILABLE_SINCE in annotations_of(cluster)
+
+    await eventually(marked, within=30.0, step=0.02)
+
+
+def turn_unready(cluster: RealCluster, image: str) -> None:
+    """The running pod of `image` fails its readiness probe, as the kubelet reports it."""
+    (pod,) = [
+        p for p in cluster.pods(OWN_NS, "app=wm")
+        if p["spec"]["containers"][0]["image"] == image
+        and not p["metadata"].get("deletionTimestamp")
+    ]  # fmt: skip
+    cluster.set_pod_status(OWN_NS, pod["metadata"]["name"], {"conditions": [
+        {"type": "PodScheduled", "status": "True"}, {"type": "Initialized", "status": "True"},
+        {"type": "ContainersReady", "status": "False"}, {"type": "Ready", "status": "False"},
+    ]})  # fmt: skip
+
+
+async def rolled_out(cluster: RealCluster) -> None:
+    async def ready() -> bool:
+        own = cluster.get_deployment(OWN_NS, "workload-manager") or {}
+        return rollout_of(own).phase is RolloutPhase.READY
+
+    await eventually(ready, within=30.0, step=0.02)
+
+
+@min_healthy(3)
+async def test_an_update_is_confirmed_once_it_stayed_available_its_min_healthy_time(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    version_file[0].set(body=b"0.2.0")
+    run = asyncio.create_task(scheduled(runtime))
+    await first_seen_available(cluster)
+    seen = time.monotonic()
+    assert CONFIRMED not in annotations_of(cluster), "confirmed before its min healthy time"
+    assert not run.done()
+    outcome = await asyncio.wait_for(run, timeout=60)
+    assert outcome.detail["update"] == "available", outcome
+    # the updater saw it available a moment before this test did
+    assert time.monotonic() - seen >= 3 - 1
+    annotations = annotations_of(cluster)
+    assert annotations[CONFIRMED] == "0.2.0" and annotations[HIGHEST] == "0.2.0"
+    assert runtime.components["self_update"].state == "ok"
+
+
+@min_healthy(600)
+async def test_a_new_pod_that_turns_unready_within_its_min_healthy_time_is_rolled_back(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    version_file[0].set(body=b"0.2.0")
+    run = asyncio.create_task(scheduled(runtime))
+    await first_seen_available(cluster)
+    assert CONFIRMED not in annotations_of(cluster) and not run.done()
+    turn_unready(cluster, f"{REPO}:0.2.0")
+    outcome = await asyncio.wait_for(run, timeout=60)  # not the 600 s
+    assert outcome.detail["update"] == "rolled-back", outcome
+    # exactly as a failed update: the previous image back, the version failed, an alert
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    annotations = annotations_of(cluster)
+    assert annotations[FAILED_VERSIONS] == "0.2.0"
+    assert not {TARGET, AVAILABLE_SINCE, CONFIRMED, HIGHEST} & set(annotations), annotations
+    error = runtime.components["self_update"].last_error or ""
+    assert "update to 0.2.0 rolled back" in error and "became unavailable" in error, error
+    assert any(a.key == "self-update:rolled-back:0.2.0" for a in runtime.alerts.recent)
+    assert runtime.metrics.self_updates.labels("rolled-back")._value.get() == 1
+    await scheduled(runtime)
+    last = updater(runtime).last
+    assert last is not None and last["decision"] == "skip" and "failed before" in last["reason"]
+
+
+@min_healthy(600)
+async def test_a_starting_manager_rolls_back_an_update_unavailable_after_it_was_available(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    """The manager that saw the new pod available went (the old pod ends once the new one
+    is available); the new pod is not available now: the update failed, at once, not at
+    its deadline."""
+    version_file[0].set(status=500)  # not read: what is owed is done without it
+    now = datetime.now(UTC)
+    as_left_by_an_update(
+        cluster, image=f"{REPO}:{BAD}", target=BAD, started=now,
+        **{AVAILABLE_SINCE: stamp(now)},
+    )  # fmt: skip
+    assert await resumed(runtime) == "rolled-back"
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+    assert annotations_of(cluster)[FAILED_VERSIONS] == BAD
+    assert "became unavailable" in (runtime.components["self_update"].last_error or "")
+
+
+@min_healthy(600)
+async def test_a_starting_manager_continues_the_min_healthy_time_recorded_before_it(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    """Seen available 700 s ago by the manager before, and available now: the 600 s are
+    over, so it is confirmed at once (a manager that started the time again would wait
+    600 s)."""
+    version_file[0].set(status=500)
+    now = datetime.now(UTC)
+    as_left_by_an_update(
+        cluster, image=f"{REPO}:0.2.0", target="0.2.0", started=now - timedelta(seconds=710),
+        **{AVAILABLE_SINCE: stamp(now - timedelta(seconds=700))},
+    )  # fmt: skip
+    await rolled_out(cluster)
+    assert await asyncio.wait_for(resumed(runtime), timeout=30) == "available"
     assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
 
 

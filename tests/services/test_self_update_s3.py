@@ -51,6 +51,7 @@ async def runtime(
         kubeconfig=cluster.write_kubeconfig(tmp_path / "kc", OWN_NS),
         self_image_repository=REPO,
         self_update_deadline_seconds=DEADLINE,
+        self_update_min_healthy_seconds=0,
         self_update_poll_seconds=POLL,
         self_update_timeout_seconds=5.0,
         kube_timeout_seconds=3.0,

@@ -45,6 +45,7 @@ SETTINGS = {
     "UPTIME_RESTART_BACKOFF_SECONDS": "10",
     "SELF_UPDATE_INTERVAL_SECONDS": "3", "SELF_UPDATE_POLL_SECONDS": "1",
     "SELF_UPDATE_DEADLINE_SECONDS": "45", "SELF_UPDATE_ALLOW_PRERELEASE": "false",
+    "SELF_UPDATE_MIN_HEALTHY_SECONDS": "0",
     "NATS_STREAM_REPLICAS": "1", "NATS_AUTO_INIT_STREAMS": "true", "NODE_TIER": "C",
     "ALERT_WINDOW_SECONDS": "60", "CLUSTER_REFRESH_SECONDS": "2",
     # the backend and the version file are this machine's, reached through the node's own

@@ -4,8 +4,7 @@ patched to a newer published version, watched, and rolled back when it does not 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from datetime import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from app.domain.components import Outcome
@@ -31,6 +30,7 @@ class SelfUpdateConfig:
     container: str
     policy: UpdatePolicy
     deadline: float
+    min_healthy: float
     poll_interval: float
     interval: float
 
@@ -54,7 +54,6 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
             return Off("not running in a cluster (no POD_NAMESPACE from the downward API)")
         from app.domain.updates import UpdatePolicy
 
-        window: tuple[time, time] | None = settings.update_window
         config = SelfUpdateConfig(
             url=settings.self_update_url,
             timeout=settings.self_update_timeout_seconds,
@@ -67,9 +66,10 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
             policy=UpdatePolicy(
                 repository=settings.self_image_repository,
                 allow_prerelease=settings.self_update_allow_prerelease,
-                window=window,
+                window=settings.update_window,
             ),
             deadline=settings.self_update_deadline_seconds,
+            min_healthy=settings.self_update_min_healthy_seconds,
             poll_interval=settings.self_update_poll_seconds,
             interval=settings.self_update_interval_seconds,
         )
@@ -102,8 +102,10 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
             kube=cluster.client.in_namespace(config.namespace),
             deployment=config.deployment,
             container=config.container,
-            policy=config.policy,
+            # placed in the version file's waves by the node's id, as the backend knows it
+            policy=replace(config.policy, node_id=deps.node_id),
             deadline=config.deadline,
+            min_healthy=config.min_healthy,
             poll_interval=config.poll_interval,
             metrics=deps.metrics,
             cluster_lock=deps.cluster_lock,
