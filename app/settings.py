@@ -177,7 +177,7 @@ class Settings(BaseSettings):
     workload_update_unhealthy_seconds: float = _ranged(60.0, 1.0, 86_400.0)
     workload_update_revert: bool = True
     # when workload updates may start: `HH:MM-HH:MM` (UTC) or the JSON window object
-    workload_update_window: str | None = None
+    workload_update_window: Annotated[WindowSetting | None, NoDecode] = None
     update_defer_max_seconds: float = _ranged(3_600.0, 0.0, 7 * 86_400.0)
     update_defer_step_seconds: float = _ranged(600.0, 1.0, 86_400.0)
     update_judge_interval_seconds: float = _ranged(5.0, 0.2, 300.0)
@@ -304,7 +304,7 @@ class Settings(BaseSettings):
             return VersionFileKey.parse(value) if value.strip() else None
         return value
 
-    @field_validator("self_update_window", mode="before")
+    @field_validator("self_update_window", "workload_update_window", mode="before")
     @classmethod
     def _update_window(cls, value: Any) -> Any:
         """Parsed once (`UpdateWindow.from_setting`); the first problem, on one line."""
@@ -342,16 +342,6 @@ class Settings(BaseSettings):
                 "dots and hyphens, and the object's key)"
             )
         return value
-
-    @field_validator("workload_update_window")
-    @classmethod
-    def _update_window(cls, value: str | None) -> str | None:
-        if value is not None and value.strip():
-            from app.domain.rollout import UpdateWindow
-
-            UpdateWindow.from_setting(value)  # a ValueError names what is wrong
-            return value
-        return None
 
     @model_validator(mode="after")
     def _probe_port_of_its_own(self) -> Settings:

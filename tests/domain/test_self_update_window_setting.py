@@ -1,4 +1,4 @@
-"""SELF_UPDATE_WINDOW: `HH:MM-HH:MM` (UTC, every day) or a workload's window as JSON
+"""SELF_UPDATE_WINDOW and WORKLOAD_UPDATE_WINDOW: `HH:MM-HH:MM` (UTC, every day) or a workload's window as JSON
 (`{"days", "start", "end", "tz"}`), parsed once at start-up by `UpdateWindow.from_setting`;
 anything else stops start-up naming the variable."""
 
@@ -25,6 +25,8 @@ from app.settings import Settings, SettingsError, load_settings
 def test_accepted(value: str | None, window: UpdateWindow | None) -> None:
     settings = load_settings(_check_production=False, self_update_window=value)
     assert settings.update_window == window
+    settings = load_settings(_check_production=False, workload_update_window=value)
+    assert settings.workload_update_window == window
 
 
 def test_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,11 +52,12 @@ def test_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ('{"start": "02:00", "end": "05:00"', "JSON"),
     ],
 )
-def test_refused_naming_the_variable(value: str, says: str) -> None:
+@pytest.mark.parametrize("variable", ["self_update_window", "workload_update_window"])
+def test_refused_naming_the_variable(value: str, says: str, variable: str) -> None:
     with pytest.raises(SettingsError) as caught:
-        load_settings(_check_production=False, self_update_window=value)
+        load_settings(_check_production=False, **{variable: value})
     message = str(caught.value)
-    assert message.startswith("SELF_UPDATE_WINDOW: "), message
+    assert message.startswith(f"{variable.upper()}: "), message
     assert says in message, message
     assert "\n" not in message, message
 

@@ -79,9 +79,8 @@ class _Sync(Spec[SyncConfig, Syncing]):
         from app.domain.manifests import MANAGER_POD_LABELS, ManifestPolicy
         from app.domain.planning import SyncPolicy
         from app.domain.pod_security import Level
-        from app.domain.rollout import Judge, UpdateTerms, UpdateWindow
+        from app.domain.rollout import Judge, UpdateTerms
 
-        window = settings.workload_update_window
 
         # the manager's own Deployment, when it lives among the workloads it manages
         own = settings.pod_namespace in (None, settings.managed_namespace)
@@ -118,7 +117,7 @@ class _Sync(Spec[SyncConfig, Syncing]):
                 deadline_seconds=settings.workload_update_deadline_seconds,
                 unhealthy_seconds=settings.workload_update_unhealthy_seconds,
                 revert=settings.workload_update_revert,
-                window=UpdateWindow.from_setting(window) if window else None,
+                window=settings.workload_update_window,
                 max_defer_seconds=settings.update_defer_max_seconds,
                 defer_step_seconds=settings.update_defer_step_seconds,
             ),
