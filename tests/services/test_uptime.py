@@ -234,6 +234,7 @@ async def test_a_workload_whose_update_is_judged_is_not_restarted(world: World) 
     world.desire(("api", "1.0.0"))
     await world.syncer.sync()
     await world.settled("api")
+    await world.syncer.sync()  # the book sees it rolled out: its status is its pings' now
     book = world.runtime.book
     since = datetime(2026, 1, 1, tzinfo=UTC)
     book.set_updates({"api": UpdateView("1.1.0", "judging", since, "judging", 3.0, in_flight=True)})
