@@ -28,10 +28,12 @@ from app.domain.rollout import (
     Observed,
     PingSeen,
     UpdateTerms,
+    UpdateWindow,
     defer_lease,
     place,
     resolve_terms,
     seed_for,
+    window_open,
 )
 from app.domain.rollout_machine import (
     RECORD_ANNOTATION,
@@ -51,8 +53,9 @@ from app.services.workloads import WorkloadBook
 log = logging.getLogger(__name__)
 
 # states a look every UPDATE_JUDGE_INTERVAL_SECONDS can move on (the others wait for a
-# new desired state: a wave or a halt changes only with it)
-_TIMED = frozenset({UpdateState.OUTSIDE_WINDOW, UpdateState.DEFERRED, UpdateState.APPLYING})
+# new desired state: a wave or a halt changes only with it; `outside-window` is looked at
+# once its window opens)
+_TIMED = frozenset({UpdateState.DEFERRED, UpdateState.APPLYING})
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Rollouts:
         self._written: dict[str, UpdateRecord] = {}  # as on the Deployment
         self._complete: dict[str, tuple[int, datetime]] = {}  # generation, first seen complete
         self._places: dict[str, float] = {}
+        self._windows: dict[str, UpdateWindow] = {}  # of the workloads outside theirs
 
     # --- deciding
 
@@ -121,6 +125,10 @@ class Rollouts:
             lease=lease,
         )
         step = next_step(self._records.get(name), situation, now)
+        if step.record.state is UpdateState.OUTSIDE_WINDOW and terms.window is not None:
+            self._windows[name] = terms.window
+        else:
+            self._windows.pop(name, None)
         self._places[name] = place(
             seed_for(name, workload.version, workload.rollout), self._config.node_id
         )
@@ -211,7 +219,7 @@ class Rollouts:
         """Forget workloads no longer desired; show the rest (the book's views, status,
         report, metrics) and keep the pings of those being judged."""
         wanted = set(desired)
-        for held in (self._records, self._written, self._complete, self._places):
+        for held in (self._records, self._written, self._complete, self._places, self._windows):
             for name in [n for n in held if n not in wanted]:
                 del held[name]
         views = {
@@ -230,9 +238,12 @@ class Rollouts:
         self._book.watch({n for n, r in self._records.items() if r.in_flight})
 
     def ticking(self) -> bool:
-        """Whether an update is in flight or waits on time (a window, a deferral): a look
-        at the cluster every UPDATE_JUDGE_INTERVAL_SECONDS can move it on."""
-        return any(r.in_flight or r.state in _TIMED for r in self._records.values())
+        """Whether an update is in flight, deferred, or outside a window that is open now:
+        a look at the cluster every UPDATE_JUDGE_INTERVAL_SECONDS can move it on."""
+        if any(r.in_flight or r.state in _TIMED for r in self._records.values()):
+            return True
+        now = self.clock()
+        return any(window_open(window, now) for window in self._windows.values())
 
     def in_flight(self) -> bool:
         return any(r.in_flight for r in self._records.values())

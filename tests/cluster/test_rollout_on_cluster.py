@@ -10,6 +10,7 @@ import itertools
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -333,3 +334,34 @@ async def test_a_deferring_workload_is_updated_after_its_lease_silence_or_the_ca
     assert _version(control_plane, "api") == "1.1.0"
     if ending == "cap":
         assert any("deferral cap reached" in (b.get("reason") or "") for _, b in backend.versions)
+
+
+async def test_an_update_outside_its_window_starts_when_the_window_opens(
+    open_manager: Any,
+    backend_reset: tuple[LocalBackend, ThreadedServer],
+    control_plane: ControlPlane,
+) -> None:
+    backend, server = backend_reset
+    manager = await open_manager(server)
+    await installed(manager, backend)
+    window = {"days": ["sat"], "start": "02:00", "end": "05:00", "tz": "Europe/Kyiv"}
+    desire(backend, "api", "1.1.0", update={**FAST, "window": window})
+    rollouts = manager.syncer.rollouts
+    assert rollouts is not None
+    # Friday 2026-12-04 23:00 in Kyiv (21:00 UTC): the window is Saturday's, 02:00-05:00
+    rollouts.clock = lambda: datetime(2026, 12, 4, 21, 0, tzinfo=UTC)
+    held = await manager.syncer.sync()
+    assert [r.outcome for r in held.results] == ["held"]
+    waiting = manager.update("api")
+    assert waiting is not None and waiting.state == "outside-window"
+    assert "sat 02:00-05:00 Europe/Kyiv" in waiting.reason
+    assert not rollouts.ticking()  # nothing to look at until the window opens
+    assert (await manager.syncer.run_rollout()).result.value == "skipped"
+    assert _version(control_plane, "api") == "1.0.0"
+    rollouts.clock = lambda: datetime(2026, 12, 5, 0, 30, tzinfo=UTC)  # 02:30 in Kyiv
+    assert rollouts.ticking()
+    gets = _gets(backend)
+    looked = await manager.syncer.run_rollout()  # the judge's look: no backend call
+    assert looked.succeeded, looked
+    assert _version(control_plane, "api") == "1.1.0"
+    assert _gets(backend) == gets

@@ -81,7 +81,6 @@ class _Sync(Spec[SyncConfig, Syncing]):
         from app.domain.pod_security import Level
         from app.domain.rollout import Judge, UpdateTerms
 
-
         # the manager's own Deployment, when it lives among the workloads it manages
         own = settings.pod_namespace in (None, settings.managed_namespace)
         config = SyncConfig(
