@@ -1,6 +1,6 @@
 """SELF_UPDATE_WINDOW and WORKLOAD_UPDATE_WINDOW: `HH:MM-HH:MM` (UTC, every day) or a
-workload's window as JSON (`{"days", "start", "end", "tz"}`), parsed once at start-up by `UpdateWindow.from_setting`;
-anything else stops start-up naming the variable."""
+workload's window as JSON (`{"days", "start", "end", "tz"}`), parsed once at start-up by
+`UpdateWindow.from_setting`; anything else stops start-up naming the variable."""
 
 from __future__ import annotations
 
