@@ -26,8 +26,8 @@ from app.services.syncing import Syncer
 from standins.backend import LocalBackend
 from standins.control_plane import ControlPlane
 from standins.servers import ThreadedServer
-from standins.sync_world import NAMESPACE, NODE, key_seed, manifest
-from tests.conftest import KEY, SettingsFactory
+from standins.sync_world import KEY, NAMESPACE, NODE, key_seed, manifest
+from tests.conftest import SettingsFactory
 from tests.support.polling import eventually
 
 # short enough for a test, within the desired state's bounds
@@ -39,7 +39,9 @@ class Manager:
     runtime: Runtime
     syncer: Syncer
 
-    def ping(self, name: str, status: str = "healthy", version: str | None = None, **more: Any):
+    def ping(
+        self, name: str, status: str = "healthy", version: str | None = None, **more: Any
+    ) -> None:
         self.runtime.book.record(name, Ping(status=PingStatus(status), version=version, **more))
 
     def update(self, name: str) -> UpdateView | None:
@@ -76,7 +78,9 @@ async def open_manager(
     async with AsyncExitStack() as stack:
 
         @asynccontextmanager
-        async def opened(server: ThreadedServer, node: str = NODE, **overrides: Any):
+        async def opened(
+            server: ThreadedServer, node: str = NODE, **overrides: Any
+        ) -> AsyncIterator[Manager]:
             settings = make_settings(
                 node_id=node, node_system_endpoint=server.url, node_private_key=key_seed(),
                 kubeconfig=manager_kubeconfig, managed_namespace=NAMESPACE,
