@@ -48,6 +48,8 @@ SETTINGS = {
     "SELF_UPDATE_MIN_HEALTHY_SECONDS": "0",
     "NATS_STREAM_REPLICAS": "1", "NATS_AUTO_INIT_STREAMS": "true", "NODE_TIER": "C",
     "ALERT_WINDOW_SECONDS": "60", "CLUSTER_REFRESH_SECONDS": "2",
+    # a workload update's judgement: a version pinging unhealthy for 8 s is reverted
+    "WORKLOAD_UPDATE_UNHEALTHY_SECONDS": "8", "UPDATE_JUDGE_INTERVAL_SECONDS": "1",
     # the backend and the version file are this machine's, reached through the node's own
     # namespace: plain http with no one on the path (production refuses it otherwise)
     "ALLOW_PLAIN_HTTP": "NODE_SYSTEM_ENDPOINT,SELF_UPDATE_URL",
