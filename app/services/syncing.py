@@ -747,7 +747,9 @@ class Syncer:
             self.last_change = outcome
         if outcome.ok:  # a failed one is logged and counted by the supervisor, which records it
             counts = outcome.counts()
-            changed = any(r.outcome != "unchanged" for r in outcome.results)
+            # a judge's look that only looked (held, unchanged) is not worth a line
+            quiet = ("unchanged",) if outcome.fetched else ("unchanged", "held")
+            changed = any(r.outcome not in quiet for r in outcome.results)
             level = logging.INFO if changed else logging.DEBUG
             log.log(level, "sync done in %.2f s: %s", outcome.duration_seconds, counts)
 
