@@ -95,6 +95,12 @@ class Rollouts:
         now = self.clock()
         name = workload.name
         annotations = (live.get("metadata") or {}).get("annotations") or {}
+        if name in self._written and RECORD_ANNOTATION not in annotations:
+            # removed by hand (an operator's retry of a failed version): taken as running
+            # its last good version, as a Deployment without a record always is
+            log.info("workload %s: its update record was removed; starting afresh", name)
+            self._written.pop(name)
+            self._records.pop(name, None)
         if name not in self._written:
             stored, why = load_record(annotations.get(RECORD_ANNOTATION))
             if why is not None:

@@ -214,6 +214,10 @@ async def test_a_failing_version_is_reverted_to_the_last_good_one(
     again = await manager.syncer.sync()
     assert [(r.outcome, r.version) for r in again.results] == [("held", "1.1.0")]
     assert deployed(control_plane, "api")["metadata"]["annotations"][VERSION_ANNOTATION] == "1.0.0"
+    # an operator's retry: the record removed, the version is tried again
+    control_plane.kubectl("-n", NAMESPACE, "annotate", "deployment/api", f"{RECORD_ANNOTATION}-")
+    retried = await manager.syncer.sync()
+    assert [(r.outcome, r.version) for r in retried.results] == [("applied", "1.1.0")]
 
 
 async def test_a_manager_restarted_mid_judgement_reverts_exactly_once(
