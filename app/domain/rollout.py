@@ -160,6 +160,9 @@ class UpdateSpec(BaseModel):
     revert: bool | None = None
     window: UpdateWindow | None = None
     max_defer_seconds: Annotated[float, Field(ge=0, le=7 * 86_400)] | None = None
+    # the backend's retry: a token that, once it differs from the one the node last took,
+    # makes the node forget that the desired version failed here and try it again
+    retry: Annotated[str, Field(min_length=1, max_length=64)] | None = None
 
 
 class RolloutSpec(BaseModel):
@@ -190,7 +193,7 @@ class UpdateTerms:
 def resolve_terms(spec: UpdateSpec | None, defaults: UpdateTerms) -> UpdateTerms:
     if spec is None:
         return defaults
-    given = spec.model_dump(exclude_none=True, exclude={"window"})
+    given = spec.model_dump(exclude_none=True, exclude={"window", "retry"})
     window = spec.window if spec.window is not None else defaults.window
     return replace(defaults, **given, window=window)
 

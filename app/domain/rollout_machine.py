@@ -11,7 +11,8 @@ this order), `applying` (until the Deployment runs it; if it does not, decided a
 - A judged-healthy version becomes the last good one (reported `healthy`; `applied` was
   reported once the Deployment ran it).
 - A failed version is remembered (`failed_versions`, the 8 latest) and not applied again
-  until the desired version changes (a change back to it is the backend's retry). It is
+  until the desired version changes (a change back to it is a retry), or the backend's
+  `update.retry` token changes (`Situation.retry`: the desired version is tried again). It is
   reverted at once to the last good version (`rolled-back`, reported `rolled_back` with
   the reason, alerted), never waved, windowed nor deferred, and the revert is judged the
   same way (with the same judge). If it fails too, both are held (`held-failed`, alerted)
@@ -23,8 +24,8 @@ this order), `applying` (until the Deployment runs it; if it does not, decided a
 
 The record is one annotation (`RECORD_ANNOTATION`), compact JSON of at most
 `MAX_RECORD_CHARS`: `{"v": 1, "target", "state", "since", "reason", "failed",
-"last_good", "attempted", "judge", "applied_at", "deferred_since"}` (times RFC 3339 UTC in
-whole seconds, absent values left out, the reason cut to 256 characters). A record that
+"last_good", "attempted", "judge", "applied_at", "deferred_since", "retry"}` (times RFC
+3339 UTC in whole seconds, absent values left out, the reason cut to 256 characters). A record that
 does not read is no record, with the reason why (`load_record`). A step says whether its
 record changed in more than its reason (`Step.persist`): a judgement's progress is shown,
 not written at every step.
@@ -107,6 +108,7 @@ class UpdateRecord:
     judge: Judge | None = None  # the judge of the attempt, `auto` settled
     applied_at: datetime | None = None  # set while the attempt (or its revert) is in flight
     deferred_since: datetime | None = None  # the target's first deferral
+    retry: str | None = None  # the backend's retry token last taken
 
     @property
     def in_flight(self) -> bool:
@@ -127,6 +129,7 @@ class Situation:
     rollout: RolloutSpec | None = None
     seen: Observed = field(default_factory=Observed)
     lease: Lease | None = None  # the workload's deferral, as its last ping left it
+    retry: str | None = None  # the desired state's `update.retry`
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +167,15 @@ def _enter(record: UpdateRecord, state: UpdateState, now: datetime, reason: str)
 def _decide(record: UpdateRecord | None, s: Situation, now: datetime) -> Step:
     desired = s.desired
     if record is None:
-        record = UpdateRecord(desired, UpdateState.CURRENT, now, last_good_version=s.running)
+        record = UpdateRecord(
+            desired, UpdateState.CURRENT, now, last_good_version=s.running, retry=s.retry
+        )
     elif record.target != desired:  # a new desired version; to a failed one: a retry
         failed = tuple(v for v in record.failed_versions if v != desired)
         record = replace(record, target=desired, failed_versions=failed, deferred_since=None)
+    if s.retry is not None and s.retry != record.retry:  # the backend asks for a retry
+        failed = tuple(v for v in record.failed_versions if v != desired)
+        record = replace(record, failed_versions=failed, retry=s.retry)
     attempted = record.attempted_version
     if record.state is UpdateState.APPLYING and attempted is not None:
         if s.running == attempted:
@@ -295,6 +303,7 @@ class _Stored(BaseModel):
     judge: Judge | None = None
     applied_at: AwareDatetime | None = None
     deferred_since: AwareDatetime | None = None
+    retry: Annotated[str, Field(max_length=64)] | None = None
 
 
 def dump_record(record: UpdateRecord) -> str:
@@ -311,6 +320,7 @@ def dump_record(record: UpdateRecord) -> str:
         "judge": record.judge.value if record.judge else None,
         "applied_at": stamp(record.applied_at) if record.applied_at else None,
         "deferred_since": stamp(record.deferred_since) if record.deferred_since else None,
+        "retry": record.retry,
     }
     kept = {k: v for k, v in fields.items() if v or k == "v"}
     return json.dumps(kept, separators=(",", ":"), ensure_ascii=False)
@@ -345,5 +355,6 @@ def load_record(text: str | None) -> tuple[UpdateRecord | None, str | None]:
         judge=stored.judge,
         applied_at=stored.applied_at,
         deferred_since=stored.deferred_since,
+        retry=stored.retry,
     )
     return record, None

@@ -129,6 +129,7 @@ class Rollouts:
             rollout=workload.rollout,
             seen=seen,
             lease=lease,
+            retry=workload.update.retry if workload.update is not None else None,
         )
         step = next_step(self._records.get(name), situation, now)
         if step.record.state is UpdateState.OUTSIDE_WINDOW and terms.window is not None:

@@ -214,10 +214,18 @@ async def test_a_failing_version_is_reverted_to_the_last_good_one(
     again = await manager.syncer.sync()
     assert [(r.outcome, r.version) for r in again.results] == [("held", "1.1.0")]
     assert deployed(control_plane, "api")["metadata"]["annotations"][VERSION_ANNOTATION] == "1.0.0"
-    # an operator's retry: the record removed, the version is tried again
-    control_plane.kubectl("-n", NAMESPACE, "annotate", "deployment/api", f"{RECORD_ANNOTATION}-")
-    retried = await manager.syncer.sync()
-    assert [(r.outcome, r.version) for r in retried.results] == [("applied", "1.1.0")]
+    if how == "unhealthy":  # the backend's retry: a new token, the version is tried again
+        desire(backend, "api", "1.1.0", update={**update, "retry": "r1"}, manifest=new)
+    else:  # an operator's retry on this node: the record removed
+        control_plane.kubectl(
+            "-n", NAMESPACE, "annotate", "deployment/api", f"{RECORD_ANNOTATION}-"
+        )
+    await manager.syncer.sync()  # (a revert being judged is judged first)
+    retried = await manager.until(
+        "api", {"judging"}, ping=lambda: manager.ping("api", version="1.0.0")
+    )
+    assert retried.failed_versions == ()
+    assert _version(control_plane, "api") == "1.1.0"
 
 
 async def test_a_manager_restarted_mid_judgement_reverts_exactly_once(

@@ -125,6 +125,7 @@ def test_update_fields_left_out_are_the_node_s_defaults() -> None:
         "revert": None,
         "window": None,
         "max_defer_seconds": None,
+        "retry": None,
     }
     assert workload.rollout.model_dump() == {"percent": 100, "halt": False, "seed": None}
     plain = parse_desired(one()).workloads[0]

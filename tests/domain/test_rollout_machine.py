@@ -146,6 +146,15 @@ LEASE = Lease(until=at(700), renewed_at=at(590), reason="draining a batch")
          NEW, S.APPLYING, "1.4.2 -> 1.5.0"),  # a change back to it: a retry
         (rec(S.HELD_FAILED, failed_versions=(NEW, OLD), last_good_version=None), world(OLD), 900,
          Action.NONE, None, S.CURRENT, "running 1.4.2"),
+        # the backend's retry token: a new one tries the desired version again, once
+        (rec(S.ROLLED_BACK, failed_versions=(NEW,)), world(retry="r1"), 900, Action.APPLY, NEW,
+         S.APPLYING, "1.4.2 -> 1.5.0"),
+        (rec(S.ROLLED_BACK, failed_versions=(NEW,), retry="r1"), world(retry="r1"), 900,
+         Action.NONE, None, S.ROLLED_BACK, ""),
+        (rec(S.HELD_FAILED, failed_versions=(NEW, OLD)), world(running=NEW, retry="r2"), 900,
+         Action.NONE, None, S.CURRENT, "running 1.5.0"),
+        (judging(), world(running=NEW, retry="r3"), 50, Action.NONE, None, S.JUDGING,
+         "rolling out"),  # a judgement in flight goes on
         # a judgement goes on when the desired version changes, and ends when another runs
         (judging(), world(NEWER, running=NEW, seen=healthy_pings(NEW)), 100, Action.NONE, None,
          S.HEALTHY, "healthy pings from 1.5.0"),
@@ -237,6 +246,7 @@ FULL = UpdateRecord(
     judge=Judge.PINGS,
     applied_at=at(50),
     deferred_since=at(-100),
+    retry="r7",
 )
 
 
@@ -267,6 +277,7 @@ def test_the_annotation_is_bounded() -> None:
         attempted_version=versions[0],
         last_good_version=versions[1],
         target=versions[2],
+        retry="t" * 64,
     )
     text = dump_record(big)
     assert len(text) <= MAX_RECORD_CHARS
