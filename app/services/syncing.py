@@ -226,6 +226,8 @@ class Syncer:
         self.rollouts = rollouts
         # the desired state as last read: the rollout's looks between syncs decide from it
         self._desired: DesiredState | None = None
+        # this sync's drift of Deployments whose new version is held back (`_take_step`)
+        self._drift: dict[str, str] = {}
         self.source = source
         self.kube = kube
         self._book = book
@@ -426,6 +428,7 @@ class Syncer:
                 self._book.set_crashlooping(crash)
         live = {LiveDeployment.from_object(o).name: o for o in objects}
         steps: dict[str, Step] = {}
+        self._drift = {}
         for workload in desired.workloads:
             obj = live.get(workload.name)
             if obj is None or workload.name in self._policy.protected:
@@ -435,6 +438,8 @@ class Syncer:
                 steps[workload.name] = rollouts.decide(
                     workload, obj, crash=crash.get(workload.name)
                 )
+                if current.drift is not None and current.version != workload.version:
+                    self._drift[workload.name] = current.drift
         return steps
 
     def _not_done(self, action: Action) -> WorkloadResult:
@@ -529,6 +534,19 @@ class Syncer:
                     rollouts.landed(name, record)
             elif action.kind is ActionKind.UPDATE:  # the new version waits, or failed here
                 result.outcome, result.reason = "held", f"{record.state}: {record.reason}"
+                drift = self._drift.get(name)
+                if drift is not None and action.from_version and not record.in_flight:
+                    # the version it runs meanwhile drifted: that version's spec back
+                    manifest = await self._prepared(
+                        name, action.from_version, record=dump_record(record)
+                    )
+                    if (await self._apply_step(name, manifest, action))[0] == "applied":
+                        rollouts.landed(name, record)
+                        result.outcome, result.version = "applied", action.from_version
+                        result.reason = (
+                            f"drift of {action.from_version}: {drift}; {action.version} "
+                            f"{result.reason}"
+                        )
             elif record.in_flight:
                 result.reason = f"{record.state}: {record.reason}"
             landed[name] = result

@@ -381,3 +381,28 @@ async def test_an_update_outside_its_window_starts_when_the_window_opens(
     assert looked.succeeded, looked
     assert _version(control_plane, "api") == "1.1.0"
     assert _gets(backend) == gets
+
+
+async def test_drift_of_the_version_running_while_the_new_one_waits_is_repaired(
+    open_manager: Any,
+    backend_reset: tuple[LocalBackend, ThreadedServer],
+    control_plane: ControlPlane,
+) -> None:
+    backend, server = backend_reset
+    manager = await open_manager(server)
+    await installed(manager, backend)
+    desire(backend, "api", "1.1.0", update=FAST, rollout={"percent": 0})
+    held = await manager.syncer.sync()
+    assert [r.outcome for r in held.results] == ["held"]
+    control_plane.kubectl("-n", NAMESPACE, "set", "image", "deployment/api", "api=evil/api:6")
+    repaired = await manager.syncer.sync()
+    (result,) = repaired.results
+    assert (result.outcome, result.version) == ("applied", "1.0.0"), result
+    assert "image was changed" in result.reason and "waiting-wave" in result.reason
+    live = deployed(control_plane, "api")
+    assert image(live) == "registry.example/api:1.0.0"
+    assert live["metadata"]["annotations"][VERSION_ANNOTATION] == "1.0.0"
+    waiting = manager.update("api")
+    assert waiting is not None and waiting.state == "waiting-wave"
+    again = await manager.syncer.sync()
+    assert [r.outcome for r in again.results] == ["held"]
