@@ -482,7 +482,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         head = [b"HTTP/1.1 204 No Content\r\n"]
         for key, value in self.server_state.default_headers:
             head += (key, b": ", value, b"\r\n")
-        notice = pings.notice(target)
+        notice = pings.notices.get(target.name)
         if notice is not None:
             head += (b"x-workload-update: ", notice, b"\r\n")
         head += (b"x-request-id: ", request_id, b"\r\n\r\n")

@@ -47,6 +47,8 @@ class PingAnswers:
         self.limit = limit
         self._book = runtime.book
         self._count = runtime.metrics.count_ping
+        # the `x-workload-update` value of each workload with an update pending
+        self.notices = runtime.book.notices
         secret = runtime.settings.ping_token_secret
         self._secret = secret.get_secret_value() if secret else None
         # production without a secret refuses pings: the framework route says why (401)
@@ -73,9 +75,6 @@ class PingAnswers:
         known = self._targets[target] = PingTarget(name, token)
         return known
 
-    def notice(self, target: PingTarget) -> bytes | None:
-        """The `x-workload-update` value for the answer to a ping just recorded, if any."""
-        return self._book.update_notice(target.name)
 
     def answer(
         self, target: PingTarget, headers: list[tuple[bytes, bytes]], body: bytes

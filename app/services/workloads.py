@@ -9,7 +9,7 @@ neither ping nor appear in the desired state or the cluster for `ping_forget_sec
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -78,10 +78,11 @@ class WorkloadBook:
                 raise BookFull(name)
         entry = PingRecord(ping=ping, received_at=self._clock(), received_wall=self._wall_clock())
         self._pings[name] = entry
-        trail = self._trails.get(name)
-        if trail is not None:
-            at = datetime.fromtimestamp(entry.received_wall, UTC)
-            trail.add(PingSeen(at, ping.status, ping.version))
+        if self._trails:  # an update is judged: its workload's pings are kept
+            trail = self._trails.get(name)
+            if trail is not None:
+                at = datetime.fromtimestamp(entry.received_wall, UTC)
+                trail.add(PingSeen(at, ping.status, ping.version))
         return entry
 
     def last_ping(self, name: str) -> PingRecord | None:
@@ -103,11 +104,18 @@ class WorkloadBook:
     def set_updates(self, updates: dict[str, UpdateView]) -> None:
         """Each managed workload's update, as the last sync decided it."""
         self._updates = dict(updates)
-        self._notices = {
-            name: f"version={view.target}; state={view.state}".encode()
+        self._notices.clear()  # the same dict: the ping fast path holds it (`notices`)
+        self._notices.update(
+            (name, f"version={view.target}; state={view.state}".encode())
             for name, view in updates.items()
             if view.pending
-        }
+        )
+
+    @property
+    def notices(self) -> Mapping[str, bytes]:
+        """The `x-workload-update` value of each workload with an update pending (one
+        dict for the book's life, updated in place)."""
+        return self._notices
 
     def update_notice(self, name: str) -> bytes | None:
         """The `x-workload-update` header value for a ping from `name`: an update pending."""
