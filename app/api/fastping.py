@@ -75,7 +75,6 @@ class PingAnswers:
         known = self._targets[target] = PingTarget(name, token)
         return known
 
-
     def answer(
         self, target: PingTarget, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> bytes | None:
