@@ -1,3 +1,4 @@
+-- kind: expand
 -- The capability registry table, exactly as the fleet's seed defines it.
 CREATE TABLE worker_capabilities (
   node_id VARCHAR(255) PRIMARY KEY,

@@ -1,3 +1,4 @@
+-- kind: expand
 -- Liveness judged by the database clock, and the query "which live nodes can run this".
 
 -- Each node says how often it heartbeats, so "missed heartbeats" means the same thing

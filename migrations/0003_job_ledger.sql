@@ -1,3 +1,4 @@
+-- kind: expand
 -- The job worker's idempotency ledger: one row per idempotency key, claimed with a lease.
 CREATE TABLE job_ledger (
   idempotency_key VARCHAR(255) PRIMARY KEY,

@@ -1,3 +1,4 @@
+-- kind: expand
 -- Which manager process holds a node's row. A node may briefly run two during a rollout
 -- (the new pod starts before the old one stops), and a newcomer may start a second one by
 -- mistake: a row is taken over only from an instance that is leaving (draining or

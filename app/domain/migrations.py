@@ -3,6 +3,16 @@
 Files are `NNNN_name.sql`, applied in version order, each recorded with a checksum of
 its text. An applied file that changed, or disappeared, stops the run: the database
 and the code would no longer agree on what the schema is.
+
+**Expand and contract.** A migration declares itself with a line `-- kind: expand` (it
+only adds: tables, nullable columns or columns with a default, indexes) or `-- kind:
+contract` (it drops or changes what code may still use). The declaration is not part of
+the checksum, so declaring a migration already applied changes nothing. `check_kind`
+reads its statements and refuses an expand migration that contracts. Each applied
+migration is recorded with its kind, so an older release that finds newer migrations
+applied (`plan`) goes on when every one of them is an expand ("schema ahead by N expand
+migrations": its code still finds all it uses), and stops when one is a contract or has
+no kind on record.
 """
 
 from __future__ import annotations
@@ -10,9 +20,28 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import StrEnum
 
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_KIND = re.compile(r"^--[ \t]*kind:[ \t]*(\S+)[ \t]*\n?", re.MULTILINE)
+# statements an expand migration may not hold (comments are stripped before the look)
+_CONTRACTING = (
+    (re.compile(r"\bDROP\b", re.I), "DROP"),
+    (re.compile(r"\bRENAME\b", re.I), "RENAME"),
+    (re.compile(r"\bTRUNCATE\b", re.I), "TRUNCATE"),
+    (re.compile(r"\bDELETE\s+FROM\b", re.I), "DELETE FROM"),
+    (re.compile(r"\bALTER\s+COLUMN\b[^;]*\bTYPE\b", re.I), "ALTER COLUMN ... TYPE"),
+    (re.compile(r"\bSET\s+NOT\s+NULL\b", re.I), "SET NOT NULL"),
+    (re.compile(r"\bADD\s+(?:CONSTRAINT|PRIMARY\s+KEY|UNIQUE)\b", re.I), "a new constraint"),
+)
+_ADD_COLUMN = re.compile(r"\bADD\s+COLUMN\b([^,;]*)", re.I)
+_COMMENTS = re.compile(r"--[^\n]*|/\*.*?\*/", re.S)
+
+
+class Kind(StrEnum):
+    EXPAND = "expand"
+    CONTRACT = "contract"
 
 
 class MigrationError(RuntimeError):
@@ -27,7 +56,18 @@ class Migration:
 
     @property
     def checksum(self) -> str:
-        return hashlib.sha256(self.sql.encode()).hexdigest()
+        """Of the text without its kind declaration (declaring one changes nothing)."""
+        return hashlib.sha256(_KIND.sub("", self.sql, count=1).encode()).hexdigest()
+
+    @property
+    def kind(self) -> Kind | None:
+        found = _KIND.search(self.sql)
+        if found is None:
+            return None
+        try:
+            return Kind(found.group(1).lower())
+        except ValueError:
+            return None
 
     @property
     def filename(self) -> str:
@@ -39,6 +79,73 @@ class Applied:
     version: int
     name: str
     checksum: str
+    kind: str | None = None  # as recorded when applied (None: before kinds were recorded)
+
+
+def check_kind(migration: Migration) -> list[str]:
+    """What is wrong with a migration's declaration (lint: an empty list is fine)."""
+    found = _KIND.search(migration.sql)
+    if found is None:
+        return [f"{migration.filename}: no `-- kind: expand` or `-- kind: contract` line"]
+    if migration.kind is None:
+        return [f"{migration.filename}: kind {found.group(1)!r} is neither expand nor contract"]
+    if migration.kind is Kind.CONTRACT:
+        return []
+    body = _COMMENTS.sub(" ", migration.sql)
+    problems = [
+        f"{migration.filename}: an expand migration holds {what}"
+        for pattern, what in _CONTRACTING
+        if pattern.search(body)
+    ]
+    for added in _ADD_COLUMN.finditer(body):
+        column = added.group(1)
+        if re.search(r"\bNOT\s+NULL\b", column, re.I) and not re.search(
+            r"\bDEFAULT\b", column, re.I
+        ):
+            problems.append(
+                f"{migration.filename}: an expand migration adds a NOT NULL column "
+                "without a DEFAULT (older code inserting rows would fail)"
+            )
+    return problems
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What `migrate` does: run `todo`; `ahead` are applied migrations this release does
+    not know (all expand: its code still finds everything it uses)."""
+
+    todo: list[Migration]
+    ahead: list[Applied] = field(default_factory=list)
+
+    @property
+    def note(self) -> str:
+        if not self.ahead:
+            return ""
+        n = len(self.ahead)
+        return f"schema ahead by {n} expand migration{'s' if n != 1 else ''}"
+
+
+def plan(migrations: Iterable[Migration], applied: Iterable[Applied]) -> Plan:
+    """`pending`, for a release that may be older than the schema: applied migrations
+    newer than every file it has are fine when each is recorded as an expand."""
+    known = list(migrations)
+    newest = max((m.version for m in known), default=0)
+    records = list(applied)
+    ahead = sorted((r for r in records if r.version > newest), key=lambda r: r.version)
+    blocking = [r for r in ahead if r.kind != Kind.EXPAND.value]
+    if blocking:
+        first = blocking[0]
+        what = (
+            "a contract migration"
+            if first.kind == Kind.CONTRACT.value
+            else ("a migration with no kind on record")
+        )
+        raise MigrationError(
+            f"the schema is ahead of this release by {first.version:04d}_{first.name}, "
+            f"{what}: this release's code may need what it changed; run a newer release"
+        )
+    todo = pending(known, [r for r in records if r.version <= newest])
+    return Plan(todo, ahead)
 
 
 def parse_files(files: Mapping[str, str]) -> list[Migration]:
