@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from app.domain.health import is_workload_name
 from app.domain.rollout import RolloutSpec, UpdateSpec
@@ -36,6 +43,9 @@ class DesiredWorkload(BaseModel):
     # the node's defaults and every node at once
     update: UpdateSpec | None = None
     rollout: RolloutSpec | None = None
+    # the SHA-256 (hex) of the exact bytes the manifest call answers for this version: a
+    # signed state binds its manifests through it (app/domain/desired_trust.py)
+    manifest_sha256: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")] | None = None
 
     @field_validator("reported_version", mode="before")
     @classmethod
@@ -58,6 +68,11 @@ class DesiredState(BaseModel):
     revision: str | None = None
     allow_empty: bool = False
     workloads: tuple[DesiredWorkload, ...]
+    # a signed state's order and binding (app/domain/desired_trust.py): strictly
+    # increasing per node, the node it is for, when the backend issued it
+    serial: Annotated[int, Field(ge=0, le=2**63 - 1, strict=True)] | None = None
+    node_id: Annotated[str, Field(min_length=1, max_length=255)] | None = None
+    issued_at: AwareDatetime | None = None
 
     @field_validator("workloads")
     @classmethod

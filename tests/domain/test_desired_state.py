@@ -183,3 +183,38 @@ def test_a_malformed_update_or_rollout_names_the_field(fields: dict[str, Any], w
     with pytest.raises(DesiredStateError) as caught:
         parse_desired(one(**fields))
     assert str(caught.value).startswith(where)
+
+
+SHA = "ab" * 32
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"serial": -1}, "serial"),
+        ({"serial": "42"}, "serial"),
+        ({"serial": 4.2}, "serial"),
+        ({"serial": 2**63}, "serial"),
+        ({"node_id": ""}, "node_id"),
+        ({"issued_at": "2026-12-06T10:00:00"}, "issued_at"),  # no offset
+        ({"workloads": [{"name": "api", "version": "1", "manifest_sha256": "ab"}]},
+         "workloads.0.manifest_sha256"),
+    ],
+)  # fmt: skip
+def test_a_signed_states_fields_are_bounded(fields: dict[str, Any], where: str) -> None:
+    body = {"workloads": [{"name": "api", "version": "1"}], **fields}
+    with pytest.raises(DesiredStateError, match=f"^{where}:"):
+        parse_desired(body)
+
+
+def test_a_signed_state_reads_its_order_and_binding() -> None:
+    state = parse_desired({
+        "serial": 42, "node_id": "node-a", "issued_at": "2026-12-06T10:00:00Z",
+        "workloads": [{"name": "api", "version": "1", "manifest_sha256": SHA}],
+    })  # fmt: skip
+    assert (state.serial, state.node_id, state.issued_at.isoformat()) == (
+        42, "node-a", "2026-12-06T10:00:00+00:00",
+    )  # fmt: skip
+    assert state.workloads[0].manifest_sha256 == SHA
+    unsigned = parse_desired({"workloads": []})
+    assert (unsigned.serial, unsigned.node_id, unsigned.issued_at) == (None, None, None)
