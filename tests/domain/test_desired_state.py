@@ -212,6 +212,7 @@ def test_a_signed_state_reads_its_order_and_binding() -> None:
         "serial": 42, "node_id": "node-a", "issued_at": "2026-12-06T10:00:00Z",
         "workloads": [{"name": "api", "version": "1", "manifest_sha256": SHA}],
     })  # fmt: skip
+    assert state.issued_at is not None
     assert (state.serial, state.node_id, state.issued_at.isoformat()) == (
         42, "node-a", "2026-12-06T10:00:00+00:00",
     )  # fmt: skip
