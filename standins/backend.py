@@ -27,13 +27,17 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 from urllib.parse import parse_qs, unquote
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
 
+from app.domain.desired_trust import SIGNATURE_HEADER, signed_bytes
 from standins.servers import ThreadedServer
 
 Scope = MutableMapping[str, Any]
@@ -206,6 +210,12 @@ class LocalBackend:
         # before) neither changes nor shows in what the next test sees.
         self._epoch = 0
         self._stalled = 0  # requests held by a "timeout" failure now
+        # signing the desired state (docs/backend-api.md): off until a key is set; the
+        # serial moves on whenever the state served changes
+        self.signing_key: Ed25519PrivateKey | None = None
+        self._serial = 0
+        self._last_signed: str | None = None
+        self._issued_at = ""  # of the serial served: the same serial is the same bytes
 
     # ----------------------------------------------------------------- test-facing API
 
@@ -693,8 +703,33 @@ class LocalBackend:
         if_none_match = ", ".join(headers.get("if-none-match", []))
         if if_none_match and _etag_matches(if_none_match, etag):
             return _Reply(status=304, headers=[("etag", etag)])
-        reply = _json_reply(200, payload)
+        if self.signing_key is None:
+            reply = _json_reply(200, payload)
+        else:
+            reply = self._signed(payload)
         reply.headers.append(("etag", etag))
+        return reply
+
+    def _signed(self, payload: dict[str, Any]) -> _Reply:
+        """The desired state signed for this node: serial, node id, issue time and each
+        manifest's digest (over the exact bytes the manifest call answers)."""
+        assert self.signing_key is not None
+        with self._lock:
+            for workload in payload["workloads"]:
+                raw = self._manifests.get((workload.get("name"), workload.get("version")))
+                if raw is not None:
+                    digest = hashlib.sha256(json.dumps(raw).encode()).hexdigest()
+                    workload.setdefault("manifest_sha256", digest)
+            content = json.dumps(payload, sort_keys=True)
+            if content != self._last_signed:
+                self._serial += 1
+                self._last_signed = content
+                self._issued_at = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+            payload = {**payload, "serial": self._serial, "node_id": self.node_id,
+                       "issued_at": self._issued_at}  # fmt: skip
+        reply = _json_reply(200, payload)
+        signature = self.signing_key.sign(signed_bytes(self.node_id, reply.body))
+        reply.headers.append((SIGNATURE_HEADER, base64.b64encode(signature).decode()))
         return reply
 
     def _get_manifest(self, name: str, query: bytes) -> _Reply:

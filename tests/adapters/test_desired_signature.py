@@ -4,6 +4,7 @@ to the exact bytes; every way an answer is not signed is refused with its reason
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 
 import pytest
@@ -53,3 +54,34 @@ def test_what_is_not_signed_for_this_node_and_body_is_refused(
 def test_a_verifier_needs_a_key() -> None:
     with pytest.raises(ValueError, match="at least one key"):
         DesiredStateVerifier([])
+
+
+def test_the_local_backend_signs_what_it_serves_and_moves_its_serial_on_change() -> None:
+    import json
+
+    from standins.backend import LocalBackend
+    from standins.sync_world import manifest
+
+    local = LocalBackend("node-a", OLD.public_key())
+    local.signing_key = NEW
+    local.set_manifest("api", "1.0.0", manifest("api", "1.0.0"))
+    local.set_desired([{"name": "api", "version": "1.0.0"}])
+
+    def served() -> tuple[bytes, dict[str, object]]:
+        reply = local._get_workloads({})
+        assert reply.status == 200
+        signed = dict(reply.headers)["X-Desired-State-Signature"]
+        VERIFIER.verify(node_id="node-a", body=reply.body, header=signed)
+        return reply.body, json.loads(reply.body)
+
+    first, state = served()
+    assert (state["serial"], state["node_id"]) == (1, "node-a")
+    assert (
+        state["workloads"][0]["manifest_sha256"]
+        == hashlib.sha256(json.dumps(manifest("api", "1.0.0")).encode()).hexdigest()
+    )
+    again, _ = served()
+    assert again == first  # the same serial is the same bytes
+    local.set_desired([{"name": "api", "version": "1.0.0"}, {"name": "web", "version": "2"}])
+    _, state = served()
+    assert state["serial"] == 2
