@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -67,7 +68,7 @@ def test_the_local_backend_signs_what_it_serves_and_moves_its_serial_on_change()
     local.set_manifest("api", "1.0.0", manifest("api", "1.0.0"))
     local.set_desired([{"name": "api", "version": "1.0.0"}])
 
-    def served() -> tuple[bytes, dict[str, object]]:
+    def served() -> tuple[bytes, dict[str, Any]]:
         reply = local._get_workloads({})
         assert reply.status == 200
         signed = dict(reply.headers)["X-Desired-State-Signature"]
