@@ -9,6 +9,7 @@ as Python objects.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -17,7 +18,7 @@ import asyncpg
 
 from app.adapters.coalesce import Coalescer, distinct_runs
 from app.domain.ledger import RELEASED, Claim, without_nul
-from app.domain.migrations import Applied, Migration, pending
+from app.domain.migrations import Applied, Migration, plan
 from app.domain.requirements import NodeProfile, Requirements
 
 # pg_advisory_xact_lock key for migrations: any constant shared by every migrator.
@@ -33,6 +34,8 @@ RegistryUnavailable = (
     OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError,
     TimeoutError,
 )  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 
 class NodeHeldElsewhere(Exception):
@@ -231,19 +234,28 @@ class AsyncpgRegistry:
                      checksum TEXT NOT NULL,
                      applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"""
             )
-            rows = await conn.fetch("SELECT version, name, checksum FROM schema_migrations")
-            todo = pending(
-                migrations, [Applied(r["version"], r["name"], r["checksum"]) for r in rows]
+            # each migration's kind, so that an older release can tell a schema ahead of
+            # it by expand migrations only (app/domain/migrations.py)
+            await conn.execute("ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS kind TEXT")
+            rows = await conn.fetch("SELECT version, name, checksum, kind FROM schema_migrations")
+            decided = plan(
+                migrations,
+                [Applied(r["version"], r["name"], r["checksum"], r["kind"]) for r in rows],
             )
-            for migration in todo:
+            if decided.ahead:
+                names = ", ".join(f"{a.version:04d}_{a.name}" for a in decided.ahead)
+                log.warning("%s (%s): this release's code finds all it uses", decided.note, names)
+            for migration in decided.todo:
                 await conn.execute(migration.sql, timeout=MIGRATION_TIMEOUT)
                 await conn.execute(
-                    "INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+                    "INSERT INTO schema_migrations (version, name, checksum, kind) "
+                    "VALUES ($1, $2, $3, $4)",
                     migration.version,
                     migration.name,
                     migration.checksum,
+                    migration.kind.value if migration.kind is not None else None,
                 )
-            return todo
+            return decided.todo
 
 
 # The claim of a batch of distinct keys, one statement (group commit): a new key is

@@ -283,3 +283,30 @@ async def test_a_live_instance_keeps_its_row_and_a_leaving_one_hands_it_over(
     finally:
         await first.close()
         await second.close()
+
+
+async def test_a_schema_ahead_by_expand_migrations_lets_this_release_migrate(
+    registry: AsyncpgRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As a newer release leaves it: its expand migrations applied, recorded as such."""
+    await migrating.migrate(registry, MIGRATIONS)
+    async with registry.pool.acquire() as conn:
+        rows = await conn.fetch("SELECT kind FROM schema_migrations ORDER BY version")
+        assert {r["kind"] for r in rows} == {"expand"}
+        await conn.execute("ALTER TABLE job_ledger ADD COLUMN later_field TEXT")
+        await conn.execute(
+            "INSERT INTO schema_migrations (version, name, checksum, kind) "
+            "VALUES (9998, 'later_field', 'x', 'expand')"
+        )
+    with caplog.at_level("WARNING"):
+        assert await migrating.migrate(registry, MIGRATIONS) == []
+    assert "schema ahead by 1 expand migration (9998_later_field)" in caplog.text
+    async with registry.pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO schema_migrations (version, name, checksum, kind) "
+            "VALUES (9999, 'drop_claimant', 'x', 'contract')"
+        )
+    with pytest.raises(
+        MigrationError, match="ahead of this release by 9999_drop_claimant, a contract"
+    ):
+        await migrating.migrate(registry, MIGRATIONS)
