@@ -31,6 +31,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.domain.desired_trust import DesiredKeys
 from app.domain.http_targets import AllowedTargets
 from app.domain.nats_servers import NatsServers
 from app.domain.requirements import CAPABILITY_NAME, LOCATION_NAME, Tier
@@ -67,6 +68,7 @@ TargetsSetting = Annotated[
     InstanceOf[AllowedTargets], PlainSerializer(AllowedTargets.entries, return_type=list[str])
 ]
 KeySetting = Annotated[InstanceOf[VersionFileKey], PlainSerializer(str, return_type=str)]
+DesiredKeysSetting = Annotated[InstanceOf[DesiredKeys], PlainSerializer(str, return_type=str)]
 WindowSetting = Annotated[
     InstanceOf[UpdateWindow], PlainSerializer(UpdateWindow.model_dump_json, return_type=str)
 ]
@@ -164,6 +166,15 @@ class Settings(BaseSettings):
     kubeconfig: Path | None = None
     managed_namespace: str = Field(default="workloads", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     desired_state_dir: Path | None = None
+    # the backend's Ed25519 public keys (comma-separated; several during a rotation): when
+    # set, a desired state is taken only signed by one of them for this node, in serial
+    # order, and the last good one is kept on the node and enforced while the backend is
+    # away (docs/security.md "The desired state's signature")
+    desired_state_public_keys: Annotated[DesiredKeysSetting | None, NoDecode] = None
+    # a signed state (the store's form) that seeds an empty store at the first boot
+    desired_state_preload: Path | None = None
+    # the store's byte budget (a ConfigMap holds 1 MiB, its metadata included)
+    desired_state_store_bytes: int = Field(default=900 * 1024, ge=16 * 1024, le=1_000_000)
     sync_enabled: bool = True
     sync_concurrency: int = Field(default=4, ge=1, le=64)
     sync_max_deletes: int = Field(default=5, ge=0, le=10_000)
@@ -302,6 +313,14 @@ class Settings(BaseSettings):
         names what is expected, never the value); `SELF_UPDATE_PUBLIC_KEY=` is not set."""
         if isinstance(value, str):
             return VersionFileKey.parse(value) if value.strip() else None
+        return value
+
+    @field_validator("desired_state_public_keys", mode="before")
+    @classmethod
+    def _desired_keys(cls, value: Any) -> Any:
+        """Parsed once (`DesiredKeys.parse`, never quoting the value); empty is not set."""
+        if isinstance(value, str):
+            return DesiredKeys.parse(value) if value.strip() else None
         return value
 
     @field_validator("self_update_window", "workload_update_window", mode="before")

@@ -47,6 +47,9 @@ Send = Callable[[Message], Awaitable[None]]
 
 Route = Literal["workloads", "manifest", "version", "health"]
 FailureMode = Literal["500", "503", "429", "timeout", "garbage", "trickle", "huge", "redirect"]
+# what a signing backend can be made to serve instead of its honest answer (`forge`)
+Forgery = Literal["unsigned", "tampered", "other-node", "replay", "wrong-digest"]
+FORGERIES: tuple[Forgery, ...] = ("unsigned", "tampered", "other-node", "replay", "wrong-digest")
 
 ROUTES: tuple[Route, ...] = ("workloads", "manifest", "version", "health")
 FAILURE_MODES: tuple[FailureMode, ...] = (
@@ -216,6 +219,8 @@ class LocalBackend:
         self._serial = 0
         self._last_signed: str | None = None
         self._issued_at = ""  # of the serial served: the same serial is the same bytes
+        self._signed_first: tuple[bytes, str] | None = None  # the first answer signed
+        self._forgery: Forgery | None = None
 
     # ----------------------------------------------------------------- test-facing API
 
@@ -253,6 +258,17 @@ class LocalBackend:
             self._allow_empty = allow_empty
             self._desired = [copy.deepcopy(dict(w)) for w in workloads]
             return revision
+
+    def forge(self, forgery: Forgery | None) -> None:
+        """Serve a forged desired state from now on (None: honest again): `unsigned` (no
+        signature header), `tampered` (the signed bytes changed after signing),
+        `other-node` (signed for another node), `replay` (the first answer signed, an older
+        serial), `wrong-digest` (manifests whose bytes are not the digest signed). A forged
+        answer is never a 304."""
+        if forgery is not None and forgery not in FORGERIES:
+            raise ValueError(f"unknown forgery {forgery!r}; expected one of {FORGERIES}")
+        with self._lock:
+            self._forgery = forgery
 
     def set_manifest(self, name: str, version: str, manifest: Mapping[str, Any]) -> None:
         with self._lock:
@@ -333,6 +349,9 @@ class LocalBackend:
             self._desired = []
             self._recorded.clear()
             self.serve_reported = True
+            # the serial goes on (a node's serials only go forward); the forgeries end
+            self._forgery = None
+            self._signed_first = None
             self._release_generation += 1
             self._epoch += 1
 
@@ -701,7 +720,8 @@ class LocalBackend:
             }
         etag = f'"{revision}"'
         if_none_match = ", ".join(headers.get("if-none-match", []))
-        if if_none_match and _etag_matches(if_none_match, etag):
+        forged = self.signing_key is not None and self._forgery not in (None, "wrong-digest")
+        if if_none_match and _etag_matches(if_none_match, etag) and not forged:
             return _Reply(status=304, headers=[("etag", etag)])
         if self.signing_key is None:
             reply = _json_reply(200, payload)
@@ -727,9 +747,25 @@ class LocalBackend:
                 self._issued_at = datetime.now(UTC).isoformat().replace("+00:00", "Z")
             payload = {**payload, "serial": self._serial, "node_id": self.node_id,
                        "issued_at": self._issued_at}  # fmt: skip
+            forgery = self._forgery
+        node = self.node_id
+        if forgery == "other-node":
+            node = "another-node"
+            payload = {**payload, "node_id": node}
         reply = _json_reply(200, payload)
-        signature = self.signing_key.sign(signed_bytes(self.node_id, reply.body))
-        reply.headers.append((SIGNATURE_HEADER, base64.b64encode(signature).decode()))
+        signature = base64.b64encode(self.signing_key.sign(signed_bytes(node, reply.body)))
+        with self._lock:
+            if self._signed_first is None and forgery is None:
+                self._signed_first = (reply.body, signature.decode())
+            first = self._signed_first
+        if forgery == "unsigned":
+            return reply
+        if forgery == "replay" and first is not None:
+            reply.body = first[0]
+            signature = first[1].encode()
+        if forgery == "tampered":
+            reply.body = json.dumps({**payload, "revision": f"{payload['revision']}x"}).encode()
+        reply.headers.append((SIGNATURE_HEADER, signature.decode()))
         return reply
 
     def _get_manifest(self, name: str, query: bytes) -> _Reply:
@@ -739,9 +775,12 @@ class LocalBackend:
         version = versions[0]
         with self._lock:
             manifest = copy.deepcopy(self._manifests.get((name, version)))
+            forged = self._forgery == "wrong-digest"
         if manifest is None:
             # A legitimate question with a negative answer, so not a contract breach.
             return _json_reply(404, {"error": f"no manifest for {name!r} version {version!r}"})
+        if forged:  # not the bytes the signed state names
+            manifest.setdefault("metadata", {}).setdefault("labels", {})["forged"] = "yes"
         return _json_reply(200, manifest)
 
     def _put_version(self, name: str, body: bytes, parsed: Any) -> _Reply:

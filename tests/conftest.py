@@ -261,7 +261,8 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
     plane = ControlPlane.start(tmp_path_factory.mktemp("control-plane"))
     try:
         for name in ("namespace.yaml", "workloads-namespace.yaml", "serviceaccount.yaml",
-                     "rbac.yaml", "uptime-configmap.yaml"):  # fmt: skip
+                     "rbac.yaml", "uptime-configmap.yaml",
+                     "desired-state-configmap.yaml"):  # fmt: skip
             plane.kubectl("apply", "-f", str(K8S / name))
         yield plane
     finally:

@@ -31,6 +31,7 @@ import stamina
 from app import __version__
 from app.adapters.bounded_http import TooLarge, attempt_timeout, decide_wait, read_bounded
 from app.adapters.signing import NodeSigner
+from app.domain.desired_trust import SIGNATURE_HEADER
 from app.domain.retrying import GiveUp, parse_retry_after
 
 DEFAULT_DEADLINE_SECONDS = 30.0
@@ -45,15 +46,24 @@ class BackendError(RuntimeError):
     """The backend could not be reached or answered with an error (message is loggable).
 
     `retry_after`: the seconds the backend's last Retry-After asked for (a 429 or 503 the
-    call could not outwait), which the caller's next run honours; None without one."""
+    call could not outwait), which the caller's next run honours; None without one.
+    `unreachable`: the backend failed rather than answered (a transport error, a 5xx, the
+    deadline): the sync may then go on from the last good state stored on the node. A
+    4xx, a redirect, an answer too large or not JSON is an answer, and is not that."""
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after: float | None = None, unreachable: bool = False
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.unreachable = unreachable
 
 
 class BackendDeadlineError(BackendError):
     """A call ran out its deadline (BACKEND_DEADLINE_SECONDS) without a whole answer."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, unreachable=True)
 
 
 class _RetryableStatus(Exception):
@@ -191,10 +201,12 @@ class BackendClient:
         except _RetryableStatus as exc:
             reason = f"; not tried again: {progress.gave_up}" if progress.gave_up else ""
             raise BackendError(
-                f"{method} {path}: {exc}{reason}", retry_after=progress.asked
+                f"{method} {path}: {exc}{reason}",
+                retry_after=progress.asked,
+                unreachable=exc.status >= 500,
             ) from None
         except httpx.HTTPError as exc:
-            raise BackendError(f"{method} {path}: {_describe(exc)}") from None
+            raise BackendError(f"{method} {path}: {_describe(exc)}", unreachable=True) from None
         raise AssertionError("unreachable: stamina either returns or raises")
 
     def _retry_or_not(self, exc: Exception, left: float, progress: _Progress) -> bool | float:
@@ -275,17 +287,49 @@ class BackendClient:
             return etag, NOT_MODIFIED
         return answer.headers.get("etag"), _json(answer)
 
-    async def get_manifest(self, name: str, version: str) -> Any:
+    async def get_desired_signed(self, etag: str | None) -> tuple[str | None, Any]:
+        """(ETag, the `Signed` answer) for a verifier to check before anything parses it;
+        NOT_MODIFIED in place of the answer when the backend answered 304."""
+        headers = {"If-None-Match": etag} if etag else {}
         answer = await self._send(
+            "GET", self._node_path("/workloads"), conditional=bool(etag), headers=headers
+        )
+        if answer.status_code == 304:
+            return etag, NOT_MODIFIED
+        return answer.headers.get("etag"), Signed(
+            answer.content, answer.headers.get(SIGNATURE_HEADER)
+        )
+
+    async def get_manifest(self, name: str, version: str) -> Any:
+        return _json(await self._manifest_answer(name, version))
+
+    async def get_manifest_bytes(self, name: str, version: str) -> bytes:
+        """The manifest's exact bytes, for its digest to be checked before it is parsed."""
+        return (await self._manifest_answer(name, version)).content
+
+    async def _manifest_answer(self, name: str, version: str) -> Answer:
+        return await self._send(
             "GET", self._node_path(f"/workloads/{name}/manifest"), params={"version": version}
         )
-        return _json(answer)
 
     async def put_version(self, name: str, body: dict[str, Any]) -> None:
         await self._send("PUT", self._node_path(f"/workloads/{name}/version"), json=body)
 
 
 NOT_MODIFIED = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Signed:
+    """A desired-state answer as it came: its exact bytes and its signature header."""
+
+    body: bytes
+    signature: str | None
+
+
+def parse_json(content: bytes, what: str) -> Any:
+    """JSON of bytes already checked (a signed state, a manifest with its digest)."""
+    return _json(Answer(200, httpx.Headers(), content, "GET", what))
 
 
 def _json(answer: Answer) -> Any:

@@ -16,7 +16,7 @@ import copy
 import functools
 import json
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -225,7 +225,7 @@ class KubeDeployments:
         data: dict[str, str] = obj.get("data") or {}
         return data
 
-    async def write_config_map(self, name: str, data: dict[str, str]) -> None:
+    async def write_config_map(self, name: str, data: Mapping[str, str | None]) -> None:
         """Replace a ConfigMap's data (merge patch), creating it the first time."""
         try:
             await self._call(

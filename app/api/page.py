@@ -216,10 +216,15 @@ def _sync(sync: SyncInfo) -> str:
     schedule = (
         f'<p class="meta">every {sync.interval_seconds:g} s; next at {_when(sync.next_at)}</p>'
     )
+    source = ""
+    if sync.desired is not None:
+        offline = sync.desired.get("offline_since") is not None
+        mark = _badge("offline") + " " if offline else ""
+        source = f'<p id="sync-source">{mark}desired state: {_text(sync.desired["text"])}</p>'
     last: dict[str, Any] | None = sync.last
     if last is None:
-        return f'{schedule}<p class="empty" id="sync">no sync yet</p>'
-    parts = [schedule, _run("Last sync", last, "sync")]
+        return f'{schedule}{source}<p class="empty" id="sync">no sync yet</p>'
+    parts = [schedule, source, _run("Last sync", last, "sync")]
     change: dict[str, Any] = sync.last_change or last
     if change["started_at"] != last["started_at"]:
         parts.append(_run("Last change", change, "sync-change"))

@@ -70,6 +70,9 @@ class SyncInfo(BaseModel):
     next_at: datetime | None
     last: dict[str, Any] | None
     last_change: dict[str, Any] | None
+    # where the desired state enforced comes from: `from` (backend | last good | folder),
+    # `desired_serial`, `stored_at`, `offline_since`, `reason`, `text`; None before a sync
+    desired: dict[str, Any] | None = None
 
 
 class AlertInfo(BaseModel):

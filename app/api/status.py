@@ -8,6 +8,7 @@ does, and neither a URL's password or token nor a secret query parameter is ever
 from __future__ import annotations
 
 from dataclasses import asdict
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -80,6 +81,11 @@ def build_status(rt: Runtime) -> Status:
             last=scrub(syncer.last.as_dict()) if syncer and syncer.last else None,
             last_change=(
                 scrub(syncer.last_change.as_dict()) if syncer and syncer.last_change else None
+            ),
+            desired=(
+                scrub(syncer.source.origin().as_dict(datetime.now(UTC)))
+                if syncer and syncer.last
+                else None
             ),
         ),
         alerts=[

@@ -34,6 +34,8 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from app.domain.updates import parse_public_key
+
 SIGNATURE_HEADER = "X-Desired-State-Signature"
 SIGNED_PREFIX = "workload-manager desired-state v1"
 SIGNATURE_BYTES = 64
@@ -41,10 +43,37 @@ SIGNATURE_BYTES = 64
 DEFAULT_STORE_BUDGET = 900 * 1024
 STORE_KEYS = ("state", "signature", "manifests", "format")
 STORE_FORMAT = "v1"
+MAX_KEYS = 8
 
 
 class TrustError(ValueError):
     """A desired state (or a manifest) that is not taken; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class DesiredKeys:
+    """The Ed25519 public keys a desired state may be signed by (DESIRED_STATE_PUBLIC_KEYS:
+    comma-separated, each base64 of the 32 raw bytes or a PEM), several for a rotation."""
+
+    keys: tuple[bytes, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> DesiredKeys:
+        entries = [e for e in (part.strip() for part in text.split(",")) if e]
+        if not entries:
+            raise ValueError("expected at least one Ed25519 public key")
+        if len(entries) > MAX_KEYS:
+            raise ValueError(f"at most {MAX_KEYS} keys")
+        keys = []
+        for index, entry in enumerate(entries, 1):
+            try:
+                keys.append(parse_public_key(entry))
+            except ValueError as exc:
+                raise ValueError(f"key {index}: {exc}") from None
+        return cls(tuple(keys))
+
+    def __str__(self) -> str:
+        return ",".join(base64.b64encode(k).decode("ascii") for k in self.keys)
 
 
 def body_sha256(body: bytes) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -76,8 +76,12 @@ def build_report(
     reported_at: datetime,
     system: SystemSample,
     workloads: Iterable[WorkloadView],
+    desired: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
+    """The report's body (docs/backend-api.md); `desired` says where the desired state
+    the node enforces came from (`from`, `desired_serial`, `stored_at`, `offline_since`,
+    `reason`, `text`), absent before the first sync."""
+    report: dict[str, Any] = {
         "node_id": node_id,
         "manager_version": manager_version,
         "reported_at": _rfc3339(reported_at),
@@ -111,6 +115,11 @@ def build_report(
             for w in sorted(workloads, key=lambda w: w.name)
         ],
     }
+    if desired is not None:
+        report["desired"] = {
+            k: _rfc3339(v) if isinstance(v, datetime) else v for k, v in desired.items()
+        }
+    return report
 
 
 def _rfc3339(moment: datetime) -> str:

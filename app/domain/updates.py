@@ -2,7 +2,9 @@
 
 The version file is a bare version (`1.4.2`) or JSON `{"version": "1.4.2", "image":
 "repo/name:1.4.2", "rollout": {"percent": 20, "halt": false, "seed": "..."}}` (`rollout`
-is a workload's `RolloutSpec`; without it every node updates at once). `decide_update` is
+is a workload's `RolloutSpec`; without it every node updates at once; `"serial": 7`, strictly
+increasing per publication, orders the copies: one below the serial recorded on the own
+Deployment is refused, `check_serial`). `decide_update` is
 pure: only an image of the configured repository whose tag is the version (or which pins
 a sha256 digest, a tag beside it being the version), never a version below the highest
 one confirmed on this node, only a newer version than the running one (PEP 440
@@ -64,6 +66,33 @@ class Published:
     version: str
     image: str | None = None
     rollout: RolloutSpec | None = None  # None: every node at once
+    # strictly increasing per publication: a copy below the serial recorded on the own
+    # Deployment is stale (`check_serial`), so it cannot undo a later halt
+    serial: int | None = None
+
+
+def _serial(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise VersionFileError("version file `serial` must be a non-negative integer")
+    return value
+
+
+def check_serial(published: Published, recorded: int | None) -> None:
+    """VersionFileError when the file goes back from the serial recorded on the own
+    Deployment (`VERSION_FILE_SERIAL`): a stale or replayed copy, even one signed."""
+    if recorded is None:
+        return
+    if published.serial is None:
+        raise VersionFileError(
+            f"version file has no serial, and serial {recorded} was recorded: a stale copy"
+        )
+    if published.serial < recorded:
+        raise VersionFileError(
+            f"version file serial {published.serial} is below the recorded {recorded}: "
+            "a stale or replayed copy, refused"
+        )
 
 
 def _rollout(value: object) -> RolloutSpec | None:
@@ -100,7 +129,10 @@ def parse_version_file(content: bytes) -> Published:
         if image is not None and not isinstance(image, str):
             raise VersionFileError("version file `image` must be a string")
         published = Published(
-            version.strip(), image.strip() if image else None, _rollout(data.get("rollout"))
+            version.strip(),
+            image.strip() if image else None,
+            _rollout(data.get("rollout")),
+            _serial(data.get("serial")),
         )
     elif _BARE.fullmatch(text):
         published = Published(text)
@@ -418,6 +450,8 @@ FAILED_VERSIONS = "workload-manager.io/failed-versions"
 # which no published version is taken (it outlives pods, as the Deployment does)
 HIGHEST_VERSION = "workload-manager.io/highest-confirmed-version"
 HIGHEST_IMAGE = "workload-manager.io/highest-confirmed-image"
+# the highest version file serial read (`check_serial`)
+VERSION_FILE_SERIAL = "workload-manager.io/version-file-serial"
 
 
 def stamp(at: datetime) -> str:
@@ -447,6 +481,7 @@ class UpdateMarks:
     failed: frozenset[str] = frozenset()
     highest: Confirmed | None = None
     available_since: datetime | None = None  # the new ReplicaSet first seen available
+    serial: int | None = None  # the highest version file serial read (VERSION_FILE_SERIAL)
 
 
 def _highest(version: str | None, image: str | None) -> Confirmed | None:
@@ -470,7 +505,14 @@ def read_marks(annotations: Mapping[str, str] | None) -> UpdateMarks:
         failed=frozenset(v for v in notes.get(FAILED_VERSIONS, "").split(",") if v),
         highest=_highest(notes.get(HIGHEST_VERSION), notes.get(HIGHEST_IMAGE)),
         available_since=_parse_time(notes.get(AVAILABLE_SINCE)),
+        serial=_recorded_serial(notes.get(VERSION_FILE_SERIAL)),
     )
+
+
+def _recorded_serial(value: str | None) -> int | None:
+    if value is None or not value.isascii() or not value.isdigit() or len(value) > 19:
+        return None
+    return int(value)
 
 
 def confirmation(marks: UpdateMarks, version: str, image: str | None) -> dict[str, str | None]:

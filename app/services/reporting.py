@@ -46,13 +46,16 @@ class Reporter:
         self.last_report: dict[str, Any] | None = None
 
     def build(self) -> dict[str, Any]:
+        origin = self._book.desired_origin
+        now = datetime.now(UTC)
         return build_report(
             node_id=self._node_id,
             manager_version=__version__,
             uptime_seconds=self._clock() - self._started_at,
-            reported_at=datetime.now(UTC),
+            reported_at=now,
             system=system.sample(self._disk_path),
             workloads=self._book.views(),
+            desired=origin.as_dict(now) if origin is not None else None,
         )
 
     async def report_once(self) -> Outcome:

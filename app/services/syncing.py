@@ -33,6 +33,7 @@ from app.adapters.backend import (
     BackendClient,
     BackendDeadlineError,
     BackendError,
+    parse_json,
 )
 from app.adapters.desired_files import DesiredFiles, DesiredFilesError
 from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, KubeNotFound
@@ -43,6 +44,7 @@ from app.domain.desired import (
     DesiredStateError,
     parse_desired,
 )
+from app.domain.desired_trust import TrustError
 from app.domain.health import crashlooping_workloads, rollout_of
 from app.domain.manifests import (
     MANAGED_SELECTOR,
@@ -56,6 +58,7 @@ from app.domain.planning import Action, ActionKind, LiveDeployment, SyncPolicy, 
 from app.domain.rollout_machine import RECORD_ANNOTATION, Step, dump_record
 from app.domain.rollout_machine import Action as StepAction
 from app.metrics import Metrics
+from app.services.last_good import LastGood, Origin
 from app.services.rollouts import Rollouts
 from app.services.workloads import Deployed, WorkloadBook
 
@@ -65,7 +68,7 @@ DEFAULT_DEADLINE_SECONDS = 300.0
 # re-reads after a resourceVersion conflict before the workload's update counts as failed
 REPLANS = 5
 
-SOURCE_ERRORS = (BackendError, DesiredStateError, DesiredFilesError)
+SOURCE_ERRORS = (BackendError, DesiredStateError, DesiredFilesError, TrustError)
 MAX_REPORT_REASON = 256
 
 
@@ -78,32 +81,113 @@ class DesiredSource(Protocol):
 
     async def applied(self, name: str, report: VersionReport) -> None: ...
 
+    def origin(self) -> Origin:
+        """Where the desired state last returned came from."""
+        ...
+
+    async def settle(self, keep: set[tuple[str, str]]) -> None:
+        """After a sync: keep what it applied (the last good state's store)."""
+        ...
+
 
 class BackendSource:
-    """The backend's desired state, with the last answer kept for `If-None-Match`."""
+    """The backend's desired state, with the last answer kept for `If-None-Match`.
+
+    With a `LastGood` (DESIRED_STATE_PUBLIC_KEYS set), each answer is verified and ordered
+    before it is parsed, each manifest is checked against its signed digest, and while the
+    backend fails (a transport error, a 5xx, its deadline: `BackendError.unreachable`) the
+    last good state stored on the node stands in for it: `origin()` then says so, and the
+    sync deletes nothing and reports no versions until the backend answers again."""
 
     def __init__(
-        self, backend: BackendClient, endpoint: str, *, max_workloads: int = DEFAULT_MAX_WORKLOADS
+        self,
+        backend: BackendClient,
+        endpoint: str,
+        *,
+        max_workloads: int = DEFAULT_MAX_WORKLOADS,
+        last_good: LastGood | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self._backend = backend
         self._max_workloads = max_workloads
+        self._last_good = last_good
+        self._clock = clock
         self._etag: str | None = None
         self._cached: DesiredState | None = None
+        self._offline_since: datetime | None = None
+        self._offline_reason: str | None = None
         self.description = f"backend {endpoint}"
+        if last_good is not None:
+            self.description += " (signed)"
+
+    @property
+    def offline(self) -> bool:
+        return self._offline_since is not None
 
     async def desired(self) -> DesiredState:
-        etag, body = await self._backend.get_desired(self._etag if self._cached else None)
-        if body is NOT_MODIFIED and self._cached is not None:
+        last_good = self._last_good
+        if last_good is None:
+            etag, body = await self._backend.get_desired(self._etag if self._cached else None)
+            if body is NOT_MODIFIED and self._cached is not None:
+                return self._cached
+            state = parse_desired(body, max_workloads=self._max_workloads)
+            self._etag, self._cached = etag, state
+            return state
+        try:
+            etag, answer = await self._backend.get_desired_signed(
+                self._etag if self._cached else None
+            )
+        except BackendError as exc:
+            if not exc.unreachable or last_good.state is None:
+                raise
+            if self._offline_since is None:
+                log.warning(
+                    "backend unreachable: syncing to the last good state (serial %s): %s",
+                    last_good.accepted.serial if last_good.accepted else "?", exc,
+                )  # fmt: skip
+            self._offline_since = self._offline_since or self._clock()
+            self._offline_reason = str(exc)
+            return last_good.state
+        if self._offline_since is not None:
+            log.warning("backend answers again (unreachable since %s)", self._offline_since)
+        self._offline_since = self._offline_reason = None
+        if answer is NOT_MODIFIED and self._cached is not None:
             return self._cached
-        state = parse_desired(body, max_workloads=self._max_workloads)
+        state = last_good.take(answer)
         self._etag, self._cached = etag, state
         return state
 
     async def manifest(self, name: str, version: str) -> Any:
-        return await self._backend.get_manifest(name, version)
+        last_good = self._last_good
+        if last_good is None:
+            return await self._backend.get_manifest(name, version)
+        raw = last_good.stored_manifest(name, version)
+        if raw is None:
+            raw = await self._backend.get_manifest_bytes(name, version)
+            last_good.check_manifest(name, version, raw)
+        return parse_json(raw, f"manifest of {name} {version}")
 
     async def applied(self, name: str, report: VersionReport) -> None:
+        if self.offline:  # owed still: told once the backend answers again
+            raise BackendError("not reported: the backend is unreachable", unreachable=True)
         await self._backend.put_version(name, report.body())
+
+    def origin(self) -> Origin:
+        last_good = self._last_good
+        if last_good is None:
+            return Origin("backend")
+        accepted = last_good.accepted
+        return Origin(
+            "last good" if self.offline else "backend",
+            serial=accepted.serial if accepted else None,
+            stored_at=last_good.stored_at,
+            offline_since=self._offline_since,
+            reason=self._offline_reason,
+        )
+
+    async def settle(self, keep: set[tuple[str, str]]) -> None:
+        if self._last_good is not None:
+            await self._last_good.save(keep)
 
 
 class FolderSource:
@@ -120,6 +204,12 @@ class FolderSource:
 
     async def applied(self, name: str, report: VersionReport) -> None:
         await self._files.record_applied(name, report.body())
+
+    def origin(self) -> Origin:
+        return Origin("folder")
+
+    async def settle(self, keep: set[tuple[str, str]]) -> None:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +266,9 @@ class SyncOutcome:
     revision: str | None = None
     aborted: str | None = None
     retry_after: float | None = None  # what the backend's Retry-After asked for
+    # where the desired state came from (`Origin.as_dict`): the backend, or the last good
+    # state stored on the node while the backend is away
+    source: dict[str, Any] | None = None
     results: list[WorkloadResult] = field(default_factory=list)
 
     @property
@@ -199,6 +292,7 @@ class SyncOutcome:
             "dry_run": self.dry_run,
             "fetched": self.fetched,
             "revision": self.revision,
+            "source": self.source,
             "ok": self.ok,
             "aborted": self.aborted,
             "counts": self.counts(),
@@ -366,7 +460,12 @@ class Syncer:
         else:
             desired = self._desired
         outcome.revision = desired.revision
-        self._learn_reported(desired)
+        origin = self.source.origin()
+        outcome.source = origin.as_dict(outcome.started_at)
+        self._book.desired_origin = origin
+        offline = origin.offline_since is not None
+        if not offline:
+            self._learn_reported(desired)
         self._stage = "while listing Deployments, nothing changed"
         try:
             objects = await self.kube.list_managed(MANAGED_SELECTOR)
@@ -377,6 +476,8 @@ class Syncer:
         self._book.set_deployed(_deployed(objects))
         live = [LiveDeployment.from_object(o) for o in objects]
         plan = plan_sync(desired, live, self._policy)
+        if offline:  # the stored state is enforced, never used to delete
+            plan = [_kept_offline(a) if a.kind is ActionKind.DELETE else a for a in plan]
         self._forget_manifests(desired)
         steps = {} if outcome.dry_run else await self._decide_updates(desired, objects)
 
@@ -403,6 +504,12 @@ class Syncer:
             outcome.results = [done.get(a.name) or self._not_done(a) for a in plan]
             if self.rollouts is not None and not outcome.dry_run:
                 self.rollouts.publish(desired.by_name())
+        if not outcome.dry_run:
+            self._stage = "while storing the last good state"
+            keep = {(w.name, w.version) for w in desired.workloads}
+            if self.rollouts is not None:
+                keep |= self.rollouts.versions_kept()
+            await self.source.settle(keep)
         self._stage = "after the plan was carried out, while re-reading rollout state"
         if not outcome.dry_run and any(r.outcome == "applied" for r in outcome.results):
             try:
@@ -770,6 +877,17 @@ class Syncer:
             changed = any(r.outcome not in quiet for r in outcome.results)
             level = logging.INFO if changed else logging.DEBUG
             log.log(level, "sync done in %.2f s: %s", outcome.duration_seconds, counts)
+
+
+def _kept_offline(action: Action) -> Action:
+    return Action(
+        ActionKind.HOLD,
+        action.name,
+        version=action.version,
+        from_version=action.from_version,
+        reason="not deleted: the backend is unreachable and the last good state never deletes",
+        resource_version=action.resource_version,
+    )
 
 
 def _result_of(action: Action, outcome: str) -> WorkloadResult:

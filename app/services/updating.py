@@ -54,6 +54,7 @@ from app.domain.updates import (
     TARGET_IMAGE,
     TARGET_VERSION,
     UPDATE_STARTED,
+    VERSION_FILE_SERIAL,
     Choice,
     Owed,
     Pending,
@@ -61,6 +62,7 @@ from app.domain.updates import (
     UpdateMarks,
     UpdatePolicy,
     VersionFileError,
+    check_serial,
     confirmation,
     decide_update,
     healthy_span,
@@ -124,7 +126,8 @@ class SelfUpdater:
         self.last: dict[str, Any] | None = None
 
     async def check(self) -> UpdateDecision:
-        """Read the own Deployment and the version file; decide. Changes nothing.
+        """Read the own Deployment and the version file; decide. Changes nothing but the
+        version file's serial recorded on the own Deployment (a file below it is refused).
 
         While the last update still owes a step (see `pending_update`), no new update is
         decided: the answer is a skip naming that step, and `last["decision"]` is the step.
@@ -155,6 +158,13 @@ class SelfUpdater:
             return decision, pending, own
         content = await self._source.fetch()
         published = parse_version_file(content)
+        check_serial(published, marks.serial)
+        if published.serial is not None and published.serial != marks.serial:
+            # recorded where the next manager reads it, so a stale copy cannot undo this one
+            await self._kube.patch(
+                self._deployment,
+                {"metadata": {"annotations": {VERSION_FILE_SERIAL: str(published.serial)}}},
+            )
         decision = decide_update(
             current=current, published=published, failed=marks.failed, policy=self._policy,
             now=datetime.now(UTC), highest=marks.highest,

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from app.domain.health import (
     Ping,
@@ -23,6 +24,9 @@ from app.domain.health import (
 )
 from app.domain.reports import UpdateView, WorkloadView
 from app.domain.rollout import PingSeen, Trail
+
+if TYPE_CHECKING:
+    from app.services.last_good import Origin
 
 # the ping answer's header naming a pending update (docs/rollout.md)
 UPDATE_HEADER = "x-workload-update"
@@ -70,6 +74,8 @@ class WorkloadBook:
         # the `x-workload-update` value of those with an update pending
         self._updates: dict[str, UpdateView] = {}
         self._notices: dict[str, bytes] = {}
+        # where the desired state of the last sync came from (the report says it)
+        self.desired_origin: Origin | None = None
 
     def record(self, name: str, ping: Ping) -> PingRecord:
         if name not in self._pings and len(self._pings) >= self._capacity:

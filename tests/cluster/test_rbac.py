@@ -48,6 +48,9 @@ def can_i(plane: ControlPlane, verb: str, resource: str, namespace: str) -> bool
         ("list", "pods", "workloads", True),  # crash loops
         ("get", "configmaps/workload-manager-uptime", OWN, True),  # uptime kept
         ("patch", "configmaps/workload-manager-uptime", OWN, True),
+        ("get", "configmaps/workload-manager-desired-state", OWN, True),  # last good state
+        ("patch", "configmaps/workload-manager-desired-state", OWN, True),
+        ("patch", "configmaps/another-config", OWN, False),
         ("get", "configmaps/other", OWN, False),
         ("create", "configmaps", OWN, False),
         ("get", "pods", "workloads", False),

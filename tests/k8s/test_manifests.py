@@ -324,7 +324,10 @@ def assert_manager_rights(docs: list[Doc]) -> None:
     (self_rule,) = [rule for rule in own if rule["apiGroups"] == ["apps"]]
     (uptime_rule,) = [rule for rule in own if rule["apiGroups"] == [""]]
     assert uptime_rule["resources"] == ["configmaps"]
-    assert uptime_rule["resourceNames"] == ["workload-manager-uptime"]
+    assert uptime_rule["resourceNames"] == [
+        "workload-manager-uptime",
+        "workload-manager-desired-state",
+    ]
     assert set(uptime_rule["verbs"]) == {"get", "patch"}
     assert self_rule["apiGroups"] == ["apps"]
     assert self_rule["resources"] == ["deployments"]

@@ -99,7 +99,8 @@ def main() -> int:
     plane = ControlPlane.start(workdir)
     try:
         for name in ("namespace.yaml", "workloads-namespace.yaml", "serviceaccount.yaml",
-                     "rbac.yaml", "uptime-configmap.yaml"):  # fmt: skip
+                     "rbac.yaml", "uptime-configmap.yaml",
+                     "desired-state-configmap.yaml"):  # fmt: skip
             plane.kubectl("apply", "-f", str(K8S / name))
         token = plane.token_for("workload-manager", "workload-manager", hours=24)
         kubeconfig = plane.write_kubeconfig(

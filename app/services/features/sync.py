@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from app.domain.manifests import Injection, ManifestPolicy
     from app.domain.planning import SyncPolicy
     from app.domain.rollout import UpdateTerms
+    from app.services.last_good import LastGood
     from app.services.syncing import Syncer
 
 
@@ -29,8 +30,21 @@ class FolderSourceConfig:
 
 
 @dataclass(frozen=True)
+class LastGoodConfig:
+    """DESIRED_STATE_PUBLIC_KEYS set: answers verified, the last good state stored in the
+    ConfigMap of `namespace` (the manager's own), or in `file` outside a cluster."""
+
+    keys: tuple[bytes, ...]
+    namespace: str | None
+    file: Path
+    preload: Path | None
+    budget: int
+
+
+@dataclass(frozen=True)
 class BackendSourceConfig:
     endpoint: str
+    last_good: LastGoodConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -68,8 +82,19 @@ class _Sync(Spec[SyncConfig, Syncing]):
         source: BackendSourceConfig | FolderSourceConfig
         backend = shared.backend
         if backend is not None:
-            source = BackendSourceConfig(backend.base_url)
-            reason = f"desired state from {redact_url(backend.base_url)}"
+            keys = settings.desired_state_public_keys
+            last_good = None
+            if keys is not None:
+                last_good = LastGoodConfig(
+                    keys=keys.keys,
+                    namespace=settings.pod_namespace,
+                    file=settings.data_dir / "desired-state.json",
+                    preload=settings.desired_state_preload,
+                    budget=settings.desired_state_store_bytes,
+                )
+            source = BackendSourceConfig(backend.base_url, last_good)
+            signed = "signed " if keys is not None else ""
+            reason = f"{signed}desired state from {redact_url(backend.base_url)}"
             reason += plain_http_note(settings, "NODE_SYSTEM_ENDPOINT")
         elif settings.desired_state_dir is not None:
             source = FolderSourceConfig(settings.desired_state_dir)
@@ -136,12 +161,21 @@ class _Sync(Spec[SyncConfig, Syncing]):
         from app.services.syncing import BackendSource, DesiredSource, FolderSource, Syncer
 
         source: DesiredSource
+        found = ""
         if isinstance(config.source, BackendSourceConfig):
             backend = deps.backend()
             # decided together: a backend source is planned only with a backend to sign for
             assert backend is not None
+            last_good = None
+            if config.source.last_good is not None:
+                last_good, found = await _last_good(
+                    config.source.last_good, cluster, backend.node_id, config.max_workloads
+                )
             source = BackendSource(
-                backend, config.source.endpoint, max_workloads=config.max_workloads
+                backend,
+                config.source.endpoint,
+                max_workloads=config.max_workloads,
+                last_good=last_good,
             )
         else:
             source = FolderSource(
@@ -149,6 +183,7 @@ class _Sync(Spec[SyncConfig, Syncing]):
             )
         deps.component(self).reason = redact_text(
             f"{source.description} -> namespace {config.namespace} via {cluster.source}"
+            + (f"; last good state: {found}" if found else "")
         )
         syncer = deps.syncer = Syncer(
             source=source,
@@ -195,6 +230,31 @@ class _Sync(Spec[SyncConfig, Syncing]):
                 ),
             ],
         )
+
+
+async def _last_good(
+    config: LastGoodConfig, cluster: Cluster, node_id: str, max_workloads: int
+) -> tuple[LastGood, str]:
+    """The verifier and the store, read and verified at start; what reading found."""
+    from app.adapters.desired_signature import DesiredStateVerifier
+    from app.services.last_good import (
+        ConfigMapStateStore,
+        FileStateStore,
+        LastGood,
+        StateStore,
+    )
+
+    store: StateStore = FileStateStore(config.file)
+    if config.namespace is not None:
+        store = ConfigMapStateStore(cluster.client.in_namespace(config.namespace))
+    last_good = LastGood(
+        verifier=DesiredStateVerifier(config.keys),
+        node_id=node_id,
+        store=store,
+        budget=config.budget,
+        max_workloads=max_workloads,
+    )
+    return last_good, await last_good.open(config.preload)
 
 
 def _injection(config: SyncConfig) -> Callable[[str], Injection]:
