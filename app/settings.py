@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.domain.desired_trust import DesiredKeys
+from app.domain.desired_trust import DEVELOPMENT_PUBLIC_KEY, DesiredKeys
 from app.domain.http_targets import AllowedTargets
 from app.domain.nats_servers import NatsServers
 from app.domain.requirements import CAPABILITY_NAME, LOCATION_NAME, Tier
@@ -604,6 +604,12 @@ class Settings(BaseSettings):
         if self.report_enabled and self.node_system_endpoint is not None:
             if self.node_private_key_file is None and self.node_config_path is None:
                 required.append(("NODE_PRIVATE_KEY", _reveal(self.node_private_key)))
+        keys = self.desired_state_public_keys
+        if keys is not None and DEVELOPMENT_PUBLIC_KEY in keys.keys:
+            raise SettingsError(
+                "DESIRED_STATE_PUBLIC_KEYS holds the local backend's development key (from "
+                ".env.example) when APP_ENV=production: set the backend's own key"
+            )
         for name, value in required:
             if value is None or value.strip().lower() in PLACEHOLDERS:
                 raise SettingsError(

@@ -47,6 +47,16 @@ Send = Callable[[Message], Awaitable[None]]
 
 Route = Literal["workloads", "manifest", "version", "health"]
 FailureMode = Literal["500", "503", "429", "timeout", "garbage", "trickle", "huge", "redirect"]
+# The development key the local backend signs desired states with (`development_signer`);
+# its public half is DESIRED_STATE_PUBLIC_KEYS in .env.example. A manager in production
+# refuses to trust it (app/settings.py).
+DEVELOPMENT_SEED = hashlib.sha256(b"workload-manager development desired-state key").digest()
+
+
+def development_signer() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(DEVELOPMENT_SEED)
+
+
 # what a signing backend can be made to serve instead of its honest answer (`forge`)
 Forgery = Literal["unsigned", "tampered", "other-node", "replay", "wrong-digest"]
 FORGERIES: tuple[Forgery, ...] = ("unsigned", "tampered", "other-node", "replay", "wrong-digest")

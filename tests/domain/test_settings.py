@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from app.domain.desired_trust import DEVELOPMENT_PUBLIC_KEY
 from app.domain.nats_servers import NatsServers
 from app.domain.redaction import redact_url
 from app.settings import Settings, SettingsError, load_settings
+from standins.backend import development_signer
 
 PRODUCTION_OK = {
     "APP_ENV": "production",
@@ -89,6 +94,36 @@ def test_production_refuses_missing_or_placeholder(
         load_settings(_env_file=None)
     assert says in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_production_refuses_the_development_desired_state_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_env(monkeypatch, PRODUCTION_OK)
+    other = base64.b64encode(bytes(range(32))).decode()
+    monkeypatch.setenv("DESIRED_STATE_PUBLIC_KEYS", other)
+    assert load_settings(_env_file=None).desired_state_public_keys is not None
+    development = public_of(development_signer())
+    monkeypatch.setenv("DESIRED_STATE_PUBLIC_KEYS", f"{other}, {development}")
+    with pytest.raises(SettingsError, match="development key"):
+        load_settings(_env_file=None)
+
+
+def test_desired_state_keys_are_parsed_once_and_never_quoted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    development = public_of(development_signer())
+    keys = Settings(_env_file=None, desired_state_public_keys=development)
+    assert keys.desired_state_public_keys is not None
+    assert keys.desired_state_public_keys.keys == (DEVELOPMENT_PUBLIC_KEY,)
+    monkeypatch.setenv("DESIRED_STATE_PUBLIC_KEYS", f"{development},c2VjcmV0")
+    with pytest.raises(SettingsError, match="key 2: expected an Ed25519 public key") as caught:
+        load_settings(_env_file=None)
+    assert "c2VjcmV0" not in str(caught.value)
+
+
+def public_of(key: Ed25519PrivateKey) -> str:
+    return base64.b64encode(key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)).decode()
 
 
 WORKER_ONLY = {"APP_ENV": "production", "NODE_ID": "node-2", "TIER": "C",
