@@ -24,6 +24,7 @@ FAILED_VERSIONS = "workload-manager.io/failed-versions"
 CONFIRMED = "workload-manager.io/update-confirmed"
 HIGHEST = "workload-manager.io/highest-confirmed-version"
 HIGHEST_IMAGE = "workload-manager.io/highest-confirmed-image"
+SERIAL = "workload-manager.io/version-file-serial"
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +230,30 @@ async def test_the_migrations_init_container_moves_with_the_manager_and_back(
     deployed = own(control_plane)
     assert image(deployed) == f"{REPO}:0.2.0", "rolled back"
     assert init_images(deployed) == {"migrate": f"{REPO}:0.2.0", "wait": "busybox:1.36"}
+
+
+async def test_a_stale_version_file_below_the_recorded_serial_cannot_undo_a_halt(
+    control_plane: ControlPlane,
+    updater: SelfUpdater,
+    version_file: tuple[VersionFileServer, ThreadedServer],
+) -> None:
+    """The halted file (serial 8) is recorded on the own Deployment; a stale copy (serial
+    7, not halted) that a cache or a replay serves next is refused, and updates nothing."""
+    halted = {"version": "0.2.0", "serial": 8, "rollout": {"percent": 100, "halt": True}}
+    version_file[0].set(body=json.dumps(halted).encode())
+    outcome = await updater.run_scheduled()
+    assert outcome.succeeded, outcome
+    assert own(control_plane)["metadata"]["annotations"][SERIAL] == "8"
+
+    stale = {"version": "0.2.0", "serial": 7}
+    version_file[0].set(body=json.dumps(stale).encode())
+    refused = await updater.run_scheduled()
+    assert not refused.succeeded
+    assert "serial 7 is below the recorded 8" in str(refused.error)
+    deployed = own(control_plane)
+    assert image(deployed) == f"{REPO}:0.1.0"
+    assert deployed["metadata"]["annotations"][SERIAL] == "8"
+    unnumbered = {"version": "0.2.0"}
+    version_file[0].set(body=json.dumps(unnumbered).encode())
+    assert "has no serial" in str((await updater.run_scheduled()).error)
+    assert image(own(control_plane)) == f"{REPO}:0.1.0"

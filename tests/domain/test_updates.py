@@ -21,6 +21,7 @@ from app.domain.updates import (
     TARGET_IMAGE,
     TARGET_VERSION,
     UPDATE_STARTED,
+    VERSION_FILE_SERIAL,
     Choice,
     Confirmed,
     ImageRef,
@@ -31,6 +32,7 @@ from app.domain.updates import (
     UpdatePolicy,
     VersionFileError,
     VersionFileKey,
+    check_serial,
     confirmation,
     decide_update,
     healthy_span,
@@ -70,6 +72,8 @@ def windowed(setting: str) -> UpdatePolicy:
         (b'{"version": "1.4.2"}', Published("1.4.2")),
         (b'{"version": "1.4.2", "image": "repo/x:1.4.2", "notes": "x"}',
          Published("1.4.2", "repo/x:1.4.2")),
+        (b'{"version": "1.4.2", "serial": 42}', Published("1.4.2", serial=42)),
+        (b'{"version": "1.4.2", "serial": 0}', Published("1.4.2", serial=0)),
     ],
 )  # fmt: skip
 def test_version_files(content: bytes, published: Published) -> None:
@@ -89,11 +93,45 @@ def test_version_files(content: bytes, published: Published) -> None:
         (b'{"version": ', "does not parse"),
         (b"\xff\xfe", "not UTF-8"),
         (b"1" * 5000, "larger than"),
+        (b'{"version": "1.0", "serial": -1}', "`serial` must be a non-negative integer"),
+        (b'{"version": "1.0", "serial": "7"}', "`serial` must be a non-negative integer"),
+        (b'{"version": "1.0", "serial": true}', "`serial` must be a non-negative integer"),
+        (b'{"version": "1.0", "serial": 1.5}', "`serial` must be a non-negative integer"),
     ],
 )
 def test_garbage_version_files_are_refused(content: bytes, says: str) -> None:
     with pytest.raises(VersionFileError, match=says):
         parse_version_file(content)
+
+
+@pytest.mark.parametrize(
+    ("serial", "recorded", "says"),
+    [
+        (None, None, None),  # nothing recorded, nothing numbered: as before serials
+        (5, None, None),
+        (5, 5, None),  # the same file again
+        (6, 5, None),
+        (4, 5, "serial 4 is below the recorded 5"),
+        (None, 5, "has no serial, and serial 5 was recorded"),
+    ],
+)
+def test_a_version_file_serial_only_goes_forward(
+    serial: int | None, recorded: int | None, says: str | None
+) -> None:
+    published = Published("1.4.2", serial=serial)
+    if says is None:
+        check_serial(published, recorded)
+    else:
+        with pytest.raises(VersionFileError, match=says):
+            check_serial(published, recorded)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "serial"),
+    [("12", 12), ("0", 0), ("", None), ("-1", None), ("x", None), ("1" * 20, None)],
+)
+def test_the_recorded_serial_reads_only_a_number(annotation: str, serial: int | None) -> None:
+    assert read_marks({VERSION_FILE_SERIAL: annotation}).serial == serial
 
 
 @pytest.mark.parametrize(
