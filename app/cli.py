@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app import __version__
@@ -231,6 +232,20 @@ def _migrate(args: argparse.Namespace) -> int:
     except RegistryUnavailable as exc:
         print(f"workload-manager: database unreachable: {exc}", file=sys.stderr)
         return 1
+
+
+def _lint_migrations(args: argparse.Namespace) -> int:
+    from app.services import migrating
+
+    directory = migrating.migrations_dir(args.directory)
+    problems = migrating.lint(directory)
+    for problem in problems:
+        print(f"workload-manager: {directory}: {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    count = len(list(directory.glob("*.sql")))
+    print(f"{count} migrations in {directory}: each declares its kind, and holds what it may")
+    return 0
 
 
 def _nats_settings() -> Settings | None:
@@ -468,6 +483,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     migrate = sub.add_parser("migrate", help="apply pending schema migrations, then exit")
     migrate.set_defaults(func=_migrate)
+
+    lint_migrations = sub.add_parser(
+        "lint-migrations",
+        help="check each migration's kind (expand or contract) against what it holds",
+    )
+    lint_migrations.add_argument(
+        "directory",
+        nargs="?",
+        type=Path,
+        help="the migrations folder (default: MIGRATIONS_DIR's default, the source tree's)",
+    )
+    lint_migrations.set_defaults(func=_lint_migrations)
 
     streams = sub.add_parser("init-streams", help="create or update the JetStream topology")
     streams.add_argument(

@@ -1,4 +1,5 @@
-"""Schema migrations from the `migrations/` folder, applied through the registry adapter."""
+"""Schema migrations from the `migrations/` folder: linted, applied through the registry
+adapter, and compared with what the database has applied (readiness)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import app
 from app.adapters.registry import AsyncpgRegistry
-from app.domain.migrations import Migration, MigrationError, parse_files
+from app.domain.migrations import Migration, MigrationError, check_kind, parse_files
 
 CONTAINER_MIGRATIONS = Path("/app/migrations")
 
@@ -24,6 +25,17 @@ def _read(directory: Path) -> dict[str, str]:
     if not directory.is_dir():
         raise MigrationError(f"no migrations folder at {directory} (set MIGRATIONS_DIR)")
     return {p.name: p.read_text() for p in sorted(directory.glob("*.sql"))}
+
+
+def lint(directory: Path) -> list[str]:
+    """Every problem of the folder's migrations, each naming its file (`make lint`): a
+    misnamed or duplicate file, a missing or unknown kind, an expand migration that
+    contracts, a contract without the release it waits for. Empty: fine."""
+    try:
+        migrations = parse_files(_read(directory))
+    except MigrationError as exc:
+        return [str(exc)]
+    return [problem for m in migrations for problem in check_kind(m)]
 
 
 async def load(directory: Path) -> list[Migration]:
