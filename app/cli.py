@@ -196,7 +196,7 @@ def _migrate(args: argparse.Namespace) -> int:
     import asyncio
 
     from app.adapters.registry import AsyncpgRegistry, RegistryUnavailable
-    from app.domain.migrations import MigrationError
+    from app.domain.migrations import ContractHeldBack, MigrationError
     from app.services import migrating
 
     try:
@@ -204,15 +204,19 @@ def _migrate(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"workload-manager: configuration error: {exc}", file=sys.stderr)
         return 2
-    if settings.database_url is None:
-        print("workload-manager: DATABASE_URL (or CAPABILITY_REGISTRY) is not set", file=sys.stderr)
+    url = settings.migrate_url
+    if url is None:
+        print(
+            "workload-manager: DATABASE_URL (or CAPABILITY_REGISTRY), or DATABASE_MIGRATE_URL, "
+            "is not set",
+            file=sys.stderr,
+        )
         return 2
     directory = migrating.migrations_dir(settings.migrations_dir)
 
     async def run() -> int:
-        assert settings.database_url is not None
         registry = AsyncpgRegistry(
-            settings.database_url.get_secret_value(), timeout=settings.database_timeout_seconds
+            url.get_secret_value(), timeout=settings.database_timeout_seconds
         )
         await registry.open()
         try:
@@ -226,6 +230,11 @@ def _migrate(args: argparse.Namespace) -> int:
 
     try:
         return asyncio.run(run())
+    except ContractHeldBack as exc:
+        for migration in exc.applied:
+            print(f"applied {migration.filename}")
+        print(f"workload-manager: migrations held back: {exc}", file=sys.stderr)
+        return 1
     except MigrationError as exc:
         print(f"workload-manager: migrations refused: {exc}", file=sys.stderr)
         return 1
