@@ -17,7 +17,7 @@ help:
 	@echo "make test-fast - every test that needs no control plane, image or manager process (by marker)"
 	@echo "make fuzz   - the property and schema fuzz tests with new random examples (not in CI)"
 	@echo "make test-faults - only the fault suite (tests/faults)"
-	@echo "make lint   - ruff, mypy --strict, import contracts, shellcheck, hadolint, checkov on the rendered k8s/"
+	@echo "make lint   - ruff, mypy --strict, import contracts, migration kinds, shellcheck, hadolint, checkov on the rendered k8s/"
 	@echo "make checkov - build the scanner's own virtualenv ($(CHECKOV_VENV))"
 	@echo "make bench  - benchmarks (installs wrk, oha and nats first); prints tables, writes bench/results/latest.json"
 	@echo "make soak   - 10 minutes under steady load; writes bench/results/soak.json (not in CI)"
@@ -94,6 +94,7 @@ lint: $(STAMP) $(CHECKOV_STAMP)
 	$(BIN)/ruff format --check app tests bench standins
 	$(BIN)/mypy app tests bench standins
 	$(BIN)/lint-imports
+	$(BIN)/python -m app lint-migrations migrations
 	$(BIN)/hadolint Dockerfile
 	CHECKOV=$(CHECKOV_VENV)/bin/checkov bash tools/checkov/scan.sh
 

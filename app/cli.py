@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app import __version__
@@ -195,7 +196,7 @@ def _migrate(args: argparse.Namespace) -> int:
     import asyncio
 
     from app.adapters.registry import AsyncpgRegistry, RegistryUnavailable
-    from app.domain.migrations import MigrationError
+    from app.domain.migrations import ContractHeldBack, MigrationError
     from app.services import migrating
 
     try:
@@ -203,15 +204,19 @@ def _migrate(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"workload-manager: configuration error: {exc}", file=sys.stderr)
         return 2
-    if settings.database_url is None:
-        print("workload-manager: DATABASE_URL (or CAPABILITY_REGISTRY) is not set", file=sys.stderr)
+    url = settings.migrate_url
+    if url is None:
+        print(
+            "workload-manager: DATABASE_URL (or CAPABILITY_REGISTRY), or DATABASE_MIGRATE_URL, "
+            "is not set",
+            file=sys.stderr,
+        )
         return 2
     directory = migrating.migrations_dir(settings.migrations_dir)
 
     async def run() -> int:
-        assert settings.database_url is not None
         registry = AsyncpgRegistry(
-            settings.database_url.get_secret_value(), timeout=settings.database_timeout_seconds
+            url.get_secret_value(), timeout=settings.database_timeout_seconds
         )
         await registry.open()
         try:
@@ -225,12 +230,31 @@ def _migrate(args: argparse.Namespace) -> int:
 
     try:
         return asyncio.run(run())
+    except ContractHeldBack as exc:
+        for migration in exc.applied:
+            print(f"applied {migration.filename}")
+        print(f"workload-manager: migrations held back: {exc}", file=sys.stderr)
+        return 1
     except MigrationError as exc:
         print(f"workload-manager: migrations refused: {exc}", file=sys.stderr)
         return 1
     except RegistryUnavailable as exc:
         print(f"workload-manager: database unreachable: {exc}", file=sys.stderr)
         return 1
+
+
+def _lint_migrations(args: argparse.Namespace) -> int:
+    from app.services import migrating
+
+    directory = migrating.migrations_dir(args.directory)
+    problems = migrating.lint(directory)
+    for problem in problems:
+        print(f"workload-manager: {directory}: {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    count = len(list(directory.glob("*.sql")))
+    print(f"{count} migrations in {directory}: each declares its kind, and holds what it may")
+    return 0
 
 
 def _nats_settings() -> Settings | None:
@@ -468,6 +492,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     migrate = sub.add_parser("migrate", help="apply pending schema migrations, then exit")
     migrate.set_defaults(func=_migrate)
+
+    lint_migrations = sub.add_parser(
+        "lint-migrations",
+        help="check each migration's kind (expand or contract) against what it holds",
+    )
+    lint_migrations.add_argument(
+        "directory",
+        nargs="?",
+        type=Path,
+        help="the migrations folder (default: MIGRATIONS_DIR's default, the source tree's)",
+    )
+    lint_migrations.set_defaults(func=_lint_migrations)
 
     streams = sub.add_parser("init-streams", help="create or update the JetStream topology")
     streams.add_argument(

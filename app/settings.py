@@ -217,6 +217,11 @@ class Settings(BaseSettings):
     database_url: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("DATABASE_URL", "CAPABILITY_REGISTRY")
     )
+    # what `migrate` connects to instead, when set: straight to PostgreSQL past a pooler
+    # (a migration is one long DDL transaction that may wait minutes on the advisory lock
+    # for the other nodes' migrators: a pooler's timeouts, its pool shared with the fleet's
+    # heartbeats and prepared statements in transaction mode are in its way)
+    database_migrate_url: SecretStr | None = None
     database_timeout_seconds: float = _ranged(5.0, 0.1, 120.0)
     database_pool_size: int = Field(default=4, ge=1, le=100)
     migrate_on_start: bool | None = None
@@ -558,6 +563,11 @@ class Settings(BaseSettings):
         if self.migrate_on_start is None:
             return not self.is_production
         return self.migrate_on_start
+
+    @property
+    def migrate_url(self) -> SecretStr | None:
+        """Where `migrate` applies the migrations: DATABASE_MIGRATE_URL, else DATABASE_URL."""
+        return self.database_migrate_url or self.database_url
 
     @property
     def ledger_ttl_seconds(self) -> float:

@@ -15,11 +15,28 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
 
 from app.adapters.coalesce import Coalescer, distinct_runs
 from app.domain.ledger import RELEASED, Claim, without_nul
-from app.domain.migrations import Applied, Migration, plan
+from app.domain.migrations import (
+    Applied,
+    ContractHeldBack,
+    Kind,
+    LiveNode,
+    Migration,
+    MigrationError,
+    held_back_by,
+    plan,
+)
 from app.domain.requirements import NodeProfile, Requirements
+
+# Where a node's row records the manager release that registered it: a key of the
+# `hardware` JSONB rather than a column of its own, so that the release that began to record
+# it added no migration (the release before it refuses any migration it does not know: its
+# nodes' next pod start would have failed in the migrate init container). A later release
+# may move it into a column with an expand migration.
+MANAGER_VERSION_KEY = "manager_version"
 
 # pg_advisory_xact_lock key for migrations: any constant shared by every migrator.
 MIGRATION_LOCK_KEY = 0x574D_4D49_4752  # "WMMIGR"
@@ -113,6 +130,16 @@ ORDER BY node_id
 LIMIT $4
 """
 
+# The nodes a contract migration waits for: every one not offline (it heartbeats, or has
+# missed fewer than three heartbeats: it may come back), with the release it registered with.
+_LIVE_NODES = """
+SELECT node_id, hardware ->> 'manager_version' AS version,
+       worker_liveness(status, last_heartbeat, heartbeat_interval_seconds) AS liveness
+FROM worker_capabilities
+WHERE worker_liveness(status, last_heartbeat, heartbeat_interval_seconds) <> 'offline'
+ORDER BY node_id
+"""
+
 _ELIGIBLE = """
 SELECT node_id, tier, region, trust_zone, hardware, capabilities
 FROM eligible_workers($1, $2, $3, $4, $5, $6, $7, coalesce($8, now()))
@@ -121,10 +148,19 @@ FROM eligible_workers($1, $2, $3, $4, $5, $6, $7, coalesce($8, now()))
 
 class AsyncpgRegistry:
     def __init__(
-        self, url: str, *, timeout: float, max_connections: int = 4, instance: str | None = None
+        self,
+        url: str,
+        *,
+        timeout: float,
+        max_connections: int = 4,
+        instance: str | None = None,
+        manager_version: str | None = None,
     ) -> None:
         # this manager process, as the node's row records who holds it
         self.instance = instance or uuid.uuid4().hex
+        # the release it runs, recorded with the node's row (what a contract migration
+        # waits for); None records none
+        self.manager_version = manager_version
         self._url = url
         self._timeout = timeout
         self._max = max_connections
@@ -158,13 +194,16 @@ class AsyncpgRegistry:
     async def upsert(self, node: NodeProfile, *, status: str, interval_seconds: int) -> None:
         """Register or rewrite the node's row as held by this instance; NodeHeldElsewhere
         when another instance that is neither leaving nor quiet holds it."""
+        hardware = node.hardware
+        if self.manager_version is not None:
+            hardware = {**hardware, MANAGER_VERSION_KEY: self.manager_version}
         written = await self.pool.fetchval(
             _UPSERT,
             node.node_id,
             node.tier.value,
             node.region,
             node.trust_zone,
-            node.hardware,
+            hardware,
             node.capabilities,
             status,
             interval_seconds,
@@ -221,8 +260,15 @@ class AsyncpgRegistry:
         """Apply pending migrations in one transaction under an advisory lock.
 
         Concurrent migrators (an init container per node) queue on the lock; the ones
-        after the first find nothing left to do.
+        after the first find nothing left to do. A contract migration is applied only when
+        no live node runs a release below the one it requires (`held_back_by`, read in the
+        same transaction, under the lock); otherwise the migrations before it are
+        committed, and ContractHeldBack names the nodes (nothing from it on is applied).
+        A node of an older release that registers afterwards finds a contract ahead of it
+        and its own `migrate` stops it before it starts (`plan`).
         """
+        applied: list[Migration] = []
+        refused: MigrationError | None = None
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(
                 "SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK_KEY, timeout=MIGRATION_TIMEOUT
@@ -246,6 +292,15 @@ class AsyncpgRegistry:
                 names = ", ".join(f"{a.version:04d}_{a.name}" for a in decided.ahead)
                 log.warning("%s (%s): this release's code finds all it uses", decided.note, names)
             for migration in decided.todo:
+                if migration.kind is Kind.CONTRACT:
+                    try:
+                        holders = held_back_by(migration, await _live_nodes(conn))
+                    except MigrationError as exc:
+                        refused = exc
+                        break
+                    if holders:
+                        refused = ContractHeldBack(migration, holders, list(applied))
+                        break
                 await conn.execute(migration.sql, timeout=MIGRATION_TIMEOUT)
                 await conn.execute(
                     "INSERT INTO schema_migrations (version, name, checksum, kind) "
@@ -255,7 +310,28 @@ class AsyncpgRegistry:
                     migration.checksum,
                     migration.kind.value if migration.kind is not None else None,
                 )
-            return decided.todo
+                applied.append(migration)
+        if refused is not None:
+            raise refused
+        return applied
+
+    async def applied_versions(self) -> list[int]:
+        """The migrations the database has applied (none: it was never migrated)."""
+        try:
+            rows = await self.pool.fetch(
+                "SELECT version FROM schema_migrations ORDER BY version", timeout=self._timeout
+            )
+        except asyncpg.UndefinedTableError:
+            return []
+        return [r["version"] for r in rows]
+
+
+async def _live_nodes(conn: asyncpg.Connection | PoolConnectionProxy) -> list[LiveNode]:
+    """The registry's live nodes with their releases; none before its table exists."""
+    if await conn.fetchval("SELECT to_regclass('worker_capabilities')") is None:
+        return []
+    rows = await conn.fetch(_LIVE_NODES, timeout=MIGRATION_TIMEOUT)
+    return [LiveNode(r["node_id"], r["version"], r["liveness"]) for r in rows]
 
 
 # The claim of a batch of distinct keys, one statement (group commit): a new key is

@@ -12,7 +12,7 @@ import asyncpg
 import pytest
 
 from app.adapters.registry import AsyncpgRegistry, NodeHeldElsewhere
-from app.domain.migrations import MigrationError
+from app.domain.migrations import ContractHeldBack, MigrationError
 from app.domain.requirements import Mismatch, NodeProfile, Requirements
 from app.services import migrating
 from standins.databases import MIGRATIONS
@@ -73,19 +73,22 @@ async def test_schema_keeps_the_seed_ddl(registry: AsyncpgRegistry) -> None:
     assert all(d["column_default"] == "CURRENT_TIMESTAMP" for d in defaults)
     for name, definition in SEED_INDEXES.items():
         assert indexes[name] == definition
-    # later migrations only add: two columns, one GIN index
-    assert [c["column_name"] for c in columns][len(SEED_COLUMNS) :] == [
+    # later migrations only add: two columns, one GIN index (and, when this file runs as
+    # the previous release's against the newest schema, tests/compat, whatever a newer
+    # release's expand migrations add after them)
+    assert [c["column_name"] for c in columns][len(SEED_COLUMNS) : len(SEED_COLUMNS) + 2] == [
         "heartbeat_interval_seconds",
         "instance_id",
     ]
-    assert set(indexes) - set(SEED_INDEXES) == {"idx_worker_capabilities_capabilities"}
+    assert "idx_worker_capabilities_capabilities" in set(indexes) - set(SEED_INDEXES)
 
 
 async def test_migrations_are_recorded_and_run_once(registry: AsyncpgRegistry) -> None:
     assert await migrating.migrate(registry, MIGRATIONS) == []
     async with registry.pool.acquire() as conn:
         rows = await conn.fetch("SELECT version, name FROM schema_migrations ORDER BY version")
-    assert [(r["version"], r["name"]) for r in rows] == [
+    # a newer release's expand migrations may follow (tests/compat)
+    assert [(r["version"], r["name"]) for r in rows][:6] == [
         (1, "worker_capabilities"),
         (2, "liveness_and_matching"),
         (3, "job_ledger"),
@@ -310,3 +313,139 @@ async def test_a_schema_ahead_by_expand_migrations_lets_this_release_migrate(
         MigrationError, match="ahead of this release by 9999_drop_claimant, a contract"
     ):
         await migrating.migrate(registry, MIGRATIONS)
+
+
+async def test_registration_records_the_managers_release(database: str) -> None:
+    reg = AsyncpgRegistry(database, timeout=5, manager_version="1.4.0")
+    await reg.open()
+    try:
+        await migrating.migrate(reg, MIGRATIONS)
+        await reg.upsert(PROFILE, status="online", interval_seconds=30)
+        hardware = (await row(reg, PROFILE.node_id))["hardware"]
+        assert hardware == {**PROFILE.hardware, "manager_version": "1.4.0"}
+    finally:
+        await reg.close()
+
+
+DROP_FINGERPRINT = (
+    "-- kind: contract\n"
+    "-- requires-nodes-at-least: 1.4.0\n"
+    "-- 1.4.0 and later no longer read the ledger's fingerprint\n"
+    "ALTER TABLE job_ledger DROP COLUMN fingerprint;\n"
+)
+
+
+async def columns_of(reg: AsyncpgRegistry, table: str) -> set[str]:
+    rows = await reg.pool.fetch(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = $1", table
+    )
+    return {r["column_name"] for r in rows}
+
+
+async def test_a_contract_waits_for_the_live_nodes_below_its_release(
+    database: str, tmp_path: Path
+) -> None:
+    """A live node of 1.3.0 holds back a contract for 1.4.0 and later: it is refused naming
+    that node, the expand migration before it is applied, nothing from it on; once the node
+    runs 1.4.0 it is applied."""
+    base = AsyncpgRegistry(database, timeout=5)
+    old = AsyncpgRegistry(database, timeout=5, manager_version="1.3.0")
+    new = AsyncpgRegistry(database, timeout=5, manager_version="1.4.0", instance=old.instance)
+    for reg in (base, old, new):
+        await reg.open()
+    try:
+        await migrating.migrate(base, MIGRATIONS)
+        await old.upsert(PROFILE, status="online", interval_seconds=30)
+        await new.upsert(NODES[1], status="online", interval_seconds=30)
+        later = tmp_path / "migrations"
+        shutil.copytree(MIGRATIONS, later)
+        (later / "0097_later_table.sql").write_text(
+            "-- kind: expand\nCREATE TABLE later_table (id int);\n"
+        )
+        (later / "0098_drop_fingerprint.sql").write_text(DROP_FINGERPRINT)
+        (later / "0099_after.sql").write_text("-- kind: expand\nCREATE TABLE after (id int);\n")
+
+        with pytest.raises(ContractHeldBack) as refused:
+            await migrating.migrate(base, later)
+        assert str(refused.value).startswith(
+            "0098_drop_fingerprint.sql is a contract migration for nodes at 1.4.0 or later, "
+            f"and 1 live node below it still uses what it drops: {PROFILE.node_id} (1.3.0, "
+            "online). Nothing from 0098_drop_fingerprint.sql on was applied (1 before it were)"
+        )
+        assert [m.filename for m in refused.value.applied] == ["0097_later_table.sql"]
+        assert await base.applied_versions() == [1, 2, 3, 4, 5, 6, 97]
+        assert "fingerprint" in await columns_of(base, "job_ledger")
+
+        # the node upgraded: its new manager registers it with 1.4.0
+        await new.upsert(PROFILE, status="online", interval_seconds=30)
+        assert [m.filename for m in await migrating.migrate(base, later)] == [
+            "0098_drop_fingerprint.sql",
+            "0099_after.sql",
+        ]
+        assert "fingerprint" not in await columns_of(base, "job_ledger")
+    finally:
+        for reg in (base, old, new):
+            await reg.close()
+
+
+@pytest.mark.parametrize(
+    ("status", "heartbeat_age", "holds_back"),
+    [
+        ("online", 0, True),
+        ("draining", 0, True),  # shutting down, still running its code
+        ("online", 75, True),  # suspect: two missed heartbeats, may come back
+        ("online", 95, False),  # three missed: offline
+        ("offline", 0, False),
+    ],
+)
+async def test_which_older_nodes_hold_a_contract_back(
+    database: str, tmp_path: Path, status: str, heartbeat_age: int, holds_back: bool
+) -> None:
+    reg = AsyncpgRegistry(database, timeout=5)
+    unrecorded = AsyncpgRegistry(database, timeout=5)  # a release that recorded none
+    await reg.open()
+    await unrecorded.open()
+    try:
+        await migrating.migrate(reg, MIGRATIONS)
+        await unrecorded.upsert(PROFILE, status=status, interval_seconds=30)
+        await reg.pool.execute(
+            "UPDATE worker_capabilities SET last_heartbeat = now() - $1::interval",
+            timedelta(seconds=heartbeat_age),
+        )
+        later = tmp_path / "migrations"
+        shutil.copytree(MIGRATIONS, later)
+        (later / "0098_drop_fingerprint.sql").write_text(DROP_FINGERPRINT)
+        if holds_back:
+            with pytest.raises(ContractHeldBack, match=rf"{PROFILE.node_id} \(release not rec"):
+                await migrating.migrate(reg, later)
+            assert 98 not in await reg.applied_versions()
+        else:
+            assert [m.version for m in await migrating.migrate(reg, later)] == [98]
+    finally:
+        await reg.close()
+        await unrecorded.close()
+
+
+async def test_a_fresh_database_takes_a_contract_at_once(database: str, tmp_path: Path) -> None:
+    later = tmp_path / "migrations"
+    shutil.copytree(MIGRATIONS, later)
+    (later / "0098_drop_fingerprint.sql").write_text(DROP_FINGERPRINT)
+    reg = AsyncpgRegistry(database, timeout=5)
+    await reg.open()
+    try:
+        assert (await migrating.migrate(reg, later))[-1].version == 98
+        assert await reg.applied_versions() == [1, 2, 3, 4, 5, 6, 98]
+    finally:
+        await reg.close()
+
+
+async def test_a_contract_without_its_release_is_not_applied(
+    registry: AsyncpgRegistry, tmp_path: Path
+) -> None:
+    later = tmp_path / "migrations"
+    shutil.copytree(MIGRATIONS, later)
+    (later / "0098_drop.sql").write_text("-- kind: contract\nDROP TABLE job_ledger;\n")
+    with pytest.raises(MigrationError, match=r"0098_drop\.sql is a contract migration without"):
+        await migrating.migrate(registry, later)
+    assert 98 not in await registry.applied_versions()
+    assert await registry.applied_versions() != []

@@ -7,15 +7,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from app.domain.migrations import (
     Applied,
+    ContractHeldBack,
     Kind,
+    LiveNode,
     Migration,
     MigrationError,
     check_kind,
+    held_back_by,
     parse_files,
     plan,
+    schema_behind,
 )
 
 BODY = "CREATE TABLE t (id int);\n"
@@ -37,7 +42,14 @@ def test_declaring_a_kind_leaves_the_checksum_as_it_was() -> None:
         ("-- kind: expand\nALTER TABLE t ADD COLUMN n int NOT NULL DEFAULT 0;", []),
         ("-- kind: expand\nCREATE INDEX CONCURRENTLY i ON t (n);", []),
         ("-- kind: expand\n-- we never DROP anything here\nCREATE TABLE u (id int);", []),
-        ("-- kind: contract\nALTER TABLE t DROP COLUMN n;", []),
+        ("-- kind: contract\n-- requires-nodes-at-least: 1.4.0\nALTER TABLE t DROP COLUMN n;",
+         []),
+        ("-- kind: contract\nALTER TABLE t DROP COLUMN n;",
+         ["0007_t.sql: a contract migration declares no `-- requires-nodes-at-least"]),
+        ("-- kind: contract\n-- requires-nodes-at-least: soon\nDROP TABLE t;",
+         ["requires-nodes-at-least 'soon' is not a release version"]),
+        ("-- kind: expand\n-- requires-nodes-at-least: 1.4.0\nCREATE TABLE u (id int);",
+         ["an expand migration declares requires-nodes-at-least"]),
         (BODY, ["0007_t.sql: no `-- kind: expand` or `-- kind: contract` line"]),
         ("-- kind: sideways\n" + BODY, ["0007_t.sql: kind 'sideways' is neither"]),
         ("-- kind: expand\nALTER TABLE t DROP COLUMN n;", ["an expand migration holds DROP"]),
@@ -120,3 +132,53 @@ def test_every_migration_of_the_project_declares_its_kind_and_keeps_its_checksum
     for m in migrations:
         if m.version in RECORDED:
             assert m.checksum == RECORDED[m.version], m.filename
+
+
+CONTRACT = Migration(
+    9,
+    "drop_claimant",
+    "-- kind: contract\n-- requires-nodes-at-least: 1.4.0\n"
+    "ALTER TABLE job_ledger DROP COLUMN claimant;\n",
+)
+
+
+def test_the_requirement_is_outside_the_checksum_and_read_as_a_release() -> None:
+    bare = Migration(9, "drop_claimant", "ALTER TABLE job_ledger DROP COLUMN claimant;\n")
+    assert CONTRACT.checksum == bare.checksum
+    assert CONTRACT.requires_nodes_at_least == Version("1.4.0")
+    assert bare.requires_nodes_at_least is None
+
+
+def test_a_contract_is_held_back_by_the_live_nodes_below_its_release() -> None:
+    nodes = [
+        LiveNode("n-new", "1.4.0", "online"),
+        LiveNode("n-newer", "1.10.0", "draining"),  # 1.10 > 1.4 as a release, not as text
+        LiveNode("n-old", "1.3.9", "suspect"),
+        LiveNode("n-pre", "1.4.0rc1", "online"),  # a pre-release comes before the release
+        LiveNode("n-unknown", None, "online"),  # registered before releases were recorded
+        LiveNode("n-odd", "not-a-version", "online"),
+    ]
+    holders = held_back_by(CONTRACT, nodes)
+    assert [h.node_id for h in holders] == ["n-odd", "n-old", "n-pre", "n-unknown"]
+    assert held_back_by(CONTRACT, nodes[:2]) == []
+    assert held_back_by(Migration(8, "x", "-- kind: expand\n" + BODY), nodes) == []
+    refused = ContractHeldBack(CONTRACT, holders[1:2], applied=[KNOWN[0]])
+    assert str(refused) == (
+        "0009_drop_claimant.sql is a contract migration for nodes at 1.4.0 or later, and 1 "
+        "live node below it still uses what it drops: n-old (1.3.9, suspect). Nothing from "
+        "0009_drop_claimant.sql on was applied (1 before it were); upgrade those nodes, or "
+        "let them go offline (three missed heartbeats), then run migrate again"
+    )
+
+
+def test_a_contract_without_its_requirement_is_not_applied_at_all() -> None:
+    undeclared = Migration(9, "drop", "-- kind: contract\nDROP TABLE t;\n")
+    with pytest.raises(MigrationError, match="without a valid `-- requires-nodes-at-least"):
+        held_back_by(undeclared, [])
+
+
+def test_the_schema_is_behind_by_the_expand_migrations_not_applied() -> None:
+    shipped = [*KNOWN, Migration(3, "c", "-- kind: expand\n" + BODY), CONTRACT]
+    assert schema_behind(shipped, [1, 2, 3, 9]) == []
+    assert schema_behind(shipped, [1, 2]) == ["0003_c.sql"]  # the contract may wait
+    assert schema_behind(shipped, [1]) == ["0002_b.sql", "0003_c.sql"]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from pathlib import Path
 
 import asyncpg
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from app import __version__
 from app.adapters.embedded import EmbeddedPostgres, free_port
 from app.adapters.registry import AsyncpgRegistry
 from app.domain.requirements import Tier
@@ -16,6 +19,7 @@ from app.main import create_app
 from app.services import migrating
 from app.services.heartbeating import Heartbeat
 from app.services.profile import LocalProfile
+from standins.databases import MIGRATIONS
 from tests.conftest import SettingsFactory, running
 from tests.support.polling import eventually
 
@@ -238,3 +242,43 @@ async def test_a_beat_in_flight_when_draining_is_marked_does_not_write_online_ov
         assert row is not None and row["status"] == "draining"
     finally:
         await registry.close()
+
+
+async def test_readiness_fails_while_the_schema_is_behind_this_release(
+    make_settings: SettingsFactory, database: str, tmp_path: Path
+) -> None:
+    """The database has the project's migrations; this release ships one more expand
+    migration (MIGRATIONS_DIR) and does not migrate at start (production): not ready,
+    naming it, until `migrate` applies it. The node's row records its release."""
+    shipped = tmp_path / "migrations"
+    shutil.copytree(MIGRATIONS, shipped)
+    (shipped / "0007_later_table.sql").write_text(
+        "-- kind: expand\nCREATE TABLE later_table (id int);\n"
+    )
+    migrator = AsyncpgRegistry(database, timeout=5)
+    await migrator.open()
+    try:
+        await migrating.migrate(migrator, MIGRATIONS)
+        settings = registry_settings(
+            make_settings, database, migrate_on_start=False, migrations_dir=shipped
+        )
+        app = create_app(make_settings(**settings))
+        async with running(app) as client:
+            await eventually(lambda: _registry_failing(client), within=10)
+            readiness = await client.get("/readyz")
+            assert readiness.status_code == 503
+            assert readiness.json()["reasons"] == [
+                "registry is failing: schema behind: 0007_later_table.sql not applied (this "
+                "release's code may use what they add; run `workload-manager migrate`)"
+            ]
+            registry = (await client.get("/v1/status")).json()["components"]["registry"]
+            assert registry["detail"]["schema_behind"] == ["0007_later_table.sql"]
+            row = await fetch_row(database)  # registered all the same: the fleet sees it
+            assert row is not None
+            assert json.loads(row["hardware"])["manager_version"] == __version__
+
+            await migrating.migrate(migrator, shipped)
+            await eventually(lambda: _registry_ok(client), within=10)
+            assert (await client.get("/readyz")).status_code == 200
+    finally:
+        await migrator.close()

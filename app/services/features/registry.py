@@ -1,6 +1,10 @@
 """The capability registry: the node's row in PostgreSQL (tier, region, trust zone,
-hardware, capabilities), written at the start and kept alive by a heartbeat every 30 s;
-`draining` when the shutdown begins, `offline` at its end."""
+hardware, capabilities, and the manager's release), written at the start and kept alive by
+a heartbeat every 30 s; `draining` when the shutdown begins, `offline` at its end.
+
+Each heartbeat also compares the schema with the migrations this release ships: while an
+expand migration of them is not applied, the code may use what is not there yet, so the
+component fails (readiness with it) with "schema behind: <file> not applied"."""
 
 from __future__ import annotations
 
@@ -9,12 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from app import __version__
+from app.domain.components import Outcome
 from app.services.features.base import Decision, Off, On, Phase, Running, Spec, Step, Timer
 from app.services.features.deps import Decisions, Deps, Shared
 from app.settings import Settings
 
 if TYPE_CHECKING:
     from app.adapters.registry import AsyncpgRegistry
+    from app.domain.migrations import Migration
     from app.services.heartbeating import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -75,13 +82,23 @@ class _Registry(Spec[RegistryConfig, Registering]):
 
         component = deps.component(self)
         registry = AsyncpgRegistry(
-            deps.database_url, timeout=config.timeout, max_connections=config.pool_size
+            deps.database_url,
+            timeout=config.timeout,
+            max_connections=config.pool_size,
+            manager_version=__version__,
         )
         await registry.open()
         deps.stack.push_async_callback(registry.close)
+        directory = migrating.migrations_dir(config.migrations_dir)
+        shipped: list[Migration] | None
+        try:
+            shipped = await migrating.load(directory)
+        except MigrationError as exc:
+            shipped = None  # not this process's to refuse: `migrate` and its lint do
+            component.facts["schema_not_checked"] = str(exc)
+            log.warning("the schema is not checked against this release's migrations: %s", exc)
         prepare = None
         if config.migrate_on_start:
-            directory = migrating.migrations_dir(config.migrations_dir)
 
             async def prepare() -> None:
                 try:
@@ -105,10 +122,16 @@ class _Registry(Spec[RegistryConfig, Registering]):
         async def mark(status: str, budget: float) -> None:
             await heartbeat.mark(status, within=budget)
 
+        async def beat() -> Outcome:
+            outcome = await heartbeat.beat()
+            if shipped is None:
+                return outcome
+            return await migrating.with_schema_state(outcome, registry, shipped)
+
         return Registering(
             registry=registry,
             heartbeat=heartbeat,
-            timers=[Timer("heartbeat", heartbeat.beat, every, 0.1, "registry heartbeat")],
+            timers=[Timer("heartbeat", beat, every, 0.1, "registry heartbeat")],
             stops={
                 # the fleet routes around the node from here on
                 Phase.ANNOUNCE: Step("registry draining", lambda b: mark("draining", b), 2.0),
