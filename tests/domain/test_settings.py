@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 
 import pytest
@@ -345,3 +346,10 @@ def test_an_s3_endpoint_needs_an_s3_version_file(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("SELF_UPDATE_S3_ENDPOINT", "http://minio.storage:9000")
     with pytest.raises(SettingsError, match="SELF_UPDATE_S3_ENDPOINT is set but SELF_UPDATE_URL"):
         load_settings(_env_file=None)
+
+
+def test_the_development_key_in_env_example_is_the_local_backends() -> None:
+    text = (Path(__file__).resolve().parents[2] / ".env.example").read_text()
+    (named,) = re.findall(r"^#\s+DESIRED_STATE_PUBLIC_KEYS=(\S+)$", text, re.MULTILINE)
+    assert named == public_of(development_signer())
+    assert base64.b64decode(named) == DEVELOPMENT_PUBLIC_KEY
