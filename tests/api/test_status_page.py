@@ -16,6 +16,7 @@ from app.domain.reports import UpdateView
 from app.domain.uptime import DAY, HOUR, UptimeRecord
 from app.main import create_app
 from app.services.features.uptime import UPTIME_RECORD
+from app.services.last_good import Origin
 from app.services.runtime import Runtime
 from tests.conftest import SettingsFactory, running, runtime_of
 
@@ -183,6 +184,22 @@ def test_the_sync_section_shows_the_last_run_and_the_last_change(
         assert text in page
     for text in hidden:
         assert text not in page
+
+
+def test_the_sync_section_says_where_the_desired_state_came_from() -> None:
+    stored = NOW - timedelta(hours=3)
+    away = Origin("last good", 42, stored, NOW - timedelta(minutes=5), "ConnectError: <refused>")
+    status = status_with(run(NOW, [result("api", "noop", "unchanged")]))
+    status.sync.desired = away.as_dict(NOW)
+    page = render(status, refresh_seconds=7, now=NOW)
+    assert (
+        '<p id="sync-source"><span class="badge s-offline">offline</span> desired state: '
+        "last good, serial 42, stored 3 h ago; backend unreachable since "
+        "2026-11-29T11:55:00Z: ConnectError: &lt;refused&gt;</p>"
+    ) in page
+    status.sync.desired = Origin("backend", 43, NOW).as_dict(NOW)
+    page = render(status, refresh_seconds=7, now=NOW)
+    assert '<p id="sync-source">desired state: backend, serial 43, stored 0 s ago</p>' in page
 
 
 def workload(name: str, status: str = "healthy") -> WorkloadInfo:

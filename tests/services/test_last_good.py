@@ -281,3 +281,27 @@ def _report() -> Any:
     from app.services.syncing import VersionReport
 
     return VersionReport("1.0.0", datetime.now(UTC))
+
+
+async def test_the_report_says_where_the_desired_state_came_from(
+    backend: LocalBackend, url: str, tmp_path: Path
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from app.services.last_good import Origin
+    from app.services.reporting import Reporter
+    from app.services.workloads import WorkloadBook
+
+    book = WorkloadBook(stale_after=30, forget_after=3600, capacity=10)
+    http = client(url)
+    reporter = Reporter(node_id=NODE, book=book, backend=http, disk_path=tmp_path, started_at=0.0)
+    now = datetime.now(UTC)
+    book.desired_origin = Origin("last good", 42, now - timedelta(hours=3), now, "ConnectError")
+    outcome = await reporter.report_once()
+    await http.aclose()
+    assert outcome.succeeded, outcome
+    (sent,) = backend.reports
+    desired = sent["desired"]
+    assert desired["from"] == "last good" and desired["desired_serial"] == 42
+    assert desired["offline_since"].endswith("Z") and desired["stored_at"].endswith("Z")
+    assert desired["text"].startswith("last good, serial 42, stored 3 h ago; backend unreachable")
