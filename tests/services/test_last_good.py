@@ -23,6 +23,7 @@ from app.services.last_good import FileStateStore, LastGood, preload_data
 from app.services.syncing import BackendSource
 from standins.backend import LocalBackend
 from standins.servers import ThreadedServer
+from standins.sync_world import manifest
 
 NODE = "node-last-good"
 KEY = Ed25519PrivateKey.generate()  # the node's
@@ -32,21 +33,6 @@ STRANGER = Ed25519PrivateKey.generate()
 
 def raw_public(key: Ed25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-
-
-def manifest(name: str, version: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name},
-        "spec": {
-            "selector": {"matchLabels": {"app": name}},
-            "template": {
-                "metadata": {"labels": {"app": name}},
-                "spec": {"containers": [{"name": name, "image": f"r.example/{name}:{version}"}]},
-            },
-        },
-    }
 
 
 class CountingStore(FileStateStore):
