@@ -148,6 +148,25 @@ class Metrics:
             ["action", "outcome"],
             registry=self.registry,
         )
+        self.desired_serial = Gauge(
+            f"{PREFIX}_desired_state_serial",
+            "Serial of the signed desired state the sync enforces (absent when unsigned).",
+            registry=self.registry,
+        )
+        self.desired_offline = Gauge(
+            f"{PREFIX}_desired_state_offline",
+            "1 while the backend fails and the last good state stored on the node stands in.",
+            registry=self.registry,
+        )
+        self.desired_refused = Counter(
+            f"{PREFIX}_desired_state_refused_total",
+            "Desired-state answers and manifests refused as not signed for this node, out of "
+            "order, or not matching their signed digest, by what (answer, manifest).",
+            ["what"],
+            registry=self.registry,
+        )
+        for what in ("answer", "manifest"):
+            self.desired_refused.labels(what)
         self.jobs = Counter(
             f"{PREFIX}_jobs_total",
             "Job deliveries by job type and outcome (completed, retrying, dead, rejected, "

@@ -151,6 +151,7 @@ class Origin:
     stored_at: datetime | None = None
     offline_since: datetime | None = None
     reason: str | None = None  # why the backend was not used
+    store_note: str | None = None  # what the last save left out, or why it failed
 
     def text(self, now: datetime) -> str:
         if self.source == "folder":
@@ -165,6 +166,8 @@ class Origin:
             text += f"; backend unreachable since {_stamp(self.offline_since)}"
             if self.reason:
                 text += f": {self.reason}"
+        if self.store_note:
+            text += f"; {self.store_note}"
         return text
 
     def as_dict(self, now: datetime) -> dict[str, Any]:
@@ -174,6 +177,7 @@ class Origin:
             "stored_at": self.stored_at,
             "offline_since": self.offline_since,
             "reason": self.reason,
+            "store_note": self.store_note,
             "text": self.text(now),
         }
 
@@ -218,6 +222,7 @@ class LastGood:
         self._manifests: dict[Key, bytes] = {}
         # what the store holds (its data without the time), to write only on a change
         self._written: dict[str, str] | None = None
+        self._holding: tuple[bytes, frozenset[Key]] | None = None
         self.note = ""  # the last save's note (manifests left out), or why it failed
 
     @property
@@ -332,6 +337,11 @@ class LastGood:
             return True
         wanted = set(keep)
         self._manifests = {k: v for k, v in self._manifests.items() if k in wanted}
+        # the state and the manifests held, compared before anything is packed: a steady
+        # state (every sync, every look while an update is judged) costs a set comparison
+        holding = (self._body, frozenset(self._manifests))
+        if holding == self._holding:
+            return True
         try:
             packed = pack(Stored(self._body, self._signature, self._manifests), budget=self._budget)
         except TrustError as exc:
@@ -339,6 +349,7 @@ class LastGood:
             log.warning("last good state %s", self.note)
             return False
         if packed.data == self._written:
+            self._holding = holding
             return True
         now = self._clock()
         data: dict[str, str | None] = {key: packed.data.get(key) for key in STORE_KEYS}
@@ -350,6 +361,7 @@ class LastGood:
             log.warning("last good state %s", self.note)
             return False
         self._written, self.stored_at, self.note = dict(packed.data), now, packed.note
+        self._holding = holding
         if packed.note:
             log.warning("last good state %s", packed.note)
         return True

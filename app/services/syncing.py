@@ -183,6 +183,7 @@ class BackendSource:
             stored_at=last_good.stored_at,
             offline_since=self._offline_since,
             reason=self._offline_reason,
+            store_note=last_good.note or None,
         )
 
     async def settle(self, keep: set[tuple[str, str]]) -> None:
@@ -453,6 +454,9 @@ class Syncer:
             try:
                 desired = await self.source.desired()
             except SOURCE_ERRORS as exc:
+                if isinstance(exc, TrustError):
+                    self._metrics.desired_refused.labels("answer").inc()
+                    log.warning("desired state refused: %s", exc)
                 outcome.aborted = f"desired state unavailable, nothing changed: {exc}"
                 outcome.retry_after = getattr(exc, "retry_after", None)
                 return
@@ -464,6 +468,9 @@ class Syncer:
         outcome.source = origin.as_dict(outcome.started_at)
         self._book.desired_origin = origin
         offline = origin.offline_since is not None
+        self._metrics.desired_offline.set(1 if offline else 0)
+        if origin.serial is not None:
+            self._metrics.desired_serial.set(origin.serial)
         if not offline:
             self._learn_reported(desired)
         self._stage = "while listing Deployments, nothing changed"
@@ -597,6 +604,9 @@ class Syncer:
             result.outcome, result.action, result.reason = "held", "hold", str(exc)
         except (*SOURCE_ERRORS, KubeError, FetchSkipped) as exc:
             result.outcome, result.error = "failed", str(exc)
+            if isinstance(exc, TrustError):
+                self._metrics.desired_refused.labels("manifest").inc()
+                log.warning("manifest refused: %s", exc)
         except Exception as exc:
             # a bug (in preparation, planning or an adapter): this workload fails, named,
             # the others go on, and the traceback reaches Sentry through the log

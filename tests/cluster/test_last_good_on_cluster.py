@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from prometheus_client import CollectorRegistry
 
 from app.domain.desired_trust import unpack
 from app.domain.manifests import MANAGED_BY, MANAGED_BY_LABEL, VERSION_ANNOTATION
@@ -31,6 +32,11 @@ from tests.conftest import SettingsFactory
 
 OWN = "workload-manager"  # the manager's namespace, where its store is
 SIGNER = Ed25519PrivateKey.generate()  # the backend's desired-state key
+METRICS: dict[int, CollectorRegistry] = {}  # each open syncer's registry
+
+
+def sample(syncer: Syncer, name: str, **labels: str) -> float | None:
+    return METRICS[id(syncer)].get_sample_value(name, labels)
 
 
 def public(key: Ed25519PrivateKey) -> str:
@@ -62,6 +68,7 @@ async def open_manager(
 ) -> AsyncIterator[Callable[..., Any]]:
     @asynccontextmanager
     async def opened(url: str, **overrides: Any) -> AsyncIterator[Syncer]:
+        """The syncer; its runtime's metrics as `syncer.metrics_registry` (for a look)."""
         settings = make_settings(
             node_id=NODE, node_system_endpoint=url, node_private_key=key_seed(),
             kubeconfig=manager_kubeconfig, managed_namespace=NAMESPACE, pod_namespace=OWN,
@@ -74,6 +81,7 @@ async def open_manager(
         async with AsyncExitStack() as stack:
             syncer = await open_sync_only(runtime, stack)
             assert syncer is not None, runtime.components["sync"].reason
+            METRICS[id(syncer)] = runtime.metrics.registry
             yield syncer
 
     yield opened
@@ -149,6 +157,8 @@ async def test_a_restarted_manager_repairs_from_the_store_while_the_backend_is_a
         assert "backend unreachable since" in source["text"]
         origin = syncer.source.origin()
         assert origin.source == "last good"
+        assert sample(syncer, "workload_manager_desired_state_offline") == 1
+        assert sample(syncer, "workload_manager_desired_state_serial") == serial
 
     after = {d["metadata"]["name"]: d for d in control_plane.list("deployments", NAMESPACE)}
     assert set(after) == {"api", "web", "orphan"}
@@ -193,6 +203,8 @@ async def test_a_forged_answer_is_refused_and_the_cluster_untouched(
             assert all(r.outcome != "applied" for r in refused.results), refused.as_dict()
         else:
             assert refused.aborted is not None and refused.results == []
+        what = "manifest" if forgery == "wrong-digest" else "answer"
+        assert sample(syncer, "workload_manager_desired_state_refused_total", what=what) == 1
         if forgery == "wrong-digest":
             # the state itself verified, and its update records say what it asks; but no
             # Deployment was created or changed from a manifest that is not the one signed

@@ -8,6 +8,7 @@ import base64
 import json
 import random
 from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ NODE = "node-last-good"
 KEY = Ed25519PrivateKey.generate()  # the node's
 SIGNER = Ed25519PrivateKey.generate()  # the backend's desired-state key
 STRANGER = Ed25519PrivateKey.generate()
+NOW = datetime.now(UTC)
 
 
 def raw_public(key: Ed25519PrivateKey) -> bytes:
@@ -195,7 +197,9 @@ async def test_what_the_budget_does_not_hold_is_stored_without_manifests(
     http = client(url)
     store = FileStateStore(tmp_path / "desired-state.json")
     kept = last_good(store, budget=20 * 1024)
-    await synced(BackendSource(http, url, last_good=kept), kept)
+    source = BackendSource(http, url, last_good=kept)
+    await synced(source, kept)
+    assert "; stored without its manifests: with them it takes " in source.origin().text(NOW)
     await http.aclose()
     assert kept.note.startswith("stored without its manifests: with them it takes ")
     assert unpack(json.loads(store.path.read_text())).manifests == {}
@@ -291,3 +295,24 @@ async def test_the_report_says_where_the_desired_state_came_from(
     assert desired["from"] == "last good" and desired["desired_serial"] == 42
     assert desired["offline_since"].endswith("Z") and desired["stored_at"].endswith("Z")
     assert desired["text"].startswith("last good, serial 42, stored 3 h ago; backend unreachable")
+
+
+def test_the_contract_file_says_what_is_signed_and_reported() -> None:
+    """docs/backend-api.md fails this until it names the header, the signed string, the
+    signed state's fields and each field of the report's `desired`."""
+    import re
+
+    from app.domain.desired import DesiredState, DesiredWorkload
+    from app.domain.desired_trust import SIGNATURE_HEADER, SIGNED_PREFIX
+    from app.services.last_good import Origin
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "backend-api.md").read_text()
+    assert f"`{SIGNATURE_HEADER}`" in doc
+    assert f"{SIGNED_PREFIX}\\n{{node_id}}\\n{{SHA256HEX(body)}}" in doc
+    for signed in ("serial", "node_id", "issued_at", "manifest_sha256"):
+        assert signed in {*DesiredState.model_fields, *DesiredWorkload.model_fields}
+        assert f"| `{signed}` |" in doc
+    example = re.search(r'"desired": (\{"from".*?\})\n', doc, re.DOTALL)
+    assert example is not None
+    sent = Origin("backend").as_dict(NOW)
+    assert set(re.findall(r'"([a-z_]+)":', example.group(1))) == set(sent)
