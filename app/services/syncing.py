@@ -169,7 +169,7 @@ class BackendSource:
 
     async def applied(self, name: str, report: VersionReport) -> None:
         if self.offline:  # owed still: told once the backend answers again
-            raise BackendError("not reported: the backend is unreachable", unreachable=True)
+            raise ReportDeferred("not reported: the backend is unreachable")
         await self._backend.put_version(name, report.body())
 
     def origin(self) -> Origin:
@@ -189,6 +189,13 @@ class BackendSource:
     async def settle(self, keep: set[tuple[str, str]]) -> None:
         if self._last_good is not None:
             await self._last_good.save(keep)
+
+
+class ReportDeferred(BackendError):
+    """A version report kept for later: the backend is away (no call was made)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, unreachable=True)
 
 
 class FolderSource:
@@ -856,7 +863,8 @@ class Syncer:
         try:
             await self.source.applied(name, report)
         except SOURCE_ERRORS as exc:
-            log.warning("version %s of %s not reported yet: %s", report.version, name, exc)
+            level = logging.DEBUG if isinstance(exc, ReportDeferred) else logging.WARNING
+            log.log(level, "version %s of %s not reported yet: %s", report.version, name, exc)
             return
         if self._unreported.get(name) is report:
             del self._unreported[name]
