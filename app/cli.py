@@ -212,6 +212,15 @@ def _migrate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if settings.migrate_through_pooler:
+        print(
+            f"workload-manager: DATABASE_URL goes through DATABASE_POOLER="
+            f"{settings.database_pooler}: set DATABASE_MIGRATE_URL straight to PostgreSQL (a "
+            "migration is one long transaction that waits on the other migrators' lock: the "
+            "pooler's wait timeout and the pool the fleet's heartbeats share are in its way)",
+            file=sys.stderr,
+        )
+        return 2
     directory = migrating.migrations_dir(settings.migrations_dir)
 
     async def run() -> int:

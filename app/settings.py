@@ -222,6 +222,10 @@ class Settings(BaseSettings):
     # for the other nodes' migrators: a pooler's timeouts, its pool shared with the fleet's
     # heartbeats and prepared statements in transaction mode are in its way)
     database_migrate_url: SecretStr | None = None
+    # what DATABASE_URL reaches: PostgreSQL itself, or PgBouncer in transaction mode (each
+    # transaction may run on another server connection: asyncpg's statement cache off, and
+    # nothing kept in a session; `migrate` then needs DATABASE_MIGRATE_URL)
+    database_pooler: Literal["none", "pgbouncer-transaction"] = "none"
     database_timeout_seconds: float = _ranged(5.0, 0.1, 120.0)
     database_pool_size: int = Field(default=4, ge=1, le=100)
     migrate_on_start: bool | None = None
@@ -372,6 +376,23 @@ class Settings(BaseSettings):
         if self.probe_port is not None and self.probe_port == self.port:
             raise ValueError(
                 f"PROBE_PORT is PORT ({self.port}): the probes need a port of their own"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pooler_needs_a_database(self) -> Settings:
+        if self.database_pooler == "none":
+            return self
+        if self.database_url is None:
+            raise ValueError(
+                f"DATABASE_POOLER={self.database_pooler} is set but DATABASE_URL is not: the "
+                "pooler describes the way to DATABASE_URL (an embedded PostgreSQL has none)"
+            )
+        if self.migrates_on_start and self.migrate_through_pooler:
+            raise ValueError(
+                f"migrations at start (MIGRATE_ON_START, on by default outside production) "
+                f"would go through DATABASE_POOLER={self.database_pooler}: set "
+                "DATABASE_MIGRATE_URL straight to PostgreSQL, or MIGRATE_ON_START=false"
             )
         return self
 
@@ -568,6 +589,18 @@ class Settings(BaseSettings):
     def migrate_url(self) -> SecretStr | None:
         """Where `migrate` applies the migrations: DATABASE_MIGRATE_URL, else DATABASE_URL."""
         return self.database_migrate_url or self.database_url
+
+    @property
+    def transaction_pooler(self) -> bool:
+        """DATABASE_URL goes through a pooler that hands each transaction to any server
+        connection (PgBouncer in transaction mode)."""
+        return self.database_pooler == "pgbouncer-transaction"
+
+    @property
+    def migrate_through_pooler(self) -> bool:
+        """`migrate` would reach PostgreSQL through the transaction pooler: no
+        DATABASE_MIGRATE_URL beside a pooled DATABASE_URL."""
+        return self.transaction_pooler and self.database_migrate_url is None
 
     @property
     def ledger_ttl_seconds(self) -> float:

@@ -70,9 +70,28 @@ class NodeHeldElsewhere(Exception):
         self.holder = holder
 
 
-async def server_version(url: str, *, connect_timeout: float) -> str:
+_ASYNCPG_STATEMENT_CACHE = 100  # asyncpg's own default
+
+
+def statement_cache_size(*, transaction_pooler: bool) -> int:
+    """asyncpg's cache of named prepared statements per connection: its default, or none
+    through a transaction pooler. PgBouncer in transaction mode (1.18 keeps no prepared
+    statements of its own: `max_prepared_statements` came in 1.21) hands each transaction
+    to whichever server connection is free, where a statement prepared on another one does
+    not exist, or one of the same name prepared by another client does. Without the cache
+    asyncpg sends each statement unnamed, parsed and executed in one exchange."""
+    return 0 if transaction_pooler else _ASYNCPG_STATEMENT_CACHE
+
+
+async def server_version(
+    url: str, *, connect_timeout: float, transaction_pooler: bool = False
+) -> str:
     """Connect, ask the server's version and disconnect; raises on failure or timeout."""
-    conn = await asyncpg.connect(url, timeout=connect_timeout)
+    conn = await asyncpg.connect(
+        url,
+        timeout=connect_timeout,
+        statement_cache_size=statement_cache_size(transaction_pooler=transaction_pooler),
+    )
     try:
         version: str = await conn.fetchval("SHOW server_version", timeout=connect_timeout)
         return version
@@ -155,6 +174,7 @@ class AsyncpgRegistry:
         max_connections: int = 4,
         instance: str | None = None,
         manager_version: str | None = None,
+        transaction_pooler: bool = False,
     ) -> None:
         # this manager process, as the node's row records who holds it
         self.instance = instance or uuid.uuid4().hex
@@ -164,6 +184,10 @@ class AsyncpgRegistry:
         self._url = url
         self._timeout = timeout
         self._max = max_connections
+        # the URL reaches PostgreSQL through PgBouncer in transaction mode: every statement
+        # below is one transaction of its own (or, for `migrate`, one explicit transaction
+        # with a transaction-scoped lock), so only the statement cache has to go
+        self.transaction_pooler = transaction_pooler
         self._pool: asyncpg.Pool | None = None
 
     async def open(self) -> None:
@@ -176,8 +200,11 @@ class AsyncpgRegistry:
             init=_init_connection,
             # The default reset sends four statements each time a connection goes back to
             # the pool; the manager keeps no session state (no LISTEN, no session advisory
-            # locks, no SET), so that round trip per statement buys nothing.
+            # locks, no SET, no temporary tables, no cursors held across transactions), so
+            # that round trip per statement buys nothing, and nothing breaks when a
+            # transaction pooler gives each transaction another server connection.
             reset=_keep_session,
+            statement_cache_size=statement_cache_size(transaction_pooler=self.transaction_pooler),
         )
 
     async def close(self) -> None:

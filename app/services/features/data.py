@@ -145,7 +145,10 @@ class _Postgres(_DataSpec[SecretStr]):
         from app.adapters import registry
 
         url = address.get_secret_value()
-        return {"server_version": await registry.server_version(url, connect_timeout=PROBE_TIMEOUT)}
+        version = await registry.server_version(
+            url, connect_timeout=PROBE_TIMEOUT, transaction_pooler=deps.shared.transaction_pooler
+        )
+        return {"server_version": version}
 
 
 class _Nats(_DataSpec[NatsServers]):

@@ -79,6 +79,8 @@ class Shared:
     nats_auth: NatsAuth
     watch_every: float  # how often the workload book is looked at (health, uptime)
     down_grace: float  # how long a component fails before its one alert
+    # DATABASE_URL goes through PgBouncer in transaction mode (DATABASE_POOLER)
+    transaction_pooler: bool = False
 
     @classmethod
     def of(cls, settings: Settings, *, can_sign: bool) -> Shared:
@@ -99,6 +101,7 @@ class Shared:
             nats_auth=nats_auth_of(settings),
             watch_every=max(1.0, min(15.0, settings.ping_stale_seconds / 2)),
             down_grace=settings.component_down_grace_seconds,
+            transaction_pooler=settings.transaction_pooler,
         )
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import SecretStr
+
 from app import __version__
 from app.domain.components import Outcome
 from app.services.features.base import Decision, Off, On, Phase, Running, Spec, Step, Timer
@@ -34,6 +36,10 @@ class RegistryConfig:
     migrations_dir: Path | None  # None: no migrations at start (production's init container)
     migrate_on_start: bool
     heartbeat_interval: float
+    # DATABASE_URL goes through PgBouncer in transaction mode; migrations at start then go
+    # to `migrate_url`, straight to PostgreSQL (the settings refuse a pooler without one)
+    transaction_pooler: bool = False
+    migrate_url: SecretStr | None = None
 
 
 @dataclass(kw_only=True)
@@ -66,7 +72,11 @@ class _Registry(Spec[RegistryConfig, Registering]):
             migrations_dir=settings.migrations_dir,
             migrate_on_start=settings.migrates_on_start,
             heartbeat_interval=settings.heartbeat_interval_seconds,
+            transaction_pooler=settings.transaction_pooler,
+            migrate_url=settings.database_migrate_url if settings.transaction_pooler else None,
         )
+        if settings.transaction_pooler:
+            reason += " (through PgBouncer in transaction mode)"
         return On(config, reason)
 
     async def open(self, config: RegistryConfig, deps: Deps) -> Registering | Off:
@@ -86,6 +96,7 @@ class _Registry(Spec[RegistryConfig, Registering]):
             timeout=config.timeout,
             max_connections=config.pool_size,
             manager_version=__version__,
+            transaction_pooler=config.transaction_pooler,
         )
         await registry.open()
         deps.stack.push_async_callback(registry.close)
@@ -102,7 +113,7 @@ class _Registry(Spec[RegistryConfig, Registering]):
 
             async def prepare() -> None:
                 try:
-                    applied = await migrating.migrate(registry, directory)
+                    applied = await _migrate(registry, directory, config)
                 except MigrationError as exc:
                     log.error("migrations from %s refused: %s", directory, exc)
                     raise
@@ -138,6 +149,27 @@ class _Registry(Spec[RegistryConfig, Registering]):
                 Phase.DEPART: Step("registry offline", lambda b: mark("offline", b), 2.0),
             },
         )
+
+
+async def _migrate(
+    registry: AsyncpgRegistry, directory: Path, config: RegistryConfig
+) -> list[Migration]:
+    """The pending migrations, through the registry's own pool, or past the pooler on
+    DATABASE_MIGRATE_URL: one long transaction that may wait on the other migrators' lock
+    has no place in a pool the fleet's heartbeats share."""
+    from app.adapters.registry import AsyncpgRegistry
+    from app.services import migrating
+
+    if config.migrate_url is None:
+        return await migrating.migrate(registry, directory)
+    direct = AsyncpgRegistry(
+        config.migrate_url.get_secret_value(), timeout=config.timeout, max_connections=1
+    )
+    await direct.open()
+    try:
+        return await migrating.migrate(direct, directory)
+    finally:
+        await direct.close()
 
 
 REGISTRY = _Registry()
