@@ -16,7 +16,7 @@ import hypothesis
 import pytest
 from fastapi import FastAPI
 
-from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
+from app.adapters.embedded import EmbeddedError, EmbeddedNats, EmbeddedPostgres
 from app.main import create_app
 from app.services.features.worker import WORKER
 from app.services.runtime import Runtime
@@ -24,8 +24,11 @@ from app.settings import Settings
 from standins.backend import LocalBackend
 from standins.control_plane import MANAGER_ACCOUNT, ControlPlane
 from standins.databases import fresh_database
+from standins.pgbouncer import PgBouncer
+from standins.pgbouncer import binary as pgbouncer_binary
 from standins.servers import ThreadedServer
 from standins.sync_world import KEY, NODE
+from tests.support.database_routes import DatabaseRoute
 from tests.support.kube.proxy import FaultProxy
 from tests.support.moto_s3 import MotoS3, moto_s3_server
 from tests.support.real_cluster import RealCluster
@@ -249,6 +252,32 @@ async def database(postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
     """An empty database of its own on the session's PostgreSQL, dropped afterwards."""
     async with fresh_database(postgres_server.url) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(
+    postgres_server: EmbeddedPostgres, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PgBouncer]:
+    """A real PgBouncer in transaction mode (the central configuration, k8s/central/) in
+    front of the session's PostgreSQL, for the whole session."""
+    try:
+        pgbouncer_binary()
+    except EmbeddedError as exc:
+        pytest.skip(str(exc))
+    bouncer = PgBouncer.before(postgres_server, tmp_path_factory.mktemp("pgbouncer")).start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
+@pytest.fixture(params=["direct", "pgbouncer"])
+def route(request: pytest.FixtureRequest) -> DatabaseRoute:
+    """PostgreSQL straight, then through PgBouncer in transaction mode: a test that takes
+    it runs both ways."""
+    if request.param == "direct":
+        return DatabaseRoute()
+    return DatabaseRoute(request.getfixturevalue("pgbouncer"))
 
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"
