@@ -1,7 +1,8 @@
 """The idempotency ledger's contract, run over every ledger the worker can use: PostgreSQL
-(`AsyncpgLedger`) and a JetStream key-value bucket (`JetStreamLedger`), each against a real
-server. One holder per key (the same node id included), leases that expire, only the
-claimant renews or finishes, finished keys answer later deliveries."""
+(`AsyncpgLedger`), straight and through a real PgBouncer in transaction mode, and a
+JetStream key-value bucket (`JetStreamLedger`), each against a real server. One holder per
+key (the same node id included), leases that expire, only the claimant renews or finishes,
+finished keys answer later deliveries."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from nats.js import api
 from app.adapters.embedded import EmbeddedNats, EmbeddedPostgres
 from app.adapters.kv_ledger import JetStreamLedger, LedgerUnavailable, key_name
 from app.adapters.kv_ledger import bucket as ledger_bucket
-from app.adapters.registry import AsyncpgLedger, AsyncpgRegistry
+from app.adapters.registry import AsyncpgLedger
 from app.domain.ledger import Claim, job_fingerprint
 from app.services import migrating
 from app.services.working import Ledger
 from standins.databases import MIGRATIONS, fresh_database
+from tests.support.database_routes import DatabaseRoute, assert_route_taken
 
 
 class Store:
@@ -45,15 +47,18 @@ class Store:
 FIELDS = ("status", "attempts", "result", "error", "fingerprint")
 
 
-@pytest.fixture(params=["postgres", "jetstream"])
+@pytest.fixture(params=["postgres", "postgres-pgbouncer", "jetstream"])
 async def make_ledger(
     request: pytest.FixtureRequest,
     postgres_server: EmbeddedPostgres,
     nats_server: EmbeddedNats,
 ) -> AsyncIterator[Store]:
-    if request.param == "postgres":
+    if request.param.startswith("postgres"):
+        route = DatabaseRoute()
+        if request.param == "postgres-pgbouncer":
+            route = DatabaseRoute(request.getfixturevalue("pgbouncer"))
         async with fresh_database(postgres_server.url) as url:
-            registry = AsyncpgRegistry(url, timeout=5, max_connections=8)
+            registry = route.registry(url, max_connections=8)
             await registry.open()
             await migrating.migrate(registry, MIGRATIONS)
 
@@ -332,9 +337,11 @@ async def test_bucket_keys_are_the_idempotency_key_base64url_encoded(
 
 
 @pytest.fixture
-async def postgres_ledger(postgres_server: EmbeddedPostgres) -> AsyncIterator[AsyncpgLedger]:
+async def postgres_ledger(
+    postgres_server: EmbeddedPostgres, route: DatabaseRoute
+) -> AsyncIterator[AsyncpgLedger]:
     async with fresh_database(postgres_server.url) as url:
-        registry = AsyncpgRegistry(url, timeout=5, max_connections=8)
+        registry = route.registry(url, max_connections=8)
         await registry.open()
         await migrating.migrate(registry, MIGRATIONS)
         yield AsyncpgLedger(registry, node_id="node-1", claimant="one")
@@ -379,3 +386,23 @@ async def test_migration_0005_adds_a_nullable_fingerprint_column(
     assert column is not None and dict(column) == {
         "data_type": "text", "is_nullable": "YES", "column_default": None,
     }  # fmt: skip
+
+
+async def test_the_postgres_ledger_takes_its_route(
+    postgres_server: EmbeddedPostgres, route: DatabaseRoute
+) -> None:
+    """Guard: the PostgreSQL ledger through PgBouncer really goes through it (its console
+    sees this test's pool, clients and backends; one connection's transactions land on
+    different backends), and straight it does not."""
+    async with fresh_database(postgres_server.url) as database:
+        registry = route.registry(database, max_connections=8)
+        await registry.open()
+        try:
+            await migrating.migrate(registry, MIGRATIONS)
+            ledger = AsyncpgLedger(registry, node_id="node-1", claimant="one")
+            assert await claim(ledger, "guard") is Claim.CLAIMED
+            await assert_route_taken(route, registry, route.url(database))
+            assert await ledger.complete(key="guard", result={"ok": True}) is True
+            assert await claim(ledger, "guard") is Claim.COMPLETED
+        finally:
+            await registry.close()

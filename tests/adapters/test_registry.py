@@ -1,9 +1,13 @@
-"""The capability registry against a real PostgreSQL: schema, migrations, lifecycle, queries."""
+"""The capability registry against a real PostgreSQL: schema, migrations, lifecycle, queries.
+
+Every test that takes `route` (the `registry` fixture does) runs twice: straight to
+PostgreSQL, and through a real PgBouncer in transaction mode (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -11,11 +15,18 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from app.adapters.registry import AsyncpgRegistry, NodeHeldElsewhere
+from app.adapters.embedded import EmbeddedPostgres
+from app.adapters.registry import AsyncpgRegistry, NodeHeldElsewhere, RegistryUnavailable
 from app.domain.migrations import ContractHeldBack, MigrationError
 from app.domain.requirements import Mismatch, NodeProfile, Requirements
 from app.services import migrating
 from standins.databases import MIGRATIONS
+from standins.pgbouncer import PgBouncer
+from tests.support.database_routes import (
+    DatabaseRoute,
+    assert_route_taken,
+    assert_statement_cache_breaks,
+)
 from tests.support.requirement_cases import CASES, NODES
 
 SEED_COLUMNS = [
@@ -43,8 +54,8 @@ SEED_INDEXES = {
 
 
 @pytest.fixture
-async def registry(database: str) -> AsyncIterator[AsyncpgRegistry]:
-    reg = AsyncpgRegistry(database, timeout=5)
+async def registry(database: str, route: DatabaseRoute) -> AsyncIterator[AsyncpgRegistry]:
+    reg = route.registry(database)
     await reg.open()
     await migrating.migrate(reg, MIGRATIONS)
     yield reg
@@ -109,8 +120,10 @@ async def test_a_changed_applied_migration_is_refused(
         await migrating.migrate(registry, copy)
 
 
-async def test_concurrent_migrators_apply_each_file_once(database: str) -> None:
-    registries = [AsyncpgRegistry(database, timeout=5) for _ in range(4)]
+async def test_concurrent_migrators_apply_each_file_once(
+    database: str, route: DatabaseRoute
+) -> None:
+    registries = [route.registry(database) for _ in range(4)]
     for reg in registries:
         await reg.open()
     try:
@@ -121,11 +134,13 @@ async def test_concurrent_migrators_apply_each_file_once(database: str) -> None:
     assert sorted(len(r) for r in results) == [0, 0, 0, len(list(MIGRATIONS.glob("*.sql")))]
 
 
-async def test_failed_migration_leaves_nothing_half_applied(database: str, tmp_path: Path) -> None:
+async def test_failed_migration_leaves_nothing_half_applied(
+    database: str, route: DatabaseRoute, tmp_path: Path
+) -> None:
     copy = tmp_path / "migrations"
     shutil.copytree(MIGRATIONS, copy)
     (copy / "0099_broken.sql").write_text("CREATE TABLE ok_part (x int);\nSELECT no_such_column;")
-    reg = AsyncpgRegistry(database, timeout=5)
+    reg = route.registry(database)
     await reg.open()
     try:
         with pytest.raises(asyncpg.PostgresError):
@@ -259,13 +274,13 @@ async def test_profile_round_trips(fleet: AsyncpgRegistry) -> None:
 
 
 async def test_a_live_instance_keeps_its_row_and_a_leaving_one_hands_it_over(
-    database: str,
+    database: str, route: DatabaseRoute
 ) -> None:
     """Two manager processes for one node: the second is refused while the first is live,
     can write neither `draining` nor `offline` over it, and takes the row once the first
     is leaving."""
-    first = AsyncpgRegistry(database, timeout=5)
-    second = AsyncpgRegistry(database, timeout=5)
+    first = route.registry(database)
+    second = route.registry(database)
     await first.open()
     await second.open()
     try:
@@ -315,8 +330,10 @@ async def test_a_schema_ahead_by_expand_migrations_lets_this_release_migrate(
         await migrating.migrate(registry, MIGRATIONS)
 
 
-async def test_registration_records_the_managers_release(database: str) -> None:
-    reg = AsyncpgRegistry(database, timeout=5, manager_version="1.4.0")
+async def test_registration_records_the_managers_release(
+    database: str, route: DatabaseRoute
+) -> None:
+    reg = route.registry(database, manager_version="1.4.0")
     await reg.open()
     try:
         await migrating.migrate(reg, MIGRATIONS)
@@ -343,14 +360,14 @@ async def columns_of(reg: AsyncpgRegistry, table: str) -> set[str]:
 
 
 async def test_a_contract_waits_for_the_live_nodes_below_its_release(
-    database: str, tmp_path: Path
+    database: str, route: DatabaseRoute, tmp_path: Path
 ) -> None:
     """A live node of 1.3.0 holds back a contract for 1.4.0 and later: it is refused naming
     that node, the expand migration before it is applied, nothing from it on; once the node
     runs 1.4.0 it is applied."""
-    base = AsyncpgRegistry(database, timeout=5)
-    old = AsyncpgRegistry(database, timeout=5, manager_version="1.3.0")
-    new = AsyncpgRegistry(database, timeout=5, manager_version="1.4.0", instance=old.instance)
+    base = route.registry(database)
+    old = route.registry(database, manager_version="1.3.0")
+    new = route.registry(database, manager_version="1.4.0", instance=old.instance)
     for reg in (base, old, new):
         await reg.open()
     try:
@@ -399,10 +416,15 @@ async def test_a_contract_waits_for_the_live_nodes_below_its_release(
     ],
 )
 async def test_which_older_nodes_hold_a_contract_back(
-    database: str, tmp_path: Path, status: str, heartbeat_age: int, holds_back: bool
+    database: str,
+    route: DatabaseRoute,
+    tmp_path: Path,
+    status: str,
+    heartbeat_age: int,
+    holds_back: bool,
 ) -> None:
-    reg = AsyncpgRegistry(database, timeout=5)
-    unrecorded = AsyncpgRegistry(database, timeout=5)  # a release that recorded none
+    reg = route.registry(database)
+    unrecorded = route.registry(database)  # a release that recorded none
     await reg.open()
     await unrecorded.open()
     try:
@@ -426,11 +448,13 @@ async def test_which_older_nodes_hold_a_contract_back(
         await unrecorded.close()
 
 
-async def test_a_fresh_database_takes_a_contract_at_once(database: str, tmp_path: Path) -> None:
+async def test_a_fresh_database_takes_a_contract_at_once(
+    database: str, route: DatabaseRoute, tmp_path: Path
+) -> None:
     later = tmp_path / "migrations"
     shutil.copytree(MIGRATIONS, later)
     (later / "0098_drop_fingerprint.sql").write_text(DROP_FINGERPRINT)
-    reg = AsyncpgRegistry(database, timeout=5)
+    reg = route.registry(database)
     await reg.open()
     try:
         assert (await migrating.migrate(reg, later))[-1].version == 98
@@ -449,3 +473,59 @@ async def test_a_contract_without_its_release_is_not_applied(
         await migrating.migrate(registry, later)
     assert 98 not in await registry.applied_versions()
     assert await registry.applied_versions() != []
+
+
+async def test_the_route_is_taken(
+    registry: AsyncpgRegistry, route: DatabaseRoute, database: str
+) -> None:
+    """Guard: the run through PgBouncer really goes through it (its console sees this
+    test's pool, clients and backends; one connection's transactions land on different
+    backends), and the direct run does not."""
+    await assert_route_taken(route, registry, route.url(database))
+    if route.pooler is not None:
+        await assert_statement_cache_breaks(route.url(database))
+    # and the registry works on it, heartbeat included
+    await registry.upsert(PROFILE, status="online", interval_seconds=30)
+    assert await registry.heartbeat(PROFILE.node_id, status="online") is True
+
+
+async def test_a_saturated_pgbouncer_fails_a_heartbeat_instead_of_queueing_it(
+    postgres_server: EmbeddedPostgres, pgbouncer: PgBouncer, database: str, tmp_path: Path
+) -> None:
+    """Through the central configuration with one server connection, held by another
+    client's transaction: the heartbeat fails within query_wait_timeout, before its own
+    deadline (DATABASE_TIMEOUT_SECONDS), and is not written once the connection is free."""
+    bouncer = PgBouncer.before(
+        postgres_server, tmp_path / "pgbouncer",
+        default_pool_size=1, reserve_pool_size=0, max_db_connections=1,
+    ).start()  # fmt: skip
+    route = DatabaseRoute(bouncer)
+    wait = float(bouncer.settings["query_wait_timeout"])
+    assert wait == float(pgbouncer.settings["query_wait_timeout"])  # the central file's
+    deadline = 5.0
+    assert wait < deadline
+    reg = route.registry(database, timeout=deadline)
+    holder = await asyncpg.connect(route.url(database), statement_cache_size=0)
+    try:
+        await reg.open()
+        await migrating.migrate(reg, MIGRATIONS)
+        await reg.upsert(PROFILE, status="online", interval_seconds=30)
+        await reg.pool.execute(
+            "UPDATE worker_capabilities SET last_heartbeat = now() - interval '1 hour'"
+        )
+        before = (await row(reg, PROFILE.node_id))["last_heartbeat"]
+        async with holder.transaction():
+            await holder.fetchval("SELECT 1")  # the pool's one server connection, held
+            started = time.monotonic()
+            with pytest.raises(RegistryUnavailable) as caught:
+                await reg.heartbeat(PROFILE.node_id, status="online")
+            waited = time.monotonic() - started
+        assert "query_wait_timeout" in str(caught.value)
+        assert wait - 0.5 <= waited < deadline, waited
+        assert (await row(reg, PROFILE.node_id))["last_heartbeat"] == before
+        # the pool serves again: the next beat goes through
+        assert await reg.heartbeat(PROFILE.node_id, status="online") is True
+    finally:
+        await holder.close()
+        await reg.close()
+        bouncer.stop()

@@ -16,6 +16,7 @@ import asyncpg
 from app.adapters.embedded import EmbeddedPostgres
 from app.adapters.registry import AsyncpgRegistry
 from standins.databases import MIGRATIONS, fresh_database
+from standins.pgbouncer import PgBouncer
 from tests.support.requirement_cases import NODES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +62,25 @@ async def test_database_migrate_url_is_where_migrate_connects(
         done = migrate(tmp_path, DATABASE_URL=through_the_pooler)
         assert done.returncode == 0, done.stderr
         assert await applied(through_the_pooler) == [1, 2, 3, 4, 5, 6]
+
+
+async def test_through_a_transaction_pooler_migrate_needs_a_direct_url(
+    pgbouncer: PgBouncer, database: str, tmp_path: Path
+) -> None:
+    """With DATABASE_POOLER=pgbouncer-transaction, `migrate` refuses to go through the
+    pooler (exit 2, naming DATABASE_MIGRATE_URL, nothing applied), and with
+    DATABASE_MIGRATE_URL it goes straight to PostgreSQL."""
+    pooled = {
+        "APP_ENV": "production", "NATS_URL": "nats://127.0.0.1:9", "NODE_TIER": "A",
+        "DATABASE_POOLER": "pgbouncer-transaction", "DATABASE_URL": pgbouncer.url(database),
+    }  # fmt: skip
+    refused = migrate(tmp_path, **pooled)
+    assert refused.returncode == 2, refused.stderr
+    assert "set DATABASE_MIGRATE_URL straight to PostgreSQL" in refused.stderr
+    assert await applied(database) == []
+    done = migrate(tmp_path, **pooled, DATABASE_MIGRATE_URL=database)
+    assert done.returncode == 0, done.stderr
+    assert await applied(database) == [1, 2, 3, 4, 5, 6]
 
 
 async def test_an_older_release_over_a_schema_ahead_by_expand_migrations_exits_0(
