@@ -20,6 +20,7 @@ from app.services import migrating
 from app.services.heartbeating import Heartbeat
 from app.services.profile import LocalProfile
 from standins.databases import MIGRATIONS
+from standins.pgbouncer import PgBouncer
 from tests.conftest import SettingsFactory, running
 from tests.support.polling import eventually
 
@@ -81,6 +82,38 @@ async def test_registers_migrates_heartbeats_then_drains_and_goes_offline(
         assert fleet["nodes"][0]["liveness"] == "online"
         metrics = (await client.get("/metrics")).text
         assert 'workload_manager_scheduled_runs_total{loop="heartbeat",outcome="ok"}' in metrics
+    final = await fetch_row(database)
+    assert final is not None and final["status"] == "offline"
+
+
+async def test_through_pgbouncer_the_manager_migrates_past_it_and_heartbeats_through_it(
+    make_settings: SettingsFactory, database: str, pgbouncer: PgBouncer
+) -> None:
+    """DATABASE_POOLER=pgbouncer-transaction: the migrations at start go to
+    DATABASE_MIGRATE_URL, the registry's statements (the start-up probe, registration,
+    heartbeats, the fleet listing, the shutdown's marks) through PgBouncer."""
+    database_name = database.rpartition("/")[2]
+    settings = registry_settings(
+        make_settings, pgbouncer.url(database),
+        database_pooler="pgbouncer-transaction", database_migrate_url=database,
+    )  # fmt: skip
+    app = create_app(make_settings(**settings))
+    async with running(app) as client:
+        await eventually(lambda: _has_row(database))
+        first = await fetch_row(database)
+        assert first is not None
+        await eventually(lambda: _moved(database, first["last_heartbeat"]))
+        status = (await client.get("/v1/status")).json()["components"]
+        assert status["registry"]["state"] == "ok"
+        assert (
+            "0001_worker_capabilities.sql"
+            in (status["registry"]["detail"]["migrations_applied_at_start"])
+        )
+        assert "server_version" in status["postgres"]["detail"]
+        fleet = (await client.get("/v1/fleet/nodes?tier=B")).json()
+        assert [n["node_id"] for n in fleet["nodes"]] == [NODE]
+        pools = [p for p in pgbouncer.admin("SHOW POOLS") if p["database"] == database_name]
+        assert [p["pool_mode"] for p in pools] == ["transaction"]
     final = await fetch_row(database)
     assert final is not None and final["status"] == "offline"
 
