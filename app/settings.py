@@ -161,6 +161,10 @@ class Settings(BaseSettings):
     # where the signature is, when not beside the file (a presigned SELF_UPDATE_URL)
     self_update_signature_url: str | None = None
     scheduler_jitter_fraction: float = _ranged(0.1, 0.0, 0.5)
+    # the first heartbeat, report, sync, self-update check and worker connection each come
+    # up to this much later (a random share of it), so a fleet started together spreads
+    # its calls; unset: 30 in production, 0 in development (`startup_spread`)
+    startup_spread_seconds: float | None = Field(default=None, ge=0.0, le=3_600.0)
 
     # --- cluster and desired state
     kubeconfig: Path | None = None
@@ -240,11 +244,19 @@ class Settings(BaseSettings):
     nats_tls_cert_file: Path | None = None
     nats_tls_key_file: Path | None = None
     embedded_services: bool = True
+    # reconnecting: before attempt n a wait drawn from [0, min(max, base x 2^n)) (full
+    # jitter), forever; a server in lame duck mode is left after a draw from [0, spread)
+    nats_reconnect_base_seconds: float = _ranged(1.0, 0.01, 60.0)
+    nats_reconnect_max_seconds: float = _ranged(30.0, 0.1, 600.0)
+    nats_lame_duck_spread_seconds: float = _ranged(10.0, 0.0, 600.0)
 
     # --- job worker (NATS JetStream)
     worker_enabled: bool = True
     worker_concurrency: int = Field(default=4, ge=1, le=256)
     job_fetch_batch: int = Field(default=10, ge=1, le=256)
+    # how long an idle stream's pull waits on the server for a job (one arriving is
+    # delivered at once, whatever the wait; the stop and a lost connection cut it short)
+    worker_pull_wait_seconds: float = _ranged(30.0, 1.0, 300.0)
     job_ack_wait_seconds: float = _ranged(30.0, 1.0, 3_600.0)
     # the retry budget: attempts at running a job (claims counted by the ledger), not
     # JetStream deliveries, which hand-ons to capable nodes and outages also spend
@@ -393,6 +405,15 @@ class Settings(BaseSettings):
                 f"migrations at start (MIGRATE_ON_START, on by default outside production) "
                 f"would go through DATABASE_POOLER={self.database_pooler}: set "
                 "DATABASE_MIGRATE_URL straight to PostgreSQL, or MIGRATE_ON_START=false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reconnect_cap_above_base(self) -> Settings:
+        if self.nats_reconnect_max_seconds < self.nats_reconnect_base_seconds:
+            raise ValueError(
+                f"NATS_RECONNECT_MAX_SECONDS ({self.nats_reconnect_max_seconds:g}) is below "
+                f"NATS_RECONNECT_BASE_SECONDS ({self.nats_reconnect_base_seconds:g})"
             )
         return self
 
@@ -572,6 +593,13 @@ class Settings(BaseSettings):
     @property
     def update_window(self) -> UpdateWindow | None:
         return self.self_update_window
+
+    @property
+    def startup_spread(self) -> float:
+        """STARTUP_SPREAD_SECONDS, or 30 s in production and none in development."""
+        if self.startup_spread_seconds is None:
+            return 30.0 if self.is_production else 0.0
+        return self.startup_spread_seconds
 
     @property
     def auto_init_streams(self) -> bool:

@@ -11,6 +11,21 @@ Pitfalls handled here, so the worker does not have to know them:
 - every reply (requests, JetStream API answers, pull deliveries) comes to the client's
   inbox prefix, `_INBOX` unless set: a node connects with one of its own
   (`inbox_prefix`), so its credentials need subscribe on that and on no other inbox.
+- nats-py waits a fixed `reconnect_time_wait` between attempts on one server, and tries
+  the next server of its pool at once: a fleet that lost one server all came back in the
+  same instant. The manager's connection waits a capped exponential backoff with full
+  jitter (`ReconnectPolicy`) before every attempt instead, through nats-py's
+  `reconnect_to_server_handler` (2.16: called before each reconnect attempt, it names
+  the server and the wait) and, for the first connection, which nats-py runs without
+  that handler, through the error callback, which nats-py awaits after each failed
+  attempt and before the next. A server announcing lame duck mode is left after a
+  jittered wait (`lame_duck_mode_cb`, then `force_reconnect`).
+- a pull subscription's `fetch` cannot be told to stop: cancelled, the pull request
+  stays on the server until it expires and takes the next message into a queue nobody
+  reads (and the connection's `drain()` then waits for that queue). `fetch(..., cut=)`
+  ends a long pull when an event is set: it cancels the wait, takes what the
+  subscription's queue already holds, and the caller unsubscribes, which withdraws the
+  interest the server's pull request needs.
 """
 
 from __future__ import annotations
@@ -19,7 +34,7 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +47,7 @@ from nats.js import api
 from app.adapters.nats_auth import NatsAuth as NatsAuth  # the connection takes it
 from app.domain.nats_servers import NatsServers
 from app.domain.redaction import redact_url
+from app.domain.spreading import ReconnectPolicy
 
 log = logging.getLogger(__name__)
 
@@ -220,16 +236,50 @@ class Delivery:
         await self._msg.in_progress()
 
 
+# how long a cut fetch gives the subscription's queue to hand over what it holds
+CUT_TAKE_SECONDS = 0.05
+
+
 class PullSubscription:
     def __init__(self, sub: Any) -> None:
         self._sub = sub
 
-    async def fetch(self, batch: int, *, wait: float) -> list[Delivery]:
+    async def fetch(
+        self, batch: int, *, wait: float, cut: Sequence[asyncio.Event] = ()
+    ) -> list[Delivery]:
+        """Up to `batch` deliveries, waiting at most `wait` seconds for the first; [] when
+        none came. When an event of `cut` is set first, the wait ends there with what the
+        subscription's queue already holds (the caller unsubscribes next: the pull
+        request still waiting on the server then lapses, having no interest)."""
+        fetching = asyncio.ensure_future(self._sub.fetch(batch=batch, timeout=wait))
+        waits = [asyncio.ensure_future(event.wait()) for event in cut]
         try:
-            msgs = await self._sub.fetch(batch=batch, timeout=wait)
+            await asyncio.wait([fetching, *waits], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+            if not fetching.done():  # cut (or this call cancelled): the pull is withdrawn
+                fetching.cancel()
+                await asyncio.gather(fetching, return_exceptions=True)
+        if fetching.cancelled():
+            return await self._take_pending()
+        try:
+            msgs = fetching.result()
         except (nats.errors.TimeoutError, TimeoutError):
             return []
         return [Delivery(m) for m in msgs]
+
+    async def _take_pending(self) -> list[Delivery]:
+        """What the subscription's queue holds now (delivered to a pull that was cut),
+        without a new pull request when it holds nothing."""
+        taken: list[Delivery] = []
+        while self._sub.pending_msgs > 0:
+            try:
+                msgs = await self._sub.fetch(batch=1, timeout=CUT_TAKE_SECONDS)
+            except (nats.errors.Error, TimeoutError):
+                break
+            taken.extend(Delivery(m) for m in msgs)
+        return taken
 
     async def unsubscribe(self) -> None:
         try:
@@ -256,6 +306,8 @@ class JetStreamBus:
         auth: NatsAuth | None = None,
         inbox_prefix: str | None = None,
         on_change: Callable[[str | None], None] | None = None,
+        reconnect: ReconnectPolicy | None = None,
+        on_attempt: Callable[[int, float], None] | None = None,
     ) -> None:
         self._configured = servers
         self._name = name
@@ -273,6 +325,16 @@ class JetStreamBus:
         # the server's last refusal (credentials or a subject), for a clear error instead of
         # the bare timeout a denied request ends in
         self.refusal: str | None = None
+        self._policy = reconnect or ReconnectPolicy()
+        # hears each wait before an attempt: (attempt since the loss, 0 first; seconds)
+        self._on_attempt = on_attempt
+        self._attempt = 0  # attempts since the last connection (or the start)
+        self._left: str | None = None  # host:port of the server last connected to
+        self._moving: asyncio.Task[None] | None = None  # leaving a lame duck server
+        self._leaving = False  # the disconnection to come is the move (told at INFO)
+        # set when the connection is lost; a new one for each connection (`lost`)
+        self._lost = asyncio.Event()
+        self._lost.set()
 
     @property
     def trouble(self) -> str | None:
@@ -294,7 +356,71 @@ class JetStreamBus:
             return f"{url.scheme}://{url.hostname}:{url.port}"
         return ", ".join(redact_url(server) for server in self._configured.urls)
 
+    @property
+    def lost(self) -> asyncio.Event:
+        """Set once the current connection is lost (set while there is none): a long wait
+        on the connection ends with it."""
+        return self._lost
+
+    def _wait_before(self, attempt: int) -> float:
+        delay = self._policy.wait(attempt)
+        if self._on_attempt is not None:
+            self._on_attempt(attempt, delay)
+        return delay
+
+    def _next_server(self, servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
+        """nats-py's `reconnect_to_server_handler`, before every reconnect attempt: the
+        server to try (round the pool, the one just lost last) and the jittered wait
+        first. Never raises (nats-py would call it again at once)."""
+        attempt = self._attempt
+        self._attempt += 1
+        try:
+            order = sorted(servers, key=lambda server: server.uri.netloc == self._left)
+            chosen = order[attempt % len(order)] if order else None
+            return chosen, self._wait_before(attempt)
+        except Exception as exc:  # a policy or hook that fails must not spin nats-py
+            log.debug("reconnect wait: %s", exc)
+            return None, self._policy.cap
+
+    def _connected_now(self) -> None:
+        url = getattr(self._nc, "connected_url", None) if self._nc is not None else None
+        self._left = url.netloc if url is not None else None
+        self._attempt = 0
+        self._lost = asyncio.Event()
+
+    async def _lame_duck(self) -> None:
+        """The server announced lame duck mode: leave it after a jittered wait (it stops
+        taking connections and closes the remaining ones over its lame duck duration)."""
+        if self._moving is None or self._moving.done():
+            self._moving = asyncio.create_task(self._leave_lame_duck(), name="nats-lame-duck")
+
+    async def _leave_lame_duck(self) -> None:
+        wait = self._policy.lame_duck_wait()
+        left = self._left
+        log.info("NATS server %s is in lame duck mode; moving on in %.1f s", left, wait)
+        await asyncio.sleep(wait)
+        nc = self._nc
+        if nc is None or self._closing or not self.connected or self._left != left:
+            return  # closed, or moved already (the server closed the connection first)
+        self._leaving = True
+        await nc.force_reconnect()
+
     async def _on_error(self, exc: Exception) -> None:
+        if self._nc is None and not self._closing and not self.refusal:
+            # the first connection: nats-py awaits this after each failed attempt, before
+            # the next, and has no reconnect handler for it; the wait is the policy's
+            attempt = self._attempt
+            self._attempt += 1
+            await self._first_wait(exc, self._wait_before(attempt))
+            return
+        self._tell_error(exc)
+
+    async def _first_wait(self, exc: Exception, delay: float) -> None:
+        self._tell_error(exc)
+        if self.refusal is None:
+            await asyncio.sleep(delay)
+
+    def _tell_error(self, exc: Exception) -> None:
         self.last_error = str(exc).strip() or type(exc).__name__
         if not self.connected and not self._closing:
             verb = "cannot connect to" if self._nc is None else "disconnected from"
@@ -319,14 +445,21 @@ class JetStreamBus:
 
     async def connect(self) -> None:
         async def disconnected() -> None:
+            self._lost.set()
             if self.connected and not self._closing:
-                log.warning("NATS connection lost; reconnecting")
+                moving, self._leaving = self._leaving, False
+                log.log(
+                    logging.INFO if moving else logging.WARNING,
+                    "NATS connection %s; reconnecting",
+                    "left (lame duck)" if moving else "lost",
+                )
             self.connected = False
             if not self._closing:
                 why = self.last_error or "connection closed"
                 self._change(f"disconnected from {self._servers()}: {why}")
 
         async def reconnected() -> None:
+            self._connected_now()
             self.reconnects += 1
             self.connected = True
             self.last_error = None
@@ -337,18 +470,23 @@ class JetStreamBus:
         # waited for), also when the server refuses the credentials: that refusal, seen
         # by the error callback, ends the attempt with NatsRefused instead.
         self.refusal = None
+        self._attempt = 0
         client: Any = Client()
         connecting = asyncio.create_task(
             client.connect(
                 list(self._configured.urls),
                 name=self._name,
                 connect_timeout=self._timeout,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=1,
+                max_reconnect_attempts=-1,  # never give up
+                # the waits are the policy's: through the error callback for the first
+                # connection, the reconnect handler after it (see the module's notes)
+                reconnect_time_wait=0,
                 allow_reconnect=True,
                 error_cb=self._on_error,
                 disconnected_cb=disconnected,
                 reconnected_cb=reconnected,
+                reconnect_to_server_handler=self._next_server,
+                lame_duck_mode_cb=self._lame_duck,
                 **({} if self._inbox_prefix is None else {"inbox_prefix": self._inbox_prefix}),
                 **self._auth.options(),
             )
@@ -374,6 +512,7 @@ class JetStreamBus:
                 raise NatsRefused(refused) from None
             raise
         self._nc = client
+        self._connected_now()
         self.connected = True
         self.last_error = None
         self._change(None)
@@ -416,6 +555,10 @@ class JetStreamBus:
         """Stop subscriptions, flush what is pending, close; within `within` seconds (the
         client's own drain timeout is 30 s, longer than a pod's whole grace period)."""
         self._closing = True
+        self._lost.set()
+        if self._moving is not None and not self._moving.done():
+            self._moving.cancel()
+            await asyncio.gather(self._moving, return_exceptions=True)
         if self._nc is not None and not self._nc.is_closed:
             if not self.connected:
                 await self._nc.close()  # nothing to flush; draining would wait for a server

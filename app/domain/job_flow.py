@@ -31,7 +31,8 @@ class WorkerConfig:
     not_here_delay: float
     held_delay: float
     job_timeout: float
-    fetch_wait: float = 1.0
+    fetch_wait: float = 1.0  # an active stream's fetch of a batch
+    pull_wait: float = 30.0  # an idle stream's long poll for one (WORKER_PULL_WAIT_SECONDS)
 
 
 class Outcome(StrEnum):

@@ -7,9 +7,13 @@ short. Each delivery gets its lease the moment it arrives, then waits for a plac
 queue.
 
 The queue has room for WORKER_CONCURRENCY jobs beyond those running. An idle stream
-long-polls for one message; once it delivers, it waits until the queue has room for half
-a batch (JOB_FETCH_BATCH, or the queue's size when smaller) and then fetches what the
-queue has room for, up to a batch. A fetch then
+long-polls for one message, WORKER_PULL_WAIT_SECONDS at a time (tens of seconds: a job
+that arrives meanwhile is delivered at once, so the wait costs no latency, and a fleet of
+idle nodes sends a pull request per stream that often rather than every second); the
+stop and a lost connection cut such a wait short. Once it delivers, it waits until the
+queue has room for half a batch (JOB_FETCH_BATCH, or the queue's size when smaller) and
+then fetches what the queue has room for, up to a batch, waiting at most a second. A
+fetch then
 brings several jobs in one round trip to the server, and the runners that take them
 together claim, complete and answer them together (one ledger statement for their
 claims, one for their completions); fetching one job each time one place came free would
@@ -39,9 +43,12 @@ OFFLINE_LOOK_SECONDS = 0.2
 
 
 class Subscription(Protocol):
-    """A pull subscription to a durable consumer (`app.adapters.bus.PullSubscription`)."""
+    """A pull subscription to a durable consumer (`app.adapters.bus.PullSubscription`):
+    `fetch` ends early, with what has come, once an event of `cut` is set."""
 
-    async def fetch(self, batch: int, *, wait: float) -> Sequence[Message]: ...
+    async def fetch(
+        self, batch: int, *, wait: float, cut: Sequence[asyncio.Event] = ()
+    ) -> Sequence[Message]: ...
 
     async def unsubscribe(self) -> None: ...
 
@@ -82,6 +89,11 @@ class Source(Protocol):
 
     @property
     def reconnects(self) -> int: ...
+
+    @property
+    def lost(self) -> asyncio.Event:
+        """Set once the current connection is lost."""
+        ...
 
     async def subscribe(self, *, stream: str, durable: str) -> Subscription: ...
 
@@ -141,11 +153,13 @@ class Fetcher:
                     await self._pause(stream, f"subscribe to {stream}/{durable}", exc, failures)
                     continue
                 seen_reconnects = bus.reconnects
-            # an active stream takes what the queue has room for; an idle one long-polls
-            # for one
-            size = max(1, min(self._config.batch, queue.room)) if active else 1
+            # an active stream takes what the queue has room for, waiting briefly; an idle
+            # one long-polls for one; the stop or a lost connection ends either wait
+            config = self._config
+            size = max(1, min(config.batch, queue.room)) if active else 1
+            wait = config.fetch_wait if active else max(config.fetch_wait, config.pull_wait)
             try:
-                deliveries = await subscription.fetch(size, wait=self._config.fetch_wait)
+                deliveries = await subscription.fetch(size, wait=wait, cut=(self._stop, bus.lost))
             except BusError as exc:
                 failures += 1
                 await subscription.unsubscribe()

@@ -269,13 +269,16 @@ def _connection(deps: Deps) -> Outcome | None:
 
 def _hand_over(rt: Runtime) -> None:
     """Every timer and task of every running feature to the supervisor, with the
-    feature's component for their outcomes; and the root's own loops."""
+    feature's component for their outcomes; and the root's own loops. A timer marked
+    `spread` runs first a draw of the start-up spread later."""
     supervisor = rt.supervisor
+    startup = rt.plan.shared.startup
     for spec, running in rt.running.items():
         component = rt.components[spec.name]
         for timer in running.timers:
+            first = startup.after(timer.first_after) if timer.spread else timer.first_after
             supervisor.add_loop(
-                timer.name, timer.body, every=timer.every, first_after=timer.first_after,
+                timer.name, timer.body, every=timer.every, first_after=first,
                 what=timer.what, outage=timer.outage,
                 component=component if timer.recorded else None,
             )  # fmt: skip

@@ -17,7 +17,8 @@ The shape, in one place, three parts joined by one bounded queue:
   one answer and event `app.domain.job_flow.plan` gives for it.
 
 The stop has one path. `begin_stop` (the supervisor's `stopping` leads to it too): no
-job starts from then on; the fetchers end within one fetch wait; the runners, and one
+job starts from then on; the fetchers end at once (the stop cuts a long poll short); the
+runners, and one
 more started for this, hand back (NAK without delay) whatever they take from the queue;
 the jobs running finish. When
 `drain` runs out of time it cuts the leases: the jobs still running are withdrawn,
@@ -74,8 +75,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# a stream whose fetch has not returned for this long (and that does not wait for room in
-# the queue) is stuck: a long poll returns every fetch wait
+# a stream whose fetch has not returned for this long beyond its long poll's wait (and
+# that does not wait for room in the queue) is stuck: a long poll returns every pull wait
 STALE_FETCH_SECONDS = 30.0
 
 
@@ -101,8 +102,11 @@ class Worker:
         alerts: Alerter | None = None,
         prepare: Callable[[], Awaitable[None]] | None = None,
         clock: Clock | None = None,
+        start_after: float = 0.0,
     ) -> None:
         self._bus = bus
+        # the first run waits this long before it connects (STARTUP_SPREAD_SECONDS' draw)
+        self._start_after = start_after
         self._ledger = ledger
         self._node = node
         self._config = config
@@ -124,15 +128,17 @@ class Worker:
     def state(self) -> components.Outcome | None:
         """What the worker is doing now, read from its fetchers: failing while a stream's
         subscribe or fetch fails (naming each), unavailable when a stream has not returned
-        from a fetch for `STALE_FETCH_SECONDS` (a long poll returns every fetch wait) and
-        does not wait for room in the queue, else ok; None until it runs."""
+        from a fetch for `STALE_FETCH_SECONDS` past its pull wait (a long poll returns
+        every pull wait) and does not wait for room in the queue, else ok; None until it
+        runs."""
         if self._leases is None:
             return None
         fetcher = self._fetcher
         if fetcher.troubles:
             return components.Outcome.failed("; ".join(sorted(fetcher.troubles.values())))
         now = self._clock.now()
-        stale = max(STALE_FETCH_SECONDS, 3 * self._config.fetch_wait)
+        config = self._config
+        stale = STALE_FETCH_SECONDS + max(config.fetch_wait, config.pull_wait)
         for stream, at in sorted(fetcher.fetched_at.items()):
             if now - at > stale and stream not in fetcher.waiting:
                 return components.Outcome.unavailable(
@@ -148,7 +154,18 @@ class Worker:
     async def run(self, stopping: asyncio.Event) -> None:
         """The root task (supervised): connect and prepare, then the fetchers and runners;
         returns once the stop began (`stopping` set, or `begin_stop`) and what was held
-        here is answered."""
+        here is answered. Its first run waits `start_after` first (the stop ends it)."""
+        if self._start_after > 0:
+            delay, self._start_after = self._start_after, 0.0
+            log.info("job worker connects in %.1f s (start-up spread)", delay)
+            relay = asyncio.create_task(self._relay(stopping), name="worker-start-relay")
+            try:
+                await self._clock.wait(self._stop, delay)
+            finally:
+                relay.cancel()
+                await asyncio.gather(relay, return_exceptions=True)
+            if self._stop.is_set():
+                return
         if self._prepare is not None:
             await self._prepare()
         self._runner.node_id = (await self._node()).node_id
@@ -176,7 +193,7 @@ class Worker:
                 # one runner more, which only hands back (nothing starts now): what waits
                 # in the queue goes back at once, not once a running job is done
                 runners.append(group.create_task(self._runner.serve(queue), name="job-hand-back"))
-                # a fetch in flight ends within one fetch wait; what it brings is queued,
+                # a fetch in flight is cut short by the stop; what it brought is queued,
                 # and handed back
                 await asyncio.wait(fetchers)
                 await queue.join()
@@ -197,8 +214,9 @@ class Worker:
 
     async def drain(self, *, within: float) -> None:
         """Start nothing new; let the jobs in flight finish within `within` seconds, and
-        hand back (release and NAK) those that cannot. The fetchers end within one fetch
-        wait; whatever is fetched meanwhile, or waits in the queue, is handed back."""
+        hand back (release and NAK) those that cannot. The fetchers end at once (the
+        stop cuts their pulls short); whatever they brought, or waits in the queue, is
+        handed back."""
         self.begin_stop()
         leases = self._leases
         if leases is None or not len(leases):

@@ -3,6 +3,7 @@ consumer statistics read through it."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -101,3 +102,64 @@ async def test_a_job_consumer_made_with_a_backoff_loses_it_on_init(tmp_path: Pat
             assert not info.config.backoff
         finally:
             await bus.drain()
+
+
+async def test_a_job_published_during_a_long_pull_is_delivered_at_once(tmp_path: Path) -> None:
+    """An idle stream's pull waits WORKER_PULL_WAIT_SECONDS on the server; a job that
+    arrives meanwhile is delivered at once, so the long wait costs no latency."""
+    settings = Settings(_env_file=None)
+    with own_nats(tmp_path / "nats") as server:
+        bus = JetStreamBus(server.servers, name="test-long-pull", timeout=5)
+        await bus.connect()
+        try:
+            await init_streams(bus, settings, tiers=("free",))
+            sub = await bus.subscribe(stream=STREAMS["online"], durable=consumer_name("free"))
+            pulling = asyncio.create_task(sub.fetch(1, wait=30.0, cut=(bus.lost,)))
+            await asyncio.sleep(0.3)  # the pull request waits on the server
+            assert not pulling.done()
+            published = time.monotonic()
+            await publish_job(bus, new_job("noop"), kind="online", tier="free")
+            (delivery,) = await asyncio.wait_for(pulling, timeout=5)
+            latency = time.monotonic() - published
+            await delivery.ack()
+        finally:
+            await bus.drain()
+    assert latency < 0.25, f"{latency:.3f} s"
+
+
+async def test_a_cut_ends_a_long_pull_at_once_and_loses_no_job(tmp_path: Path) -> None:
+    """The stop cuts a 30 s pull short; the subscription then goes, and its pull request
+    with it: the next job is not swallowed by it (it would come back only after the ack
+    wait), and draining the connection does not wait for it."""
+    settings = Settings(_env_file=None, job_ack_wait_seconds=30)
+    with own_nats(tmp_path / "nats") as server:
+        bus = JetStreamBus(server.servers, name="test-cut-pull", timeout=5)
+        await bus.connect()
+        try:
+            await init_streams(bus, settings, tiers=("free",))
+            durable = consumer_name("free")
+            sub = await bus.subscribe(stream=STREAMS["online"], durable=durable)
+            stop = asyncio.Event()
+            pulling = asyncio.create_task(sub.fetch(1, wait=30.0, cut=(stop, bus.lost)))
+            await asyncio.sleep(0.3)
+            cut_at = time.monotonic()
+            stop.set()
+            assert await asyncio.wait_for(pulling, timeout=5) == []
+            cut_took = time.monotonic() - cut_at
+            await sub.unsubscribe()
+            await publish_job(bus, new_job("noop"), kind="online", tier="free")
+            again = await bus.subscribe(stream=STREAMS["online"], durable=durable)
+            started = time.monotonic()
+            (delivery,) = await again.fetch(1, wait=10.0)
+            fetch_took = time.monotonic() - started
+            await delivery.ack()
+            pulling = asyncio.create_task(again.fetch(1, wait=30.0, cut=(bus.lost,)))
+            await asyncio.sleep(0.3)
+        finally:
+            drain_at = time.monotonic()
+            await bus.drain(within=10)
+            drain_took = time.monotonic() - drain_at
+        assert await asyncio.wait_for(pulling, timeout=5) == []  # the drain's loss cut it
+    assert cut_took < 0.2, f"{cut_took:.3f} s"
+    assert fetch_took < 1.0, f"{fetch_took:.3f} s: the cut pull took the job"
+    assert drain_took < 2.0, f"{drain_took:.3f} s"

@@ -24,6 +24,7 @@ from app.domain.jobs import Job
 from app.domain.ledger import LedgerRecord
 from app.domain.requirements import NodeProfile, Requirements
 from app.metrics import Metrics
+from app.services.fetching import OFFLINE_LOOK_SECONDS
 from app.services.handlers import HandlerContext, JobHandlers, noop
 from app.services.streams import new_job
 from app.services.working import HAND_BACK_SECONDS, STALE_FETCH_SECONDS, Worker, lease_seconds
@@ -35,7 +36,7 @@ NODE = NodeProfile(
 CONFIG = WorkerConfig(
     tier="A", concurrency=2, batch=4, ack_wait=30.0, max_attempts=2, max_deliveries=5,
     backoff=(2.0, 4.0), not_here_delay=5.0, held_delay=3.0, job_timeout=600.0,
-    fetch_wait=1.0,
+    fetch_wait=1.0, pull_wait=20.0,
 )  # fmt: skip
 KEEP = CONFIG.ack_wait / 3  # how often a lease tells JetStream and the ledger
 
@@ -109,8 +110,8 @@ class World:
         await until(lambda: len(message.answers()) >= count)
 
     async def stopped(self) -> None:
-        """The run returned: every fetch in flight ended (one fetch wait on the clock)."""
-        self.clock.advance(self.config.fetch_wait)
+        """The run returned: every fetch in flight ended (the stop cuts them short: no
+        time passes on the clock)."""
         await asyncio.wait_for(self.task, timeout=5)
 
 
@@ -489,8 +490,10 @@ async def test_after_a_pause_the_fetcher_subscribes_again_and_after_a_reconnect_
         assert len(w.bus.subscriptions) == 0
         w.clock.advance(clock_pause)
         await until(lambda: len(w.bus.subscriptions) == 3)
+        # the connection is lost (which ends the long polls at once) and made again
+        w.bus.lost.set()
+        w.bus.lost = asyncio.Event()
         w.bus.reconnects += 1
-        w.clock.advance(CONFIG.fetch_wait)  # the fetches in flight end; then subscribe again
         await until(lambda: len(w.bus.subscriptions) == 6)
         assert all(s.closed for s in w.bus.subscriptions[:3])
         message = w.bus.add(new_job("noop"))
@@ -556,17 +559,112 @@ async def test_the_worker_s_state_is_read_from_its_fetchers() -> None:
     """Ok while every stream's long poll comes back; unavailable, naming the stream, once
     one has not come back for the stale time; ok again when it does."""
     async with world() as w:
-        w.clock.advance(CONFIG.fetch_wait)  # the first long polls return empty
+        w.clock.advance(CONFIG.pull_wait)  # the first long polls return empty
         await until(lambda: len(w.worker._fetcher.fetched_at) == 3)
         state = w.worker.state()
         assert state is not None and state.succeeded, state
         w.bus.stuck = released = asyncio.Event()
-        w.clock.advance(CONFIG.fetch_wait)  # the polls in flight return; the next hang
-        w.clock.advance(STALE_FETCH_SECONDS + 1)
+        w.clock.advance(CONFIG.pull_wait)  # the polls in flight return; the next hang
+        await until(lambda: min(w.worker._fetcher.fetched_at.values()) == 2 * CONFIG.pull_wait)
+        w.clock.advance(STALE_FETCH_SECONDS + CONFIG.pull_wait - 1)
+        state = w.worker.state()
+        assert state is not None and state.succeeded, state  # a long poll may take this long
+        w.clock.advance(2)
         state = w.worker.state()
         assert state is not None and state.result is components.Result.UNAVAILABLE, state
         assert (state.error or "").startswith("no fetch from "), state
         w.bus.stuck = None
         released.set()
-        w.clock.advance(CONFIG.fetch_wait)
+        await _settled()
+        w.clock.advance(CONFIG.pull_wait)
         await until(lambda: bool((s := w.worker.state()) and s.succeeded))
+
+
+async def test_an_idle_stream_long_polls_and_a_delivering_one_fetches_briefly() -> None:
+    """WORKER_PULL_WAIT_SECONDS is the idle streams' wait; a stream that has just delivered
+    fetches its batch with the short wait, and a job arriving during a long poll is
+    delivered at once (no time passes)."""
+    async with world(concurrency=1, batch=4) as w:
+        assert w.bus.waits == [CONFIG.pull_wait] * 3
+        messages = [w.bus.add(new_job("gate")) for _ in range(3)]
+        await until(lambda: w.gate.started == 1)
+        assert w.clock.now() == 0.0
+        await until(lambda: CONFIG.fetch_wait in w.bus.waits)
+        w.gate.open.set()
+        for message in messages:
+            await w.answered(message)
+
+
+async def test_the_stop_cuts_a_long_poll_short() -> None:
+    async with world() as w:
+        await _settled()
+        w.worker.begin_stop()
+        await asyncio.wait_for(w.task, timeout=5)
+        assert w.clock.now() == 0.0  # not one pull wait
+        assert all(s.closed for s in w.bus.subscriptions)
+
+
+async def test_a_lost_connection_cuts_a_long_poll_short() -> None:
+    """A long poll on a lost connection would wait out its pull wait for nothing: the
+    loss ends it, and the stream subscribes again once connected."""
+    async with world() as w:
+        await _settled()
+        w.bus.connected = False
+        w.bus.lost.set()
+        await until(lambda: len(w.worker._fetcher.fetched_at) == 3)  # returned, at once
+        assert w.clock.now() == 0.0
+        w.bus.lost = asyncio.Event()
+        w.bus.connected = True
+        w.bus.reconnects += 1
+        w.clock.advance(OFFLINE_LOOK_SECONDS)
+        await until(lambda: len(w.bus.subscriptions) == 6)
+        message = w.bus.add(new_job("noop"))
+        await w.answered(message)
+    assert message.answers() == [("ack", None)]
+
+
+def _spread_worker(clock: FakeClock, bus: FakeBus, start_after: float) -> tuple[Worker, list[str]]:
+    prepared: list[str] = []
+
+    async def node() -> NodeProfile:
+        return NODE
+
+    async def prepare() -> None:
+        prepared.append("connected")
+
+    worker = Worker(
+        bus=bus, ledger=FakeLedger(clock), registry=None, node=node,
+        handlers=JobHandlers({"noop": noop}, cast(WorkloadHttp, None)), config=CONFIG,
+        metrics=Metrics(), clock=clock, prepare=prepare, start_after=start_after,
+    )  # fmt: skip
+    return worker, prepared
+
+
+async def test_the_worker_connects_after_its_start_up_spread() -> None:
+    clock = FakeClock()
+    bus = FakeBus(clock)
+    worker, prepared = _spread_worker(clock, bus, start_after=7.5)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(worker.run(stopping))
+    await _settled()
+    assert prepared == [] and bus.subscriptions == []
+    clock.advance(7.4)
+    await _settled()
+    assert prepared == []
+    clock.advance(0.1)
+    await until(lambda: len(bus.subscriptions) == 3)
+    assert prepared == ["connected"]
+    stopping.set()
+    await asyncio.wait_for(task, timeout=5)
+
+
+async def test_a_stop_during_the_start_up_spread_ends_the_run_unconnected() -> None:
+    clock = FakeClock()
+    bus = FakeBus(clock)
+    worker, prepared = _spread_worker(clock, bus, start_after=30.0)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(worker.run(stopping))
+    await _settled()
+    stopping.set()
+    await asyncio.wait_for(task, timeout=5)
+    assert prepared == [] and bus.events == [] and clock.now() == 0.0

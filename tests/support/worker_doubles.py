@@ -157,32 +157,45 @@ class FakeDelivery:
         self.answer = answer
 
 
+async def _relay(event: asyncio.Event, to: asyncio.Event) -> None:
+    await event.wait()
+    to.set()
+
+
 class FakeSubscription:
     def __init__(self, bus: FakeBus, stream: str) -> None:
         self._bus = bus
         self._stream = stream
         self.closed = False
 
-    async def fetch(self, batch: int, *, wait: float) -> Sequence[Message]:
+    async def fetch(
+        self, batch: int, *, wait: float, cut: Sequence[asyncio.Event] = ()
+    ) -> Sequence[Message]:
         """What is due in the stream, up to `batch`, as soon as something is; else nothing
-        once `wait` seconds have passed on the clock."""
+        once `wait` seconds have passed on the clock, or an event of `cut` is set."""
         bus, clock = self._bus, self._bus.clock
+        bus.waits.append(wait)
         if bus.stuck is not None:  # a fetch that does not come back until released
             await bus.stuck.wait()
         ends = clock.now() + wait
-        while True:
-            due = bus._take(self._stream, batch)
-            if due:
-                bus.fetched.append((self._stream, len(due)))
-                return due
-            left = ends - clock.now()
-            if left <= 0:
-                return []
-            soonest = bus._soonest(self._stream)
-            span = left if soonest is None else min(left, max(soonest - clock.now(), 0.0))
-            arrived = bus._arrived.setdefault(self._stream, asyncio.Event())
-            arrived.clear()
-            await clock.wait(arrived, span)
+        arrived = bus._arrived.setdefault(self._stream, asyncio.Event())
+        relays = [asyncio.ensure_future(_relay(event, arrived)) for event in cut]
+        try:
+            while True:
+                due = bus._take(self._stream, batch)
+                if due:
+                    bus.fetched.append((self._stream, len(due)))
+                    return due
+                left = ends - clock.now()
+                if left <= 0 or any(event.is_set() for event in cut):
+                    return []
+                soonest = bus._soonest(self._stream)
+                span = left if soonest is None else min(left, max(soonest - clock.now(), 0.0))
+                arrived.clear()
+                await clock.wait(arrived, span)
+        finally:
+            for relay in relays:
+                relay.cancel()
 
     async def unsubscribe(self) -> None:
         self.closed = True
@@ -196,6 +209,8 @@ class FakeBus:
         self.clock = clock
         self.connected = True
         self.reconnects = 0
+        self.lost = asyncio.Event()  # set when the connection is lost (the fetches' cut)
+        self.waits: list[float] = []  # every fetch's wait, in order
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.refuse_events = False  # the events stream answers nothing (its leader is gone)
         self.event_tries = 0

@@ -64,6 +64,9 @@ class Timer:
     what: str | None = None  # how logs name it ("deployment sync")
     outage: tuple[type[Exception], ...] = ()  # errors that mean a dependency is down
     recorded: bool = True
+    # a call to a shared service (the backend, PostgreSQL, the version file): its first
+    # run comes a draw of STARTUP_SPREAD_SECONDS later (`Shared.startup`)
+    spread: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from app.adapters.nats_auth import NatsAuth
 from app.domain.components import Component
 from app.domain.requirements import Tier
+from app.domain.spreading import ReconnectPolicy, StartupSpread
 from app.metrics import Metrics
 from app.services.alerting import Alerter
 from app.services.features.base import Decision, Off, On, Spec
@@ -81,6 +82,9 @@ class Shared:
     down_grace: float  # how long a component fails before its one alert
     # DATABASE_URL goes through PgBouncer in transaction mode (DATABASE_POOLER)
     transaction_pooler: bool = False
+    # the first run of each call to a shared service comes up to this much later
+    startup: StartupSpread = field(default_factory=StartupSpread)
+    nats_reconnect: ReconnectPolicy = field(default_factory=ReconnectPolicy)  # the bus's
 
     @classmethod
     def of(cls, settings: Settings, *, can_sign: bool) -> Shared:
@@ -102,6 +106,12 @@ class Shared:
             watch_every=max(1.0, min(15.0, settings.ping_stale_seconds / 2)),
             down_grace=settings.component_down_grace_seconds,
             transaction_pooler=settings.transaction_pooler,
+            startup=StartupSpread(settings.startup_spread),
+            nats_reconnect=ReconnectPolicy(
+                base=settings.nats_reconnect_base_seconds,
+                cap=settings.nats_reconnect_max_seconds,
+                lame_duck_spread=settings.nats_lame_duck_spread_seconds,
+            ),
         )
 
 

@@ -142,7 +142,7 @@ class _Registry(Spec[RegistryConfig, Registering]):
         return Registering(
             registry=registry,
             heartbeat=heartbeat,
-            timers=[Timer("heartbeat", beat, every, 0.1, "registry heartbeat")],
+            timers=[Timer("heartbeat", beat, every, 0.1, "registry heartbeat", spread=True)],
             stops={
                 # the fleet routes around the node from here on
                 Phase.ANNOUNCE: Step("registry draining", lambda b: mark("draining", b), 2.0),

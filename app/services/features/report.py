@@ -60,7 +60,9 @@ class _Report(Spec[ReportConfig, Reporting]):
             started_at=deps.started_at,
         )
         every = config.interval
-        report = Timer("report", reporter.report_once, every, min(5.0, every), "node report")
+        report = Timer(
+            "report", reporter.report_once, every, min(5.0, every), "node report", spread=True
+        )
         # one last report once the jobs are done (the node says it is going)
         final = Step("final report", lambda _budget: deps.supervisor.run_now("report"), cap=5.0)
         return Reporting(reporter=reporter, timers=[report], stops={Phase.FINAL: final})

@@ -127,6 +127,7 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
                     every,
                     min(60.0, every),
                     "self-update check",
+                    spread=True,
                 ),
             ],
             tasks=[Task("self-update-resume", resume, restart=False)],

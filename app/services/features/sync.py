@@ -209,7 +209,14 @@ class _Sync(Spec[SyncConfig, Syncing]):
             syncer=syncer,
             cluster=cluster,
             timers=[
-                Timer("sync", syncer.run_scheduled, every, min(10.0, every), "deployment sync"),
+                Timer(
+                    "sync",
+                    syncer.run_scheduled,
+                    every,
+                    min(10.0, every),
+                    "deployment sync",
+                    spread=True,
+                ),
                 Timer(
                     "cluster-view",
                     syncer.refresh_view,

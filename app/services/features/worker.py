@@ -123,6 +123,7 @@ class _Worker(Spec[WorkerPlan, Working]):
                 not_here_delay=settings.job_not_here_delay_seconds,
                 held_delay=settings.job_held_delay_seconds,
                 job_timeout=settings.job_timeout_seconds,
+                pull_wait=settings.worker_pull_wait_seconds,
             ),
             ledger=ledger,
             ledger_fallback=settings.job_ledger == "auto",
@@ -174,6 +175,7 @@ class _Worker(Spec[WorkerPlan, Working]):
         bus = deps.bus = JetStreamBus(
             deps.nats_url, name=f"workload-manager/{deps.node_id}", timeout=plan.timeout,
             auth=deps.shared.nats_auth, inbox_prefix=inbox,
+            reconnect=deps.shared.nats_reconnect,
         )  # fmt: skip
         http = WorkloadHttp(timeout=plan.http_timeout, allowed_targets=plan.http_allowed_targets)
         deps.stack.push_async_callback(http.aclose)
@@ -221,6 +223,7 @@ class _Worker(Spec[WorkerPlan, Working]):
             bus=bus, ledger=ledger, node=deps.profile(), registry=deps.registry,
             handlers=JobHandlers(load_handlers(), http), config=plan.worker,
             metrics=deps.metrics, alerts=deps.alerts, prepare=prepare,
+            start_after=deps.shared.startup.offset(),  # its connection, spread
         )  # fmt: skip
         deps.metrics.jobs_in_flight.set_function(lambda: worker.in_flight)
         running = Working(
