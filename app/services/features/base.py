@@ -64,6 +64,8 @@ class Timer:
     what: str | None = None  # how logs name it ("deployment sync")
     outage: tuple[type[Exception], ...] = ()  # errors that mean a dependency is down
     recorded: bool = True
+    # the bounds of an interval the backend may ask for (None: `every` stays)
+    bounds: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
