@@ -216,9 +216,9 @@ async def test_a_retry_after_shows_on_the_loop_until_its_next_run(scheduler: Sup
     until = loop["retry_after_until"]
     assert until is not None
     assert 29 <= (until - datetime.now(UTC)).total_seconds() <= 30
-    assert loop["waiting"] == "Retry-After until " + until.isoformat(
-        timespec="seconds"
-    ).replace("+00:00", "Z")
+    assert loop["waiting"] == "Retry-After until " + until.isoformat(timespec="seconds").replace(
+        "+00:00", "Z"
+    )
     await _until(lambda: _runs(body, 2))
     await asyncio.sleep(0.5)
     after = scheduler.loops()["report"]
