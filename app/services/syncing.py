@@ -134,6 +134,10 @@ class BackendSource:
         return self._offline_since is not None
 
     @property
+    def backend(self) -> BackendClient:
+        return self._backend
+
+    @property
     def cadence(self) -> Cadence | None:
         return self._cadence
 
