@@ -375,6 +375,8 @@ class Syncer:
         self._reported: dict[str, str] = {}
         # why the owed reports wait, while a Retry-After holds the version PUTs
         self._reports_held: str | None = None
+        # the longest Retry-After a manifest fetch of this sync met: the sync's next run
+        self._held_for: float | None = None
         # the backend's `reported_version`s as last learned
         self._backend_view: dict[str, str] = {}
         self.last: SyncOutcome | None = None
@@ -420,11 +422,15 @@ class Syncer:
             return Outcome.failed(sync.aborted, **owed).retrying(sync.retry_after)
         failed = [r for r in sync.results if r.outcome == "failed"]
         if failed:
-            return Outcome.failed(
-                f"{len(failed)} workload(s) failed: "
-                + "; ".join(f"{r.name}: {r.error}" for r in failed[:3]),
-                **owed,
-            ).paced(sync.cadence)
+            return (
+                Outcome.failed(
+                    f"{len(failed)} workload(s) failed: "
+                    + "; ".join(f"{r.name}: {r.error}" for r in failed[:3]),
+                    **owed,
+                )
+                .paced(sync.cadence)
+                .retrying(sync.retry_after)
+            )
         return Outcome.ok(revision=sync.revision, counts=sync.counts(), **owed).paced(sync.cadence)
 
     async def run_rollout(self) -> Outcome:
@@ -448,6 +454,7 @@ class Syncer:
             )
             started = time.monotonic()
             self._stage, self._missed, self._undone = "", None, []
+            self._held_for = None
             limit = asyncio.timeout(self._deadline)
             try:
                 async with limit:
@@ -467,6 +474,8 @@ class Syncer:
             except Exception as exc:
                 self._crashed(outcome, exc)
             finally:
+                if outcome.retry_after is None:  # a manifest's Retry-After, if any
+                    outcome.retry_after = self._held_for
                 outcome.finished_at = datetime.now(UTC)
                 outcome.duration_seconds = time.monotonic() - started
                 self._record(outcome)
@@ -645,6 +654,8 @@ class Syncer:
             result.outcome, result.action, result.reason = "held", "hold", str(exc)
         except (*SOURCE_ERRORS, KubeError, FetchSkipped) as exc:
             result.outcome, result.error = "failed", str(exc)
+            if isinstance(exc, BackendError) and exc.retry_after is not None:
+                self._held_for = max(self._held_for or 0.0, exc.retry_after)
             if isinstance(exc, TrustError):
                 self._metrics.desired_refused.labels("manifest").inc()
                 log.warning("manifest refused: %s", exc)

@@ -76,3 +76,17 @@ async def test_the_desired_state_carries_the_interval_the_backend_asks_for(
     assert failed.cadence is None  # no answer: nothing said of the interval
     # a look between syncs reads no answer either
     assert (await world.syncer.run_rollout()).cadence is None
+
+
+async def test_a_retry_after_on_a_manifest_puts_the_next_sync_off(world: World) -> None:
+    """The workload that needs the manifest fails this sync; the sync runs again when the
+    time has passed (not after its 10 s backoff), and a sync meanwhile fetches nothing."""
+    world.desire(("api", "1.0.0"))
+    world.backend.fail("manifest", "429", times=None, retry_after="30")
+    outcome = world.syncer.outcome_of(await world.syncer.sync())
+    assert not outcome.succeeded and "HTTP 429" in (outcome.error or "")
+    assert outcome.retry_in is not None and 30.0 <= outcome.retry_in <= 33.0
+    again = world.syncer.outcome_of(await world.syncer.sync())
+    assert "not sent: Retry-After until " in (again.error or "")
+    assert _of(world, "manifest") == [429]
+    assert world.deployments() == {}
