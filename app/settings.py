@@ -35,6 +35,7 @@ from app.domain.desired_trust import DEVELOPMENT_PUBLIC_KEY, DesiredKeys
 from app.domain.http_targets import AllowedTargets
 from app.domain.nats_servers import NatsServers
 from app.domain.requirements import CAPABILITY_NAME, LOCATION_NAME, Tier
+from app.domain.retrying import RETRY_AFTER_CEILING
 from app.domain.rollout import UpdateWindow
 from app.domain.updates import VersionFileKey, signature_needs_own_url
 
@@ -121,6 +122,9 @@ class Settings(BaseSettings):
     # one call to the backend, all its attempts and waits included, ends within this
     backend_deadline_seconds: float = _ranged(30.0, 0.5, 600.0)
     backend_max_response_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    # the longest a Retry-After (of the backend, or of the version file's server) puts a
+    # loop off; a small positive jitter goes on top (docs/backend-api.md)
+    retry_after_max_seconds: float = _ranged(3_600.0, 1.0, RETRY_AFTER_CEILING)
 
     # --- API
     api_token: SecretStr | None = None
@@ -136,6 +140,12 @@ class Settings(BaseSettings):
     report_enabled: bool = True
     report_interval_seconds: float = _ranged(60.0, 0.2, 86_400.0)
     sync_interval_seconds: float = _ranged(600.0, 1.0, 86_400.0)
+    # the bounds of the intervals the backend may ask for (X-Report-Interval-Seconds,
+    # X-Sync-Interval-Seconds); without the header the loop keeps its interval above
+    report_interval_min_seconds: float = _ranged(30.0, 0.2, 86_400.0)
+    report_interval_max_seconds: float = _ranged(900.0, 0.2, 86_400.0)
+    sync_interval_min_seconds: float = _ranged(60.0, 1.0, 86_400.0)
+    sync_interval_max_seconds: float = _ranged(3_600.0, 1.0, 86_400.0)
     # one sync, every backend call and cluster write of it, ends within this
     sync_deadline_seconds: float = _ranged(300.0, 1.0, 86_400.0)
     heartbeat_interval_seconds: float = _ranged(30.0, 0.2, 3_600.0)
@@ -382,6 +392,19 @@ class Settings(BaseSettings):
                 "dots and hyphens, and the object's key)"
             )
         return value
+
+    @model_validator(mode="after")
+    def _interval_bounds_in_order(self) -> Settings:
+        for what in ("report", "sync"):
+            low = getattr(self, f"{what}_interval_min_seconds")
+            high = getattr(self, f"{what}_interval_max_seconds")
+            if low > high:
+                name = what.upper()
+                raise ValueError(
+                    f"{name}_INTERVAL_MIN_SECONDS ({low:g}) is above "
+                    f"{name}_INTERVAL_MAX_SECONDS ({high:g})"
+                )
+        return self
 
     @model_validator(mode="after")
     def _probe_port_of_its_own(self) -> Settings:

@@ -11,6 +11,12 @@ every `interval` seconds; "huge" streams a good answer padded with JSON whitespa
 `size` bytes, without a Content-Length; "redirect" answers 302 (GET) or 307 (PUT, POST)
 to the same target on `localhost` instead of `127.0.0.1`, where the request would be
 accepted. A failed request is never carried out: nothing is stored.
+
+Steering (`steer`): the interval the backend asks a node to keep, sent on the report's 2xx
+(`X-Report-Interval-Seconds`) and the desired state's 200 and 304
+(`X-Sync-Interval-Seconds`), as docs/backend-api.md "The backend steers" defines them;
+`fleet_interval`, `stagger` and `after_outage` are that page's formula for spreading a fleet,
+which a test backend can serve (`steer_fleet`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from app.domain.desired_trust import SIGNATURE_HEADER, signed_bytes
+from app.domain.steering import REPORT_INTERVAL_HEADER, SYNC_INTERVAL_HEADER
 from standins.servers import ThreadedServer
 
 Scope = MutableMapping[str, Any]
@@ -62,6 +69,8 @@ Forgery = Literal["unsigned", "tampered", "other-node", "replay", "wrong-digest"
 FORGERIES: tuple[Forgery, ...] = ("unsigned", "tampered", "other-node", "replay", "wrong-digest")
 
 ROUTES: tuple[Route, ...] = ("workloads", "manifest", "version", "health")
+# the routes whose good answers may carry the interval the backend asks for, and its header
+STEERED: dict[Route, str] = {"health": REPORT_INTERVAL_HEADER, "workloads": SYNC_INTERVAL_HEADER}
 FAILURE_MODES: tuple[FailureMode, ...] = (
     "500",
     "503",
@@ -231,6 +240,8 @@ class LocalBackend:
         self._issued_at = ""  # of the serial served: the same serial is the same bytes
         self._signed_first: tuple[bytes, str] | None = None  # the first answer signed
         self._forgery: Forgery | None = None
+        # the interval header's value per steered route (absent: not sent)
+        self._steering: dict[Route, str] = {}
 
     # ----------------------------------------------------------------- test-facing API
 
@@ -324,6 +335,30 @@ class LocalBackend:
                 retry_after=retry_after,
             )
 
+    def steer(self, route: Route, interval: float | str | None) -> None:
+        """Ask for `interval` seconds on `route`'s good answers from now on ("health": the
+        report's 2xx, `X-Report-Interval-Seconds`; "workloads": the desired state's 200
+        and 304, `X-Sync-Interval-Seconds`); None: send no header. A string is sent as it
+        is (a malformed value, for the tests)."""
+        if route not in STEERED:
+            raise ValueError(f"route {route!r} carries no interval; expected one of {STEERED}")
+        with self._lock:
+            if interval is None:
+                self._steering.pop(route, None)
+            else:
+                self._steering[route] = (
+                    interval if isinstance(interval, str) else f"{float(interval):g}"
+                )
+
+    def steer_fleet(
+        self, *, nodes: int, rate: float, configured: float = 60.0, route: Route = "health"
+    ) -> float:
+        """Serve `route` the interval that spreads `nodes` nodes at `rate` requests a
+        second (docs/backend-api.md, `fleet_interval`); returns it."""
+        interval = fleet_interval(nodes=nodes, rate=rate, configured=configured)
+        self.steer(route, interval)
+        return interval
+
     def clear_failures(self) -> None:
         with self._lock:
             self._failures.clear()
@@ -358,6 +393,7 @@ class LocalBackend:
             self._allow_empty = False
             self._desired = []
             self._recorded.clear()
+            self._steering.clear()
             self.serve_reported = True
             # the serial goes on (a node's serials only go forward); the forgeries end
             self._forgery = None
@@ -510,6 +546,11 @@ class LocalBackend:
             except _ContractError as exc:
                 reply = exc.reply()
 
+        if route in STEERED and reply.status in (200, 202, 204, 304):
+            with self._lock:
+                asked = self._steering.get(route)
+            if asked is not None and failure is None:
+                reply.headers.append((STEERED[route], asked))
         self._record(
             epoch,
             RecordedRequest(
@@ -1019,3 +1060,29 @@ async def _send_reply(send: Send, reply: _Reply) -> None:
         headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def fleet_interval(*, nodes: int, rate: float, configured: float) -> float:
+    """The interval that keeps `nodes` nodes calling at most `rate` times a second: never
+    below the one the nodes are configured with (docs/backend-api.md)."""
+    if nodes < 0 or rate <= 0:
+        raise ValueError("nodes must be >= 0 and rate > 0")
+    return max(configured, nodes / rate)
+
+
+def stagger(node_id: str, interval: float) -> float:
+    """A node's place in the interval, in seconds: the first 8 bytes of SHA-256 of its id
+    as a fraction of 2^64, times the interval (the same node always gets the same place)."""
+    digest = hashlib.sha256(node_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * interval
+
+
+def after_outage(interval: float, *, down_for: float, since_back: float, ramp: float) -> float:
+    """The interval to ask for `since_back` seconds after an outage of `down_for` seconds:
+    the fleet's nodes all come back at once, so the backend asks for up to twice the
+    interval (more the longer it was down, at most x4), eased back over `ramp` seconds."""
+    if since_back >= ramp:
+        return interval
+    stretch = min(4.0, 2.0 + down_for / 3600.0)  # x2, plus one per hour it was down
+    left = 1.0 - since_back / ramp
+    return interval * (1.0 + (stretch - 1.0) * left)

@@ -13,6 +13,13 @@ a wait longer than the longest wait, or than what is left of the deadline, ends 
 at once with that reason. A 3xx is an error (redirects are never followed: the signature
 and the trust are for this backend only), and so is any other status outside 2xx, except
 the 304 of a conditional GET; a 4xx is the caller's bug and is raised at once.
+
+A Retry-After the call does not wait out holds that kind of call (the report, the desired
+state, manifests, version reports): until it passes (capped at `retry_after_max`, plus a
+small jitter) such a call is not sent, and fails at once with the seconds left, which the
+loop that made it takes as the time of its next run. The interval an answer asks for
+(`X-Report-Interval-Seconds`, `X-Sync-Interval-Seconds`) is kept for its caller
+(`interval_asked`).
 """
 
 from __future__ import annotations
@@ -29,10 +36,17 @@ import httpx
 import stamina
 
 from app import __version__
-from app.adapters.bounded_http import TooLarge, attempt_timeout, decide_wait, read_bounded
+from app.adapters.bounded_http import (
+    Holds,
+    TooLarge,
+    attempt_timeout,
+    decide_wait,
+    read_bounded,
+)
 from app.adapters.signing import NodeSigner
 from app.domain.desired_trust import SIGNATURE_HEADER
 from app.domain.retrying import GiveUp, parse_retry_after
+from app.domain.steering import REPORT_INTERVAL_HEADER, SYNC_INTERVAL_HEADER, parse_interval
 
 DEFAULT_DEADLINE_SECONDS = 30.0
 DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
@@ -40,23 +54,39 @@ DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 _EXCERPT_BYTES = 1024
 # the statuses whose Retry-After is honoured (RFC 9110 10.2.3, RFC 6585 4)
 _RETRY_AFTER_STATUSES = (429, 503)
+DEFAULT_RETRY_AFTER_MAX_SECONDS = 3600.0
+# the kinds of call, each held on its own by a Retry-After
+REPORT, DESIRED, MANIFEST, VERSION = "report", "desired", "manifest", "version"
+# the header with the interval the backend asks for, per kind of call that may carry one
+_INTERVAL_HEADERS = {REPORT: REPORT_INTERVAL_HEADER, DESIRED: SYNC_INTERVAL_HEADER}
 
 
 class BackendError(RuntimeError):
     """The backend could not be reached or answered with an error (message is loggable).
 
-    `retry_after`: the seconds the backend's last Retry-After asked for (a 429 or 503 the
-    call could not outwait), which the caller's next run honours; None without one.
+    `retry_after`: the seconds before such a call may be made again, from the backend's
+    Retry-After (a 429 or 503 the call could not outwait; capped, jittered), which the
+    caller's next run honours; None without one.
     `unreachable`: the backend failed rather than answered (a transport error, a 5xx, the
     deadline): the sync may then go on from the last good state stored on the node. A
     4xx, a redirect, an answer too large or not JSON is an answer, and is not that."""
 
     def __init__(
-        self, message: str, *, retry_after: float | None = None, unreachable: bool = False
+        self,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        unreachable: bool = False,
+        until: datetime | None = None,
     ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
         self.unreachable = unreachable
+        self.until = until  # when such a call may be sent again (with `retry_after`)
+
+
+class BackendHeld(BackendError):
+    """A call not sent: a Retry-After the backend gave that kind of call has not passed."""
 
 
 class BackendDeadlineError(BackendError):
@@ -136,10 +166,13 @@ class BackendClient:
         max_wait: float,
         deadline: float = DEFAULT_DEADLINE_SECONDS,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        retry_after_max: float = DEFAULT_RETRY_AFTER_MAX_SECONDS,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._signer = signer
+        self.holds = Holds(longest=retry_after_max, clock=clock)
+        self._intervals: dict[str, float | None] = {}
         self._timeout = timeout
         self._attempts = attempts
         self._max_wait = max_wait
@@ -165,8 +198,30 @@ class BackendClient:
     async def aclose(self) -> None:
         await self._client.aclose()
 
+    def interval_asked(self, kind: str) -> float | None:
+        """The interval the last answer to a call of `kind` asked for (its header; None
+        when it carried none or a malformed one)."""
+        return self._intervals.get(kind)
+
     async def _send(
-        self, method: str, path: str, *, conditional: bool = False, **kwargs: Any
+        self, kind: str, method: str, path: str, *, conditional: bool = False, **kwargs: Any
+    ) -> Answer:
+        held = self.holds.held(kind)
+        if held is not None:
+            raise BackendHeld(
+                f"{method} {path}: {held.text()}",
+                retry_after=held.left,
+                unreachable=held.unreachable,
+                until=held.until,
+            )
+        answer = await self._call(kind, method, path, conditional=conditional, **kwargs)
+        header = _INTERVAL_HEADERS.get(kind)
+        if header is not None:
+            self._intervals[kind] = parse_interval(answer.headers.get(header))
+        return answer
+
+    async def _call(
+        self, kind: str, method: str, path: str, *, conditional: bool, **kwargs: Any
     ) -> Answer:
         loop = asyncio.get_running_loop()
         ends_at = loop.time() + self._deadline
@@ -200,10 +255,18 @@ class BackendClient:
             ) from None
         except _RetryableStatus as exc:
             reason = f"; not tried again: {progress.gave_up}" if progress.gave_up else ""
+            unreachable, wait, until = exc.status >= 500, None, None
+            if progress.asked is not None:
+                wait = self.holds.hold(kind, progress.asked, unreachable=unreachable)
+                held = self.holds.held(kind)
+                if held is not None:
+                    reason += f"; {held.text().removeprefix('not sent: ')}"
+                    until = held.until
             raise BackendError(
                 f"{method} {path}: {exc}{reason}",
-                retry_after=progress.asked,
-                unreachable=exc.status >= 500,
+                retry_after=wait,
+                unreachable=unreachable,
+                until=until,
             ) from None
         except httpx.HTTPError as exc:
             raise BackendError(f"{method} {path}: {_describe(exc)}", unreachable=True) from None
@@ -219,9 +282,9 @@ class BackendClient:
             return False
         progress.doing, progress.last_error = "waiting", f"HTTP {exc.status}"
         asked = parse_retry_after(exc.retry_after, datetime.fromtimestamp(self._clock(), UTC))
+        progress.asked = asked  # the last answer's: an earlier one's is no longer said
         if asked is None:
             return True
-        progress.asked = asked
         decision = decide_wait(asked, left=left, longest=self._max_wait)
         if isinstance(decision, GiveUp):
             progress.gave_up = decision.reason
@@ -275,14 +338,15 @@ class BackendClient:
             ) from None
 
     async def post_health(self, report: dict[str, Any]) -> None:
-        await self._send("POST", self._node_path("/health"), json=report)
+        await self._send(REPORT, "POST", self._node_path("/health"), json=report)
 
     async def get_desired(self, etag: str | None) -> tuple[str | None, Any]:
         """(ETag, decoded body); the body is NOT_MODIFIED when the backend answered 304."""
         headers = {"If-None-Match": etag} if etag else {}
         answer = await self._send(
-            "GET", self._node_path("/workloads"), conditional=bool(etag), headers=headers
-        )
+            DESIRED, "GET", self._node_path("/workloads"), conditional=bool(etag),
+            headers=headers,
+        )  # fmt: skip
         if answer.status_code == 304:
             return etag, NOT_MODIFIED
         return answer.headers.get("etag"), _json(answer)
@@ -292,8 +356,9 @@ class BackendClient:
         NOT_MODIFIED in place of the answer when the backend answered 304."""
         headers = {"If-None-Match": etag} if etag else {}
         answer = await self._send(
-            "GET", self._node_path("/workloads"), conditional=bool(etag), headers=headers
-        )
+            DESIRED, "GET", self._node_path("/workloads"), conditional=bool(etag),
+            headers=headers,
+        )  # fmt: skip
         if answer.status_code == 304:
             return etag, NOT_MODIFIED
         return answer.headers.get("etag"), Signed(
@@ -309,11 +374,12 @@ class BackendClient:
 
     async def _manifest_answer(self, name: str, version: str) -> Answer:
         return await self._send(
-            "GET", self._node_path(f"/workloads/{name}/manifest"), params={"version": version}
-        )
+            MANIFEST, "GET", self._node_path(f"/workloads/{name}/manifest"),
+            params={"version": version},
+        )  # fmt: skip
 
     async def put_version(self, name: str, body: dict[str, Any]) -> None:
-        await self._send("PUT", self._node_path(f"/workloads/{name}/version"), json=body)
+        await self._send(VERSION, "PUT", self._node_path(f"/workloads/{name}/version"), json=body)
 
 
 NOT_MODIFIED = object()

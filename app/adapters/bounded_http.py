@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import httpx
 
-from app.domain.retrying import GiveUp, wait_as_asked
+from app.domain.retrying import GiveUp, held_for, wait_as_asked
 
 # no attempt is given less than this (httpx needs a positive timeout)
 _SHORTEST_ATTEMPT = 0.001
@@ -64,3 +66,46 @@ def decide_wait(asked: float, *, left: float, longest: float) -> float | GiveUp:
         spread=random.random(),  # jitter, not a secret
     )
     return decision if isinstance(decision, GiveUp) else decision.seconds
+
+
+@dataclass(frozen=True)
+class Held:
+    """A call not made: the server's Retry-After holds it `left` more seconds (`until`)."""
+
+    left: float
+    until: datetime
+    unreachable: bool  # what the answer that set it was (a 503) or was not (a 429)
+
+    def text(self) -> str:
+        shown = self.until.isoformat(timespec="seconds").replace("+00:00", "Z")
+        return f"not sent: Retry-After until {shown}"
+
+
+class Holds:
+    """Each kind of call's time before which it is not made again, set by a Retry-After
+    the call could not wait out: capped at `longest` seconds and jittered (`held_for`),
+    so every caller of that kind (a loop, an operator's sync, the final report) waits
+    the same, and the loop's next run, told the same wait, finds it lifted."""
+
+    def __init__(self, *, longest: float, clock: Callable[[], float]) -> None:
+        self._longest = longest
+        self._clock = clock
+        self._until: dict[str, tuple[float, bool]] = {}
+
+    def hold(self, kind: str, asked: float, *, unreachable: bool) -> float:
+        """Hold `kind` after a Retry-After of `asked` seconds; the seconds it is held."""
+        wait = held_for(asked, longest=self._longest, spread=random.random())
+        self._until[kind] = (self._clock() + wait, unreachable)
+        return wait
+
+    def held(self, kind: str) -> Held | None:
+        """Whether `kind` is held now, and how long still."""
+        found = self._until.get(kind)
+        if found is None:
+            return None
+        until, unreachable = found
+        left = until - self._clock()
+        if left <= 0:
+            del self._until[kind]
+            return None
+        return Held(left, datetime.fromtimestamp(until, UTC), unreachable)

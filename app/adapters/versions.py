@@ -20,6 +20,10 @@ when set (an https URL, presigned as the file's may be, or an s3://bucket/key re
 SigV4); a missing, malformed or wrong signature is an error, and nothing of that content is
 kept (not even its ETag), so the next fetch reads it again in full. `sign_version_file`
 makes such a signature.
+
+A 429 or 503 with `Retry-After` holds the file's reads until it passes (capped at
+`retry_after_max`, plus a small jitter): a read before then is not sent, and its error
+carries the seconds left (`retry_after`), which the check's loop takes as its next run.
 """
 
 from __future__ import annotations
@@ -30,13 +34,18 @@ import logging
 import os
 import re
 import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import httpx
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from app.adapters.bounded_http import Holds
 from app.domain.redaction import redact_text
+from app.domain.retrying import parse_retry_after
 from app.domain.updates import (
     MAX_SIGNATURE_BYTES,
     MAX_VERSION_FILE_BYTES,
@@ -62,10 +71,13 @@ _S3_ERROR_FIELD = re.compile(rb"<(Code|Message)>([^<]{1,300})</\1>")
 
 class VersionSourceError(RuntimeError):
     """The file could not be fetched (the message is shown in /v1/status and logged, so it
-    is redacted: a presigned URL's signature and credential never appear in it)."""
+    is redacted: a presigned URL's signature and credential never appear in it).
+    `retry_after`: the seconds before the file may be read again, after its server's
+    Retry-After (capped, jittered); None without one."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(redact_text(message))
+        self.retry_after = retry_after
 
 
 class VersionSignatureError(VersionSourceError):
@@ -95,8 +107,12 @@ class VersionFile:
         s3_endpoint: str | None = None,
         public_key: VersionFileKey | None = None,
         signature_url: str | None = None,
+        retry_after_max: float = 3600.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.url = url
+        self._clock = clock
+        self._holds = Holds(longest=retry_after_max, clock=clock)
         self._timeout = timeout
         self._s3 = S3Object(url, endpoint=s3_endpoint) if url.startswith("s3://") else None
         # the signature's location, and how it is read: beside the file (the same object
@@ -128,6 +144,9 @@ class VersionFile:
         rest is never read. With a public key, new content is returned only once its
         signature verifies.
         """
+        held = self._holds.held("file")
+        if held is not None:  # the file's server said when (its signature's included)
+            raise VersionSourceError(f"GET {self.url}: {held.text()}", retry_after=held.left)
         conditional = self._etag is not None and self._body is not None
         headers = {"If-None-Match": self._etag} if conditional and self._etag else {}
         got = await self._get(self.url, self._s3, "", headers, MAX_VERSION_FILE_BYTES)
@@ -151,7 +170,8 @@ class VersionFile:
         except VersionSourceError as exc:
             raise VersionSignatureError(
                 f"{where}: {str(exc).removeprefix(f'GET {location}: ')} "
-                "(SELF_UPDATE_PUBLIC_KEY is set: the version file must be signed); nothing decided"
+                "(SELF_UPDATE_PUBLIC_KEY is set: the version file must be signed); nothing decided",
+                retry_after=exc.retry_after,
             ) from None
         assert got is not None  # never conditional
         try:
@@ -200,7 +220,7 @@ class VersionFile:
                     )
                 if status != 200:
                     why = await _s3_error(response) if s3 is not None else ""
-                    raise VersionSourceError(f"GET {shown}: HTTP {status}{why}")
+                    raise self._refused(shown, status, why, response.headers)
                 declared = response.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > limit:
                     raise _too_large(shown, limit)
@@ -215,6 +235,22 @@ class VersionFile:
         except httpx.TransportError as exc:
             raise VersionSourceError(f"GET {shown}: {type(exc).__name__}: {exc}") from None
         return bytes(body), etag
+
+    def _refused(
+        self, shown: str, status: int, why: str, headers: httpx.Headers
+    ) -> VersionSourceError:
+        """The error of a status other than 200: with a 429 or 503's Retry-After, the file
+        (and its signature) is not read again until it passes."""
+        asked = None
+        if status in (429, 503):
+            now = datetime.fromtimestamp(self._clock(), UTC)
+            asked = parse_retry_after(headers.get("retry-after"), now)
+        if asked is None:
+            return VersionSourceError(f"GET {shown}: HTTP {status}{why}")
+        wait = self._holds.hold("file", asked, unreachable=status >= 500)
+        held = self._holds.held("file")
+        until = f"; {held.text().removeprefix('not sent: ')}" if held is not None else ""
+        return VersionSourceError(f"GET {shown}: HTTP {status}{why}{until}", retry_after=wait)
 
 
 def _too_large(shown: str, limit: int) -> VersionSourceError:

@@ -59,14 +59,14 @@ class WorkloadInfo(BaseModel):
 
 
 class ReportInfo(BaseModel):
-    interval_seconds: float
+    interval_seconds: float  # now: the settings', or the one the backend asked for
     next_at: datetime | None
     last_reported_at: str | None
     last_workload_count: int | None
 
 
 class SyncInfo(BaseModel):
-    interval_seconds: float
+    interval_seconds: float  # now: the settings', or the one the backend asked for
     next_at: datetime | None
     last: dict[str, Any] | None
     last_change: dict[str, Any] | None
@@ -99,6 +99,13 @@ class LoopInfo(BaseModel):
     since: datetime | None
     failures_in_a_row: int
     last_error: str | None
+    # its interval now, and whether the settings or the backend's answers set it
+    interval_seconds: float | None = None
+    interval_from: Literal["settings", "backend"] = "settings"
+    # until when a backend's Retry-After puts it off, and that in words
+    # ("Retry-After until 2026-12-06T10:00:31Z"); None when it does not
+    retry_after_until: datetime | None = None
+    waiting: str | None = None
 
 
 class Status(BaseModel):

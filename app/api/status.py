@@ -70,13 +70,14 @@ def build_status(rt: Runtime) -> Status:
         loops={name: LoopInfo(**scrub(loop)) for name, loop in rt.supervisor.loops().items()},
         workloads=[_workload(v) for v in rt.book.views()],
         report=ReportInfo(
-            interval_seconds=rt.settings.report_interval_seconds,
+            interval_seconds=rt.supervisor.interval("report")
+            or rt.settings.report_interval_seconds,
             next_at=rt.supervisor.next_run("report"),
             last_reported_at=last["reported_at"] if last else None,
             last_workload_count=len(last["workloads"]) if last else None,
         ),
         sync=SyncInfo(
-            interval_seconds=rt.settings.sync_interval_seconds,
+            interval_seconds=rt.supervisor.interval("sync") or rt.settings.sync_interval_seconds,
             next_at=rt.supervisor.next_run("sync"),
             last=scrub(syncer.last.as_dict()) if syncer and syncer.last else None,
             last_change=(

@@ -31,6 +31,14 @@ class Result(StrEnum):
 
 
 @dataclass(frozen=True)
+class Cadence:
+    """What an answer said of its loop's interval: the `seconds` it asked for, or None
+    when it asked for none (the loop goes back to its configured interval)."""
+
+    seconds: float | None
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What one run returns: how it ended, why, what `/v1/status` shows of it, and the
     events to alert on (key, text) whatever the result."""
@@ -40,8 +48,11 @@ class Outcome:
     detail: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     alerts: tuple[tuple[str, str], ...] = ()
     # when the loop should run next, in seconds, instead of at its interval: a backend's
-    # Retry-After, or an interval the backend asks for (None: the supervisor's policy)
+    # Retry-After, capped and jittered (None: the supervisor's policy)
     retry_in: float | None = None
+    # the interval the backend's answer asked for from now on (None: no answer, nothing
+    # said; `Cadence(None)`: an answer without one, back to the configured interval)
+    cadence: Cadence | None = None
 
     @classmethod
     def ok(cls, **detail: Any) -> Outcome:
@@ -73,6 +84,10 @@ class Outcome:
     def retrying(self, seconds: float | None) -> Outcome:
         """This outcome, asking for the loop's next run in `seconds` (None: as it was)."""
         return self if seconds is None else replace(self, retry_in=max(0.0, seconds))
+
+    def paced(self, cadence: Cadence | None) -> Outcome:
+        """This outcome, saying what the answer asked of the loop's interval."""
+        return self if cadence is None else replace(self, cadence=cadence)
 
 
 class ComponentState(StrEnum):

@@ -6,6 +6,11 @@ wait is honoured as a floor, never shortened: either the call waits at least tha
 (plus some jitter, so that many nodes told the same do not come back at the same moment),
 or it gives up now with the reason, when the wait is longer than the longest wait allowed
 or would not leave time for the attempt before the call's deadline.
+
+A wait too long for the call puts off the loop that made it instead (`held_for`): at
+most `RETRY_AFTER_MAX_SECONDS` (the setting; `RETRY_AFTER_CEILING` is its highest value),
+plus a small positive jitter, so that a fleet told the same date does not come back in
+the same second.
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ from email.utils import parsedate_to_datetime
 
 # longer than any HTTP-date form (29 characters for IMF-fixdate) or sane delay-seconds
 MAX_RETRY_AFTER_CHARS = 64
+# the highest RETRY_AFTER_MAX_SECONDS may be: a Retry-After never puts a loop off longer
+RETRY_AFTER_CEILING = 3600.0
+# the jitter added to a loop's wait: up to this fraction of it, and at least up to
+# RETRY_AFTER_JITTER_LEAST seconds (15,000 nodes told `Retry-After: 30` come back over 3 s)
+RETRY_AFTER_JITTER_FRACTION = 0.1
+RETRY_AFTER_JITTER_LEAST = 1.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,19 @@ def wait_as_asked(
         )
     room = max(0.0, min(jitter, longest - asked, left - asked))
     return Wait(asked + room * min(max(spread, 0.0), 1.0))
+
+
+def jitter_room(wait: float) -> float:
+    """How much jitter goes on top of a loop's wait of `wait` seconds (at most)."""
+    return max(RETRY_AFTER_JITTER_LEAST, wait * RETRY_AFTER_JITTER_FRACTION)
+
+
+def held_for(asked: float, *, longest: float, spread: float) -> float:
+    """How long a loop waits after a Retry-After of `asked` seconds: never less than asked
+    unless that is past `longest` (then `longest`), plus jitter (`spread` in [0, 1] says
+    how much of `jitter_room`): always at least the wait, never more than wait + room."""
+    wait = min(max(asked, 0.0), longest)
+    return wait + jitter_room(wait) * min(max(spread, 0.0), 1.0)
 
 
 def _seconds(value: float) -> str:

@@ -2,7 +2,9 @@
 
 With no backend configured (development), the report goes to the log and to
 `/v1/status` only. A failed delivery is logged, counted and simply tried again at the
-next tick with fresh data: old reports are never queued, since only the latest matters.
+next tick with fresh data (or, after a Retry-After, once it passes): old reports are
+never queued, since only the latest matters. The backend's answer may ask for another
+interval (`X-Report-Interval-Seconds`), which the supervisor applies within bounds.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from app import __version__
 from app.adapters import system
-from app.domain.components import Outcome
+from app.domain.components import Cadence, Outcome
 from app.domain.reports import build_report
 from app.services.workloads import WorkloadBook
 
@@ -69,11 +71,13 @@ class Reporter:
                 extra={"report": report},
             )
             return Outcome.ok(target="log")
-        from app.adapters.backend import BackendError
+        from app.adapters.backend import REPORT, BackendError
 
         try:
             await self.backend.post_health(report)
         except BackendError as exc:
             return Outcome.failed(f"not delivered: {exc}").retrying(exc.retry_after)
         log.debug("node report delivered: %d workloads", len(report["workloads"]))
-        return Outcome.ok(target="backend")
+        # the interval the backend asked for in its answer (none: the configured one)
+        asked = Cadence(self.backend.interval_asked(REPORT))
+        return Outcome.ok(target="backend").paced(asked)

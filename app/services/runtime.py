@@ -280,7 +280,7 @@ def _hand_over(rt: Runtime) -> None:
             supervisor.add_loop(
                 timer.name, timer.body, every=timer.every, first_after=first,
                 what=timer.what, outage=timer.outage,
-                component=component if timer.recorded else None,
+                component=component if timer.recorded else None, bounds=timer.bounds,
             )  # fmt: skip
         for task in running.tasks:
             supervisor.start(

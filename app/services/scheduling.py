@@ -9,7 +9,8 @@ loop would wait ten minutes. While the scheduler runs, its clock watch compares 
 clock with the boot-time clock each second and moves every next run by a jump it sees, so
 the loops keep their cadence whatever the wall clock does (tests/services/test_scheduling.py
 sets the clock back and ahead). `run_again` moves one loop's next run: the supervisor's
-retry after a failure, or the time an outcome asked for.
+retry after a failure, or the time an outcome asked for; `set_interval` changes a loop's
+interval (one the backend asked for) from now on.
 
 A tick that finds its loop's last run still going is skipped (one instance at a time): a
 normal turn for a run longer than its interval, said at DEBUG rather than with
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -109,6 +111,18 @@ class Scheduler:
         job = self._scheduler.get_job(name)
         if job is not None and not self._stopping:
             job.modify(next_run_time=self._now() + timedelta(seconds=after))
+
+    def set_interval(self, name: str, *, every: float) -> None:
+        """The loop `name` runs every `every` seconds from now on, the next one `every`
+        (plus its jitter) from now: an interval the backend asked for, applied at once."""
+        job = self._scheduler.get_job(name)
+        if job is None or self._stopping:
+            return
+        jitter = every * self._jitter_fraction
+        job.modify(
+            trigger=IntervalTrigger(seconds=every, jitter=jitter or None, timezone=UTC),
+            next_run_time=self._now() + timedelta(seconds=every + random.uniform(0, jitter)),
+        )
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self._wall(), UTC)

@@ -16,11 +16,13 @@ shutdown step may take:
   and the guard records it — the loop's state under `/v1/status` `loops`, its component,
   `scheduled_runs_total{loop,outcome}`, `loop_duration_seconds{loop}`, the outcome's
   alerts, and one log line in a shape shared by every loop — and decides the next run:
-  the time the outcome asks for (`retry_in`), else after a failure the same jittered
-  backoff as a task's restart (from `LOOP_BACKOFF_INITIAL`, capped at the loop's
-  interval), else the interval. A loop may name the errors that mean a dependency is
-  down (`outage`): an outage is one WARNING when it begins and one INFO when it ends,
-  not an ERROR with a traceback (a Sentry event) at every tick. Any other exception is a
+  the time the outcome asks for (`retry_in`: a backend's Retry-After, shown as
+  "Retry-After until …"), else after a failure the same jittered backoff as a task's
+  restart (from `LOOP_BACKOFF_INITIAL`, capped at the loop's interval), else the
+  interval, which an answer may change within the loop's bounds (`cadence`). A loop
+  may name the errors that mean a dependency is down (`outage`): an outage is one
+  WARNING when it begins and one INFO when it ends, not an ERROR with a traceback (a
+  Sentry event) at every tick. Any other exception is a
   crash: logged with its traceback, and tried again like any failure. A failing
   component alerts through the outage watch, once after a grace and once on recovery.
 
@@ -38,10 +40,12 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from app.domain.components import Component, Outcome, Result
+from app.domain.components import Cadence, Component, Outcome, Result
+from app.domain.retrying import RETRY_AFTER_CEILING, jitter_room
+from app.domain.steering import clamp_interval
 from app.services.scheduling import Scheduler
 
 if TYPE_CHECKING:
@@ -134,8 +138,9 @@ def _failing(outcome: Outcome) -> bool:
 # up to the loop's interval
 LOOP_BACKOFF_INITIAL = 10.0
 # the latest a run may ask to be put off to (a Retry-After of a day is not kept), unless
-# the loop's own interval is longer
-LONGEST_RETRY_IN = 3600.0
+# the loop's own interval is longer: the longest RETRY_AFTER_MAX_SECONDS and its jitter
+# (the clients cap and jitter a Retry-After; this bounds whatever a body returns)
+LONGEST_RETRY_IN = RETRY_AFTER_CEILING + jitter_room(RETRY_AFTER_CEILING)
 
 _LOOP_STATE = {
     Result.OK: "ok",
@@ -154,18 +159,33 @@ class Loop:
     outage: tuple[type[Exception], ...]
     component: Component | None
     every: float  # its interval: a retry after a failure comes sooner, never later
+    # the bounds of an interval the backend may ask for (None: it may not; the loop keeps
+    # `configured`, its interval from the settings)
+    bounds: tuple[float, float] | None = None
+    configured: float = 0.0
     state: str = "waiting"  # waiting | ok | failing | unavailable (a skip keeps it)
     since: datetime | None = None  # when the state began
     failures_in_a_row: int = 0
     last_error: str | None = None
+    # until when the backend's Retry-After puts the loop off (its next run), if it does
+    retry_after_until: datetime | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        until = self.retry_after_until
         return {
             "state": self.state,
             "since": self.since,
             "failures_in_a_row": self.failures_in_a_row,
             "last_error": self.last_error,
+            "interval_seconds": self.every,
+            "interval_from": "settings" if self.every == self.configured else "backend",
+            "retry_after_until": until,
+            "waiting": None if until is None else f"Retry-After until {_iso(until)}",
         }
+
+
+def _iso(at: datetime) -> str:
+    return at.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 class Supervisor:
@@ -206,14 +226,17 @@ class Supervisor:
         what: str | None = None,
         outage: tuple[type[Exception], ...] = (),
         component: Component | None = None,
+        bounds: tuple[float, float] | None = None,
     ) -> None:
         """Run `body` every `every` seconds (first after `first_after`) through the guard.
 
         `body` returns an `Outcome` (anything else counts as OK). The guard records it on
         `component` and decides the next run: the one the outcome asks for (`retry_in`),
         else a jittered backoff after a failure (sooner than `every`, growing to it), else
-        the interval."""
-        loop = Loop(name, body, what or f"loop {name}", outage, component, every)
+        the interval. With `bounds`, an outcome's `cadence` (the interval the backend's
+        answer asked for) sets the interval within them, at once; back to `every` when
+        an answer asks for none."""
+        loop = Loop(name, body, what or f"loop {name}", outage, component, every, bounds, every)
         self._loops[name] = loop
         self.scheduler.add(
             name, functools.partial(self._run, loop, True), every=every, first_after=first_after
@@ -250,17 +273,44 @@ class Supervisor:
 
     def _schedule_next(self, loop: Loop, outcome: Outcome, *, failed: bool) -> None:
         """The run after this one: when the outcome asks (a Retry-After), else after a
-        backoff when it failed, else at the loop's interval (the scheduler's own)."""
+        backoff when it failed, else at the loop's interval (the scheduler's own), which
+        the answer may have changed (`cadence`)."""
+        loop.retry_after_until = None
+        self._pace(loop, outcome.cadence)  # from now: the next run moves with it
         if outcome.retry_in is not None:  # the backend's word, bounded
             after = min(outcome.retry_in, max(loop.every, LONGEST_RETRY_IN))
+            loop.retry_after_until = datetime.now(UTC) + timedelta(seconds=after)
+            if loop.component is not None:
+                loop.component.last_detail = {
+                    **loop.component.last_detail,
+                    "waiting": f"Retry-After until {_iso(loop.retry_after_until)}",
+                }
         elif failed:
             after = self.backoff(
                 loop.failures_in_a_row, initial=self._loop_backoff_initial, cap=loop.every
             )
         else:
-            return
+            return  # at its interval: as it was, or as `_pace` set it from now
         self.scheduler.run_again(loop.name, after=after)
         log.debug("%s runs again in %.0f s", loop.what, after)
+
+    def _pace(self, loop: Loop, cadence: Cadence | None) -> None:
+        """The interval an answer asked for, within the loop's bounds, from now on (the
+        configured one when it asked for none), its next run moved with it."""
+        if cadence is None or loop.bounds is None:
+            return
+        every = loop.configured
+        if cadence.seconds is not None:
+            low, high = loop.bounds
+            every = clamp_interval(cadence.seconds, low=low, high=high)
+        if every == loop.every:
+            return
+        was, loop.every = loop.every, every
+        self.scheduler.set_interval(loop.name, every=every)
+        log.info(
+            "%s: every %g s from now (was %g s): %s", loop.what, every, was,
+            "the backend asked" if cadence.seconds is not None else "back to the settings",
+        )  # fmt: skip
 
     def record(self, name: str, outcome: Outcome) -> None:
         """The outcome of a run made outside the schedule (an operator's sync)."""
@@ -306,6 +356,12 @@ class Supervisor:
 
     def next_run(self, name: str) -> datetime | None:
         return self.scheduler.next_run(name)
+
+    def interval(self, name: str) -> float | None:
+        """The loop's interval now (the backend may have asked for another); None: no
+        such loop."""
+        loop = self._loops.get(name)
+        return None if loop is None else loop.every
 
     def start_loops(self) -> None:
         self.scheduler.start()

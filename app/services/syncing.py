@@ -29,15 +29,17 @@ from typing import Any, Protocol
 import stamina
 
 from app.adapters.backend import (
+    DESIRED,
     NOT_MODIFIED,
     BackendClient,
     BackendDeadlineError,
     BackendError,
+    BackendHeld,
     parse_json,
 )
 from app.adapters.desired_files import DesiredFiles, DesiredFilesError
 from app.adapters.kube import KubeConflict, KubeDeployments, KubeError, KubeNotFound
-from app.domain.components import Outcome
+from app.domain.components import Cadence, Outcome
 from app.domain.desired import (
     DEFAULT_MAX_WORKLOADS,
     DesiredState,
@@ -85,6 +87,12 @@ class DesiredSource(Protocol):
         """Where the desired state last returned came from."""
         ...
 
+    @property
+    def cadence(self) -> Cadence | None:
+        """What the last answer asked of the sync's interval; None: no answer to say it
+        (a folder, or the backend did not answer)."""
+        ...
+
     async def settle(self, keep: set[tuple[str, str]]) -> None:
         """After a sync: keep what it applied (the last good state's store)."""
         ...
@@ -116,6 +124,7 @@ class BackendSource:
         self._cached: DesiredState | None = None
         self._offline_since: datetime | None = None
         self._offline_reason: str | None = None
+        self._cadence: Cadence | None = None
         self.description = f"backend {endpoint}"
         if last_good is not None:
             self.description += " (signed)"
@@ -124,7 +133,22 @@ class BackendSource:
     def offline(self) -> bool:
         return self._offline_since is not None
 
+    @property
+    def backend(self) -> BackendClient:
+        return self._backend
+
+    @property
+    def cadence(self) -> Cadence | None:
+        return self._cadence
+
     async def desired(self) -> DesiredState:
+        self._cadence = None
+        state = await self._desired()
+        if not self.offline:  # an answer came: what it asked of the interval
+            self._cadence = Cadence(self._backend.interval_asked(DESIRED))
+        return state
+
+    async def _desired(self) -> DesiredState:
         last_good = self._last_good
         if last_good is None:
             etag, body = await self._backend.get_desired(self._etag if self._cached else None)
@@ -216,6 +240,10 @@ class FolderSource:
     def origin(self) -> Origin:
         return Origin("folder")
 
+    @property
+    def cadence(self) -> Cadence | None:
+        return None
+
     async def settle(self, keep: set[tuple[str, str]]) -> None:
         return None
 
@@ -274,6 +302,7 @@ class SyncOutcome:
     revision: str | None = None
     aborted: str | None = None
     retry_after: float | None = None  # what the backend's Retry-After asked for
+    cadence: Cadence | None = None  # what the desired state's answer asked of the interval
     # where the desired state came from (`Origin.as_dict`): the backend, or the last good
     # state stored on the node while the backend is away
     source: dict[str, Any] | None = None
@@ -344,6 +373,10 @@ class Syncer:
         # version reports owed to the backend, and the last version it confirmed, per workload
         self._unreported: dict[str, VersionReport] = {}
         self._reported: dict[str, str] = {}
+        # why the owed reports wait, while a Retry-After holds the version PUTs
+        self._reports_held: str | None = None
+        # the longest Retry-After a manifest fetch of this sync met: the sync's next run
+        self._held_for: float | None = None
         # the backend's `reported_version`s as last learned
         self._backend_view: dict[str, str] = {}
         self.last: SyncOutcome | None = None
@@ -378,21 +411,27 @@ class Syncer:
     def outcome_of(self, sync: SyncOutcome) -> Outcome:
         """A sync as the supervisor records it on the `sync` component; the versions
         applied and not told to the backend yet (retried by the next syncs) with it."""
-        owed = {
+        owed: dict[str, Any] = {
             "versions_not_reported": {n: r.version for n, r in sorted(self._unreported.items())}
         }
+        if self._unreported and self._reports_held is not None:
+            owed["versions_waiting"] = self._reports_held  # "Retry-After until …"
         if sync.dry_run:
             return Outcome.skipped("a dry run changes nothing", **owed)
         if sync.aborted is not None:
             return Outcome.failed(sync.aborted, **owed).retrying(sync.retry_after)
         failed = [r for r in sync.results if r.outcome == "failed"]
         if failed:
-            return Outcome.failed(
-                f"{len(failed)} workload(s) failed: "
-                + "; ".join(f"{r.name}: {r.error}" for r in failed[:3]),
-                **owed,
+            return (
+                Outcome.failed(
+                    f"{len(failed)} workload(s) failed: "
+                    + "; ".join(f"{r.name}: {r.error}" for r in failed[:3]),
+                    **owed,
+                )
+                .paced(sync.cadence)
+                .retrying(sync.retry_after)
             )
-        return Outcome.ok(revision=sync.revision, counts=sync.counts(), **owed)
+        return Outcome.ok(revision=sync.revision, counts=sync.counts(), **owed).paced(sync.cadence)
 
     async def run_rollout(self) -> Outcome:
         """A look between syncs while an update is in flight or waits on time (a window, a
@@ -415,6 +454,7 @@ class Syncer:
             )
             started = time.monotonic()
             self._stage, self._missed, self._undone = "", None, []
+            self._held_for = None
             limit = asyncio.timeout(self._deadline)
             try:
                 async with limit:
@@ -434,6 +474,8 @@ class Syncer:
             except Exception as exc:
                 self._crashed(outcome, exc)
             finally:
+                if outcome.retry_after is None:  # a manifest's Retry-After, if any
+                    outcome.retry_after = self._held_for
                 outcome.finished_at = datetime.now(UTC)
                 outcome.duration_seconds = time.monotonic() - started
                 self._record(outcome)
@@ -468,6 +510,7 @@ class Syncer:
                 outcome.retry_after = getattr(exc, "retry_after", None)
                 return
             self._desired = desired
+            outcome.cadence = self.source.cadence
         else:
             desired = self._desired
         outcome.revision = desired.revision
@@ -611,6 +654,8 @@ class Syncer:
             result.outcome, result.action, result.reason = "held", "hold", str(exc)
         except (*SOURCE_ERRORS, KubeError, FetchSkipped) as exc:
             result.outcome, result.error = "failed", str(exc)
+            if isinstance(exc, BackendError) and exc.retry_after is not None:
+                self._held_for = max(self._held_for or 0.0, exc.retry_after)
             if isinstance(exc, TrustError):
                 self._metrics.desired_refused.labels("manifest").inc()
                 log.warning("manifest refused: %s", exc)
@@ -863,9 +908,16 @@ class Syncer:
         try:
             await self.source.applied(name, report)
         except SOURCE_ERRORS as exc:
-            level = logging.DEBUG if isinstance(exc, ReportDeferred) else logging.WARNING
+            # kept, and said once: the backend is away, or its Retry-After holds the PUTs
+            quiet = isinstance(exc, ReportDeferred | BackendHeld)
+            level = logging.DEBUG if quiet else logging.WARNING
             log.log(level, "version %s of %s not reported yet: %s", report.version, name, exc)
+            until = exc.until if isinstance(exc, BackendError) else None
+            if until is not None:
+                shown = until.isoformat(timespec="seconds").replace("+00:00", "Z")
+                self._reports_held = f"Retry-After until {shown}"
             return
+        self._reports_held = None
         if self._unreported.get(name) is report:
             del self._unreported[name]
         self._reported[name] = report.version

@@ -190,7 +190,8 @@ class SelfUpdater:
             decision, pending, own = await self._check()
         except (VersionSourceError, VersionFileError, KubeError) as exc:
             self._metrics.self_updates.labels("check-failed").inc()
-            return Outcome.failed(str(exc))  # nothing changed
+            # nothing changed; after a Retry-After, the next check waits for it
+            return Outcome.failed(str(exc)).retrying(getattr(exc, "retry_after", None))
         if pending.owed is not Owed.NOTHING:
             log.warning(
                 "self-update to %s: %s owed: %s",

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from email.utils import formatdate
 from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from app.adapters.backend import BackendClient, BackendError
+from app.adapters.backend import DESIRED, BackendClient, BackendError, BackendHeld
+from app.adapters.backend import REPORT as REPORT_KIND
 from app.adapters.signing import NodeSigner
 from standins.backend import LocalBackend
 from standins.servers import ThreadedServer, serve
@@ -47,6 +48,8 @@ def make_client(
     max_wait: float = 0.05,
     deadline: float = 10.0,
     max_response_bytes: int = 1024 * 1024,
+    retry_after_max: float = 3600.0,
+    clock: Callable[[], float] = time.time,
 ) -> BackendClient:
     return BackendClient(
         base_url=server_url,
@@ -56,6 +59,8 @@ def make_client(
         max_wait=max_wait,
         deadline=deadline,
         max_response_bytes=max_response_bytes,
+        retry_after_max=retry_after_max,
+        clock=clock,
     )
 
 
@@ -307,3 +312,109 @@ async def test_an_answer_nested_too_deeply_is_a_backend_error() -> None:
                 await client.get_manifest("api", "1.0.0")
         finally:
             await client.aclose()
+
+
+async def test_a_retry_after_it_cannot_wait_holds_that_kind_of_call_until_it_passes(
+    backend: LocalBackend, url: str
+) -> None:
+    """One 429 with `Retry-After: 30`: the report asks once; a report before the 30 s (and
+    its jitter) have passed is not sent, and says how long is left; other calls go on;
+    once the time has passed (the client's clock moved on) the report is sent again."""
+    backend.fail("health", "429", times=None, retry_after="30")
+    now = [time.time()]
+    client = make_client(url, max_wait=3.0, clock=lambda: now[0])
+    try:
+        with pytest.raises(BackendError) as first:
+            await client.post_health(REPORT)
+        assert first.value.retry_after is not None
+        assert 30.0 <= first.value.retry_after <= 33.0  # jittered: up to 10 % more
+        assert "Retry-After until " in str(first.value)
+        assert first.value.until is not None
+        now[0] += 29.0
+        with pytest.raises(BackendHeld, match="not sent: Retry-After until ") as held:
+            await client.post_health(REPORT)
+        assert held.value.retry_after == pytest.approx(first.value.retry_after - 29.0)
+        assert len(backend.requests) == 1
+        await client.get_desired(None)  # another kind of call is not held
+        assert len(backend.requests) == 2
+        now[0] += 4.5
+        with pytest.raises(BackendError, match="HTTP 429"):
+            await client.post_health(REPORT)
+    finally:
+        await client.aclose()
+    assert [(r.route, r.status) for r in backend.requests] == [
+        ("health", 429), ("workloads", 200), ("health", 429)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "cap", "low", "high"),
+    [
+        ("86400", 60.0, 60.0, 66.0),  # a day, capped at RETRY_AFTER_MAX_SECONDS, jittered
+        ("45", 3600.0, 45.0, 49.5),
+        ("0", 3600.0, 0.0, 1.0),  # now: no wait but the jitter (at most a second)
+        ("date+40", 3600.0, 38.0, 44.0),  # an HTTP date 40 s ahead (whole seconds)
+    ],
+)
+async def test_the_hold_is_capped_and_jittered(
+    backend: LocalBackend, url: str, retry_after: str, cap: float, low: float, high: float
+) -> None:
+    if retry_after.startswith("date+"):
+        retry_after = formatdate(time.time() + float(retry_after[5:]), usegmt=True)
+    backend.fail("version", "503", times=None, retry_after=retry_after)
+    client = make_client(url, attempts=1, max_wait=0.05, retry_after_max=cap)
+    try:
+        with pytest.raises(BackendError) as raised:
+            await client.put_version("api", {"version": "1.0.0"})
+    finally:
+        await client.aclose()
+    assert raised.value.retry_after is not None
+    assert low <= raised.value.retry_after <= high
+    assert raised.value.unreachable  # a 503: the backend failed rather than answered
+
+
+async def test_a_429_without_retry_after_holds_nothing(backend: LocalBackend, url: str) -> None:
+    backend.fail("health", "429", times=1)
+    client = make_client(url, attempts=1)
+    try:
+        with pytest.raises(BackendError) as raised:
+            await client.post_health(REPORT)
+        assert raised.value.retry_after is None
+        await client.post_health(REPORT)
+    finally:
+        await client.aclose()
+    assert [r.status for r in backend.requests] == [429, 202]
+
+
+async def test_the_interval_an_answer_asks_for_is_kept_until_the_next_answer(
+    backend: LocalBackend, url: str
+) -> None:
+    """`X-Report-Interval-Seconds` on the report's 2xx, `X-Sync-Interval-Seconds` on the
+    desired state's 200 and 304; an answer without it (or with a malformed value) says
+    none; a failed call changes nothing."""
+    client = make_client(url, attempts=1)
+    try:
+        assert client.interval_asked(REPORT_KIND) is None
+        backend.steer("health", 120)
+        await client.post_health(REPORT)
+        assert client.interval_asked(REPORT_KIND) == 120.0
+        backend.fail("health", "500", times=1)
+        with pytest.raises(BackendError):
+            await client.post_health(REPORT)
+        assert client.interval_asked(REPORT_KIND) == 120.0  # no answer: as it was
+        backend.steer("health", "soon")
+        await client.post_health(REPORT)
+        assert client.interval_asked(REPORT_KIND) is None
+        backend.steer("health", None)
+        backend.steer("workloads", 900)
+        etag, _ = await client.get_desired(None)
+        assert client.interval_asked(DESIRED) == 900.0
+        backend.steer("workloads", 1200.5)
+        await client.get_desired(etag)  # a 304 carries it too
+        assert client.interval_asked(DESIRED) == 1200.5
+        backend.steer("workloads", None)
+        await client.get_desired(etag)
+        assert client.interval_asked(DESIRED) is None
+    finally:
+        await client.aclose()
+    assert [r.status for r in backend.requests][-3:] == [200, 304, 304]

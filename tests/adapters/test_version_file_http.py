@@ -11,6 +11,7 @@ import hmac
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -58,6 +59,8 @@ class Releases:
         self.body = BODY
         self.sig: bytes | None = None
         self.hits: dict[str, int] = {}
+        # a status and Retry-After /version answers instead of the file (None: the file)
+        self.busy: tuple[int, str] | None = None
         self.app = Starlette(
             routes=[
                 Route("/version", self._version),
@@ -82,7 +85,9 @@ class Releases:
     async def _version(self, request: Request) -> Response:
         self._hit(request)
         with self.lock:
-            body = self.body
+            body, busy = self.body, self.busy
+        if busy is not None:
+            return Response(b"slow down", status_code=busy[0], headers={"Retry-After": busy[1]})
         etag = f'"{hash(body)}"'
         if request.headers.get("if-none-match") == etag:
             return Response(status_code=304)
@@ -122,6 +127,7 @@ def releases(releases_server: tuple[Releases, ThreadedServer]) -> Releases:
     releases.set(BODY, None)
     with releases.lock:
         releases.hits.clear()
+        releases.busy = None
     return releases
 
 
@@ -321,3 +327,33 @@ async def test_a_presigned_file_is_verified_with_the_signature_url_given() -> No
         with pytest.raises(VersionSourceError, match=r"HTTP 403 \(SELF_UPDATE_PUBLIC_KEY"):
             await fetch_once(url, public_base64(KEY))
         assert store.refused == ["/bucket/version.sig"]
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_a_retry_after_holds_the_reads_until_it_passes(
+    releases: Releases, url: str, status: int
+) -> None:
+    """The version file's server answers 429 or 503 with `Retry-After: 30`: the check asks
+    once; a read before the 30 s (and their jitter) is not sent and says how long is
+    left, which the check's loop takes as its next run; after it the file is read."""
+    with releases.lock:
+        releases.busy = (status, "30")
+    now = [time.time()]
+    source = VersionFile(url, timeout=5.0, clock=lambda: now[0])
+    try:
+        with pytest.raises(VersionSourceError, match=f"HTTP {status}.*Retry-After until ") as first:
+            await source.fetch()
+        assert first.value.retry_after is not None
+        assert 30.0 <= first.value.retry_after <= 33.0
+        now[0] += 20.0
+        with pytest.raises(VersionSourceError, match="not sent: Retry-After until ") as held:
+            await source.fetch()
+        assert held.value.retry_after == pytest.approx(first.value.retry_after - 20.0)
+        assert releases.count("/version") == 1
+        with releases.lock:
+            releases.busy = None
+        now[0] += 14.0
+        assert await source.fetch() == BODY
+    finally:
+        await source.aclose()
+    assert releases.count("/version") == 2

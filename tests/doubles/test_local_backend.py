@@ -721,3 +721,52 @@ async def test_await_reports(
     reports = await backend.await_reports(2, timeout=2.0)
 
     assert reports == [health_report(), health_report()]
+
+
+# ---------------------------------------------------------------------- steering
+
+
+def test_steer_sends_the_interval_on_good_answers_only(backend: LocalBackend, call: Call) -> None:
+    backend.set_desired([{"name": "api", "version": "1.0.0"}])
+    backend.steer("health", 120)
+    backend.steer("workloads", 900.5)
+
+    report = call("POST", f"/v1/nodes/{NODE}/health", json_body=health_report())
+    first = call("GET", WORKLOADS)
+    unchanged = call("GET", WORKLOADS, headers={"If-None-Match": first.headers["etag"]})
+    backend.fail("health", "429", retry_after="30")
+    refused = call("POST", f"/v1/nodes/{NODE}/health", json_body=health_report())
+    backend.steer("health", None)
+    plain = call("POST", f"/v1/nodes/{NODE}/health", json_body=health_report())
+
+    assert report.headers["x-report-interval-seconds"] == "120"
+    assert first.headers["x-sync-interval-seconds"] == "900.5"
+    assert unchanged.status_code == 304
+    assert unchanged.headers["x-sync-interval-seconds"] == "900.5"
+    assert refused.status_code == 429 and "x-report-interval-seconds" not in refused.headers
+    assert "x-report-interval-seconds" not in plain.headers
+    with pytest.raises(ValueError, match="carries no interval"):
+        backend.steer("version", 10)
+
+
+def test_the_fleet_formula_of_the_contract() -> None:
+    """docs/backend-api.md's worked example: 15,000 nodes, 100 reports a second."""
+    from standins.backend import after_outage, fleet_interval, stagger
+
+    assert fleet_interval(nodes=15_000, rate=100, configured=60) == 150.0
+    assert fleet_interval(nodes=150, rate=100, configured=60) == 60.0  # never below
+    place = stagger("node-3f2a9c0d11e4b7a8", 150.0)
+    assert 0 <= place < 150 and place == stagger("node-3f2a9c0d11e4b7a8", 150.0)
+    # spread: 15,000 ids fill the interval about evenly (no second holds 3x its share)
+    seconds = [int(stagger(f"node-{n}", 150.0)) for n in range(15_000)]
+    assert max(seconds.count(s) for s in range(150)) < 3 * 15_000 / 150
+    # back after 30 minutes down: 2.5x at once, 1.75x halfway through a 10-minute ramp
+    assert after_outage(150.0, down_for=1800, since_back=0, ramp=600) == 375.0
+    assert after_outage(150.0, down_for=1800, since_back=300, ramp=600) == 262.5
+    assert after_outage(150.0, down_for=1800, since_back=600, ramp=600) == 150.0
+
+
+def test_steer_fleet_serves_the_formulas_interval(backend: LocalBackend, call: Call) -> None:
+    assert backend.steer_fleet(nodes=15_000, rate=100, configured=60) == 150.0
+    report = call("POST", f"/v1/nodes/{NODE}/health", json_body=health_report())
+    assert report.headers["x-report-interval-seconds"] == "150"

@@ -12,13 +12,13 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import datetime, tzinfo
+from datetime import UTC, datetime, tzinfo
 
 import apscheduler.executors.base
 import apscheduler.schedulers.base
 import pytest
 
-from app.domain.components import Outcome
+from app.domain.components import Cadence, Outcome
 from app.metrics import Metrics
 from app.services.scheduling import Scheduler
 from app.services.supervision import Supervisor
@@ -194,13 +194,74 @@ async def test_a_run_may_ask_for_its_next_time(scheduler: Supervisor) -> None:
 
 
 async def test_a_run_cannot_put_its_loop_off_past_an_hour(scheduler: Supervisor) -> None:
-    """A Retry-After of a day (or of years) is the backend's word, bounded: the loop runs
-    again within the hour."""
+    """A Retry-After of a day (or of years) is the backend's word, bounded: the clients
+    cap it at RETRY_AFTER_MAX_SECONDS (an hour at most) and jitter it; whatever a body
+    asks, the loop runs again within the hour and that jitter (6 minutes)."""
     body = Answers(Outcome.failed("HTTP 503").retrying(86_400.0))
     scheduler.add_loop("sync", body, every=10 * MINUTE, first_after=1.0)
     scheduler.start_loops()
     await _until(lambda: _runs(body, 2))
-    assert round(body.at[1] - body.at[0]) == 3600
+    assert round(body.at[1] - body.at[0]) == 3600 + 360
+
+
+async def test_a_retry_after_shows_on_the_loop_until_its_next_run(scheduler: Supervisor) -> None:
+    """`/v1/status` `loops`: "Retry-After until <time>" from the run that was put off to
+    the run after it."""
+    body = Answers(Outcome.failed("HTTP 429").retrying(30.0), Outcome.ok())
+    scheduler.add_loop("report", body, every=MINUTE, first_after=1.0)
+    scheduler.start_loops()
+    await _until(lambda: _runs(body, 1))
+    await asyncio.sleep(0.5)
+    loop = scheduler.loops()["report"]
+    until = loop["retry_after_until"]
+    assert until is not None
+    assert 29 <= (until - datetime.now(UTC)).total_seconds() <= 30
+    assert loop["waiting"] == "Retry-After until " + until.isoformat(timespec="seconds").replace(
+        "+00:00", "Z"
+    )
+    await _until(lambda: _runs(body, 2))
+    await asyncio.sleep(0.5)
+    after = scheduler.loops()["report"]
+    assert (after["retry_after_until"], after["waiting"], after["state"]) == (None, None, "ok")
+    assert round(body.at[1] - body.at[0]) == 30
+
+
+async def test_an_interval_the_backend_asks_for_is_kept_within_bounds_then_dropped(
+    scheduler: Supervisor,
+) -> None:
+    """A cadence changes the loop's interval at once, clamped to its bounds; an answer
+    that asks for none puts it back on its configured interval; a run with no answer
+    (a failure) changes nothing but its own retry; a loop without bounds ignores it."""
+    body = Answers(
+        Outcome.ok().paced(Cadence(20.0)),  # at 1: every 20 s from now
+        Outcome.ok(),  # no answer said anything: still 20 s
+        Outcome.ok().paced(Cadence(1.0)),  # below the bounds: 10 s
+        Outcome.ok().paced(Cadence(10_000.0)),  # above: 120 s
+        Outcome.ok().paced(Cadence(None)),  # none asked: back to 60 s
+        Outcome.ok(),
+        Outcome.ok(),
+    )
+    scheduler.add_loop("report", body, every=MINUTE, first_after=1.0, bounds=(10.0, 120.0))
+    unbounded = Answers(Outcome.ok().paced(Cadence(5.0)), Outcome.ok())
+    scheduler.add_loop("other", unbounded, every=MINUTE, first_after=1.0)
+    scheduler.start_loops()
+    await _until(lambda: _runs(body, 7))
+    gaps = [round(b - a) for a, b in itertools.pairwise(body.at)]
+    assert gaps == [20, 20, 10, 120, 60, 60], gaps
+    assert [round(b - a) for a, b in itertools.pairwise(unbounded.at)][:1] == [60]
+    loop = scheduler.loops()["report"]
+    assert (loop["interval_seconds"], loop["interval_from"]) == (60.0, "settings")
+
+
+async def test_the_interval_asked_for_shows_on_the_loop(scheduler: Supervisor) -> None:
+    body = Answers(Outcome.ok().paced(Cadence(20.0)))
+    scheduler.add_loop("sync", body, every=10 * MINUTE, first_after=1.0, bounds=(10.0, 60.0))
+    scheduler.start_loops()
+    await _until(lambda: _runs(body, 1))
+    await asyncio.sleep(0.5)
+    loop = scheduler.loops()["sync"]
+    assert (loop["interval_seconds"], loop["interval_from"]) == (20.0, "backend")
+    assert scheduler.interval("sync") == 20.0
 
 
 async def test_a_run_longer_than_its_interval_skips_ticks_without_a_warning(

@@ -265,6 +265,21 @@ async def test_unreadable_version_files_change_nothing_and_say_why(
     assert component.state == "failing" and says in (component.last_error or "")
 
 
+async def test_a_retry_after_puts_the_next_check_off_and_says_until_when(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    """A 429 with `Retry-After: 30`: the check fails, nothing changes, and it asks for its
+    next run in 30 s and a little jitter; a check before then reads nothing."""
+    version_file[0].set(status=429, body=b"slow down", retry_after="30")
+    outcome = await scheduled(runtime)
+    assert outcome.retry_in is not None and 30.0 <= outcome.retry_in <= 33.0
+    assert "Retry-After until " in (outcome.error or "")
+    version_file[0].set(body=b"0.9.0")  # published meanwhile: not read before the time
+    again = await scheduled(runtime)
+    assert "not sent: Retry-After until " in (again.error or "")
+    assert image_of(cluster) == f"{REPO}:0.1.0"
+
+
 async def test_an_image_that_never_gets_ready_is_rolled_back_and_skipped_after(
     runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
 ) -> None:

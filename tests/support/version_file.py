@@ -28,15 +28,23 @@ class VersionFileServer:
         self.body = b"0.1.0"
         self.delay = 0.0
         self.sig: bytes | None = None
+        self.retry_after: str | None = None  # sent with a status other than 200
         self.app = Starlette(
             routes=[Route("/version", self._version), Route("/version.sig", self._sig)]
         )
 
     def set(
-        self, *, status: int = 200, body: bytes = b"", delay: float = 0.0, sig: bytes | None = None
+        self,
+        *,
+        status: int = 200,
+        body: bytes = b"",
+        delay: float = 0.0,
+        sig: bytes | None = None,
+        retry_after: str | None = None,
     ) -> None:
         with self.lock:
             self.status, self.body, self.delay, self.sig = status, body, delay, sig
+            self.retry_after = retry_after
 
     async def _sig(self, request: Request) -> Response:
         with self.lock:
@@ -45,9 +53,11 @@ class VersionFileServer:
 
     async def _version(self, request: Request) -> Response:
         with self.lock:
-            status, body, delay = self.status, self.body, self.delay
+            status, body, delay, retry_after = self.status, self.body, self.delay, self.retry_after
         if delay:
             await asyncio.sleep(delay)
+        if status != 200 and retry_after is not None:
+            return Response(body, status_code=status, headers={"Retry-After": retry_after})
         etag = f'"{hash(body)}"'
         if request.headers.get("if-none-match") == etag:
             return Response(status_code=304)

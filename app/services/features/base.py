@@ -67,6 +67,8 @@ class Timer:
     # a call to a shared service (the backend, PostgreSQL, the version file): its first
     # run comes a draw of STARTUP_SPREAD_SECONDS later (`Shared.startup`)
     spread: bool = False
+    # the bounds of an interval the backend may ask for (None: `every` stays)
+    bounds: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)

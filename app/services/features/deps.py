@@ -53,6 +53,7 @@ class BackendConfig:
     max_wait: float
     deadline: float
     max_response_bytes: int
+    retry_after_max: float = 3_600.0  # the longest a Retry-After puts a loop off
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ def _backend(settings: Settings) -> BackendConfig | None:
         max_wait=settings.backend_retry_max_wait_seconds,
         deadline=settings.backend_deadline_seconds,
         max_response_bytes=settings.backend_max_response_bytes,
+        retry_after_max=settings.retry_after_max_seconds,
     )
 
 
@@ -215,6 +217,7 @@ class Deps:
                 max_wait=config.max_wait,
                 deadline=config.deadline,
                 max_response_bytes=config.max_response_bytes,
+                retry_after_max=config.retry_after_max,
             )
             self.stack.push_async_callback(self._backend.aclose)
         return self._backend

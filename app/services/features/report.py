@@ -18,6 +18,8 @@ class ReportConfig:
     interval: float
     to_backend: bool  # False: the report goes to the log and /v1/status only
     data_dir: Path  # its disk is reported (its parent's until it exists)
+    # the bounds of an interval the backend asks for (X-Report-Interval-Seconds)
+    bounds: tuple[float, float] = (30.0, 900.0)
 
 
 @dataclass(kw_only=True)
@@ -35,8 +37,9 @@ class _Report(Spec[ReportConfig, Reporting]):
             return Off("switched off by REPORT_ENABLED=false")
         endpoint = settings.node_system_endpoint
         config = ReportConfig(
-            settings.report_interval_seconds, endpoint is not None, settings.data_dir
-        )
+            settings.report_interval_seconds, endpoint is not None, settings.data_dir,
+            (settings.report_interval_min_seconds, settings.report_interval_max_seconds),
+        )  # fmt: skip
         if endpoint is None:
             return On(config, "no NODE_SYSTEM_ENDPOINT: reports go to the log and /v1/status")
         if not shared.can_sign:
@@ -61,8 +64,9 @@ class _Report(Spec[ReportConfig, Reporting]):
         )
         every = config.interval
         report = Timer(
-            "report", reporter.report_once, every, min(5.0, every), "node report", spread=True
-        )
+            "report", reporter.report_once, every, min(5.0, every), "node report", spread=True,
+            bounds=config.bounds if config.to_backend else None,
+        )  # fmt: skip
         # one last report once the jobs are done (the node says it is going)
         final = Step("final report", lambda _budget: deps.supervisor.run_now("report"), cap=5.0)
         return Reporting(reporter=reporter, timers=[report], stops={Phase.FINAL: final})

@@ -33,6 +33,7 @@ class SelfUpdateConfig:
     min_healthy: float
     poll_interval: float
     interval: float
+    retry_after_max: float = 3_600.0  # the longest a Retry-After holds the file's reads
 
 
 @dataclass(kw_only=True)
@@ -72,6 +73,7 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
             min_healthy=settings.self_update_min_healthy_seconds,
             poll_interval=settings.self_update_poll_seconds,
             interval=settings.self_update_interval_seconds,
+            retry_after_max=settings.retry_after_max_seconds,
         )
         return On(
             config,
@@ -95,6 +97,7 @@ class _SelfUpdate(Spec[SelfUpdateConfig, Updating]):
             s3_endpoint=config.s3_endpoint,
             public_key=config.public_key,
             signature_url=config.signature_url,
+            retry_after_max=config.retry_after_max,
         )
         deps.stack.push_async_callback(source.aclose)
         updater = SelfUpdater(

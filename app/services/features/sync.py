@@ -63,6 +63,8 @@ class SyncConfig:
     update_terms: UpdateTerms
     stale_after: float
     judge_interval: float
+    # the bounds of an interval the backend asks for (X-Sync-Interval-Seconds)
+    bounds: tuple[float, float] = (60.0, 3_600.0)
 
 
 @dataclass(kw_only=True)
@@ -147,6 +149,7 @@ class _Sync(Spec[SyncConfig, Syncing]):
             ),
             stale_after=settings.ping_stale_seconds,
             judge_interval=settings.update_judge_interval_seconds,
+            bounds=(settings.sync_interval_min_seconds, settings.sync_interval_max_seconds),
         )
         return On(config, reason)
 
@@ -205,6 +208,8 @@ class _Sync(Spec[SyncConfig, Syncing]):
             ),
         )
         every, refresh = config.interval, config.refresh_interval
+        # the backend may ask for another interval (a folder asks nothing)
+        steered = config.bounds if isinstance(config.source, BackendSourceConfig) else None
         return Syncing(
             syncer=syncer,
             cluster=cluster,
@@ -216,6 +221,7 @@ class _Sync(Spec[SyncConfig, Syncing]):
                     min(10.0, every),
                     "deployment sync",
                     spread=True,
+                    bounds=steered,
                 ),
                 Timer(
                     "cluster-view",
