@@ -50,6 +50,8 @@ SETTINGS = {
     "ALERT_WINDOW_SECONDS": "60", "CLUSTER_REFRESH_SECONDS": "2",
     # a workload update's judgement: a version pinging unhealthy for 8 s is reverted
     "WORKLOAD_UPDATE_UNHEALTHY_SECONDS": "8", "UPDATE_JUDGE_INTERVAL_SECONDS": "1",
+    # the first runs spread as in production, over seconds (30 s by default)
+    "STARTUP_SPREAD_SECONDS": "3",
     # the backend and the version file are this machine's, reached through the node's own
     # namespace: plain http with no one on the path (production refuses it otherwise)
     "ALLOW_PLAIN_HTTP": "NODE_SYSTEM_ENDPOINT,SELF_UPDATE_URL",
