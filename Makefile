@@ -53,8 +53,9 @@ dev: $(STAMP)
 
 # What the tests need besides the virtualenv, the control plane and the images, installed when
 # missing: Debian's headless Chromium (the status page test), openssl (the test control plane's
-# certificates), PgBouncer (the registry and ledger suites run through it too), kubectl (renders the kustomizations; Debian's kubernetes-client unless a kubectl
-# is on PATH already) and the scanner's own virtualenv. In CI a test that skips for want of any
+# certificates), PgBouncer (the registry and ledger suites run through it too), kubectl
+# (renders the kustomizations; Debian's kubernetes-client unless a kubectl is on PATH
+# already) and the scanner's own virtualenv. In CI a test that skips for want of any
 # of them fails the run (tests/support/ci_skips.py).
 TEST_PACKAGES := chromium openssl pgbouncer
 KUBECTL_PACKAGE = $$(command -v kubectl >/dev/null || echo kubernetes-client)
