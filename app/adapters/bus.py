@@ -23,9 +23,10 @@ Pitfalls handled here, so the worker does not have to know them:
 - a pull subscription's `fetch` cannot be told to stop: cancelled, the pull request
   stays on the server until it expires and takes the next message into a queue nobody
   reads (and the connection's `drain()` then waits for that queue). `fetch(..., cut=)`
-  ends a long pull when an event is set: it cancels the wait, takes what the
-  subscription's queue already holds, and the caller unsubscribes, which withdraws the
-  interest the server's pull request needs.
+  ends a long pull when an event is set: it cancels the wait, withdraws the interest the
+  server's pull request needs and waits one round trip (so whatever the server delivered
+  before that is here), takes what the subscription's queue holds, and the caller
+  unsubscribes.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.client
 import nats.js.errors
 from nats.aio.client import Client
 from nats.js import api
@@ -236,8 +238,8 @@ class Delivery:
         await self._msg.in_progress()
 
 
-# how long a cut fetch gives the subscription's queue to hand over what it holds
-CUT_TAKE_SECONDS = 0.05
+# the round trip that makes sure a cut pull's deliveries have all arrived
+WITHDRAW_SECONDS = 2.0
 
 
 class PullSubscription:
@@ -262,6 +264,7 @@ class PullSubscription:
                 fetching.cancel()
                 await asyncio.gather(fetching, return_exceptions=True)
         if fetching.cancelled():
+            await self._withdraw()
             return await self._take_pending()
         try:
             msgs = fetching.result()
@@ -269,16 +272,44 @@ class PullSubscription:
             return []
         return [Delivery(m) for m in msgs]
 
+    async def _withdraw(self) -> None:
+        """End the server's interest in this subscription and wait one round trip, so
+        that whatever the server delivered to the pull before it saw that is in the
+        subscription's queue (the server answers a PING after the UNSUB before it, and
+        after the UNSUB delivers nothing more here); what it had not delivered stays in
+        the stream for the next pull, here or on another node. Without this, a message
+        the server sends in the instant between the cut and the unsubscription would
+        be dropped by the client and come back only after the ack wait. nats-py's own
+        `Subscription.drain` does the same two steps, but then waits for a callback
+        that a pull subscription does not have: its private calls are used, as drain's."""
+        core = getattr(self._sub, "_sub", None)
+        conn = getattr(core, "_conn", None)
+        if core is None or conn is None or conn.is_closed or not conn.is_connected:
+            return  # the connection is gone: nothing more can arrive
+        try:
+            await conn._send_unsubscribe(core._id)
+            await conn.flush(timeout=WITHDRAW_SECONDS)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.debug("withdrawing a cut pull: %s", exc)
+
     async def _take_pending(self) -> list[Delivery]:
         """What the subscription's queue holds now (delivered to a pull that was cut),
-        without a new pull request when it holds nothing."""
+        taken straight from the queue: a fetch would send a new pull request first when
+        the queue holds only status messages, and the server could answer that one with
+        a job after the subscription is gone. Status messages (the cut pull's end) are
+        dropped, as nats-py's fetch drops them."""
+        core = getattr(self._sub, "_sub", None)
+        queue = getattr(core, "_pending_queue", None)
         taken: list[Delivery] = []
-        while self._sub.pending_msgs > 0:
-            try:
-                msgs = await self._sub.fetch(batch=1, timeout=CUT_TAKE_SECONDS)
-            except (nats.errors.Error, TimeoutError):
-                break
-            taken.extend(Delivery(m) for m in msgs)
+        if core is None or queue is None:
+            return taken
+        while not queue.empty():
+            msg = queue.get_nowait()
+            core._pending_size -= len(msg.data)
+            queue.task_done()
+            if nats.js.client.JetStreamContext.is_status_msg(msg):
+                continue
+            taken.append(Delivery(msg))
         return taken
 
     async def unsubscribe(self) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ from app.services.features.worker import _consumer_stats as consumer_stats
 from app.services.streams import consumer_specs, init_streams, new_job, publish_job
 from app.settings import Settings
 from tests.support.jobs_world import own_nats
+from tests.support.polling import eventually
 
 
 async def test_a_url_with_several_servers_reaches_one_that_is_up(
@@ -163,3 +165,66 @@ async def test_a_cut_ends_a_long_pull_at_once_and_loses_no_job(tmp_path: Path) -
     assert cut_took < 0.2, f"{cut_took:.3f} s"
     assert fetch_took < 1.0, f"{fetch_took:.3f} s: the cut pull took the job"
     assert drain_took < 2.0, f"{drain_took:.3f} s"
+
+
+async def test_a_job_sent_in_the_instant_of_a_cut_is_handed_over_not_lost(
+    tmp_path: Path,
+) -> None:
+    """The stop cuts a long pull while a job arrives: the server may deliver it to the
+    pull before it hears the subscription go. Each such job must be in what the cut fetch
+    returns (to be handed back), never left delivered and unanswered until the ack wait
+    (60 s here): once the fetch's deliveries are acknowledged, nothing is pending."""
+    settings = Settings(_env_file=None, job_ack_wait_seconds=60)
+    trials, lost, taken = 25, 0, 0
+    with own_nats(tmp_path / "nats") as server:
+        bus = JetStreamBus(server.servers, name="test-cut-race", timeout=5)
+        publisher = JetStreamBus(server.servers, name="test-cut-race-publisher", timeout=5)
+        await bus.connect()
+        await publisher.connect()
+        try:
+            await init_streams(bus, settings, tiers=("free",))
+            durable, stream = consumer_name("free"), STREAMS["online"]
+
+            async def consumer() -> Any:
+                return await publisher._js.consumer_info(stream, durable)
+
+            for _ in range(trials):
+                sub = await bus.subscribe(stream=stream, durable=durable)
+                stop = asyncio.Event()
+                pulling = asyncio.create_task(sub.fetch(1, wait=30.0, cut=(stop,)))
+
+                async def waiting() -> bool:
+                    return ((await consumer()).num_waiting or 0) >= 1
+
+                await eventually(waiting)
+                sending = asyncio.create_task(
+                    publish_job(publisher, new_job("noop"), kind="online", tier="free")
+                )
+                await asyncio.sleep(0)  # the publish is on its way: now the stop
+                stop.set()
+                deliveries = await asyncio.wait_for(pulling, timeout=5)
+                await sending
+                await sub.unsubscribe()
+                for delivery in deliveries:
+                    await delivery.ack()
+                taken += len(deliveries)
+
+                # acks are fire-and-forget: their landing is waited for (a dropped job
+                # stays pending for the whole 60 s ack wait)
+                async def answered() -> bool:
+                    return not (await consumer()).num_ack_pending
+
+                try:
+                    await eventually(answered, within=3)
+                except AssertionError:
+                    lost += (await consumer()).num_ack_pending
+                    break
+                # what the cut pull did not take is still in the stream: taken now
+                left = await bus.subscribe(stream=stream, durable=durable)
+                for delivery in await left.fetch(5, wait=1.0):
+                    await delivery.ack()
+                await left.unsubscribe()
+        finally:
+            await publisher.drain()
+            await bus.drain()
+    assert lost == 0, f"{lost} job(s) delivered to a cut pull and dropped ({taken} handed over)"
