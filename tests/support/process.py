@@ -29,6 +29,11 @@ class ManagerProcess:
             "DATA_DIR": str(workdir / "data"),
             "EMBEDDED_SERVICES": "false",
             "LOG_LEVEL": "INFO",
+            # a process test's first runs come at once: the start-up spread (30 s in
+            # production) is the subject of its own tests (tests/services/
+            # test_startup_spread.py, and the node's, which spread over 3 s); a test may
+            # set it again in `env`
+            "STARTUP_SPREAD_SECONDS": "0",
             # the child imports the same `app` as the tests (a checkout on PYTHONPATH)
             **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}),
             **env,
