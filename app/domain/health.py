@@ -56,6 +56,12 @@ class Rollout:
     deadline_exceeded: bool
 
     @property
+    def unobserved(self) -> bool:
+        """The deployment controller has not looked at the last write yet (a Deployment's
+        generation moves with its annotations too): its status is of the spec before."""
+        return self.observed_generation < self.generation
+
+    @property
     def phase(self) -> RolloutPhase:
         if self.deadline_exceeded:
             return RolloutPhase.FAILED

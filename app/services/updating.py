@@ -401,7 +401,16 @@ class SelfUpdater:
                     )
             else:
                 rollout = rollout_of(own)
-                if rollout.phase is not RolloutPhase.READY:
+                if rollout.unobserved and not rollout.deadline_exceeded:
+                    # the available-since annotation just written moved the generation:
+                    # the status says nothing until the controller has looked again
+                    if time.monotonic() >= ends + self._deadline:
+                        return "failed", (
+                            f"the deployment controller did not observe the Deployment for "
+                            f"{self._deadline:.0f} s after the {self._min_healthy:.0f} s the "
+                            "new pod must stay available"
+                        )
+                elif rollout.phase is not RolloutPhase.READY:
                     after = (datetime.now(UTC) - since).total_seconds()
                     detail = (
                         "it reports ProgressDeadlineExceeded"
@@ -414,7 +423,7 @@ class SelfUpdater:
                         f"was available, within the {self._min_healthy:.0f} s it must stay "
                         f"available ({detail})"
                     )
-                if time.monotonic() >= ends:
+                elif time.monotonic() >= ends:  # seen available, by a status of now
                     return "available", ""
             wait = ends - time.monotonic()
             await asyncio.sleep(min(self._poll, wait) if wait > 0 else self._poll)

@@ -141,6 +141,23 @@ def test_rollout_phase(obj: dict[str, object], phase: RolloutPhase) -> None:
     assert rollout_of(obj).phase is phase
 
 
+@pytest.mark.parametrize(
+    ("obj", "unobserved"),
+    [
+        (deployment(), False),
+        (deployment(generation=3, observed=2), True),  # an annotation written, not yet seen
+        (deployment(generation=3, observed=2, deadline=True), True),
+        (deployment(generation=2, observed=3), False),  # never below: the status is current
+        ({"metadata": {"generation": 1}, "spec": {}, "status": {}}, True),  # brand new
+        ({"metadata": {}, "spec": {}, "status": {}}, False),  # no generation at all
+    ],
+)
+def test_a_status_older_than_the_spec_is_unobserved(
+    obj: dict[str, object], unobserved: bool
+) -> None:
+    assert rollout_of(obj).unobserved is unobserved
+
+
 HEALTHY_PING = record(PingStatus.HEALTHY, 100.0)
 READY = rollout_of(deployment())
 ROLLING = rollout_of(deployment(updated=1))

@@ -632,6 +632,29 @@ async def test_an_update_is_confirmed_once_it_stayed_available_its_min_healthy_t
     assert runtime.components["self_update"].state == "ok"
 
 
+@min_healthy(3)
+async def test_writes_to_the_deployment_during_its_min_healthy_time_are_not_unavailability(
+    runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
+) -> None:
+    """A Deployment's generation moves with its annotations (the available-since mark the
+    updater writes is one, an operator's `kubectl annotate` another): until the controller
+    has looked again its status is of the spec before, which says nothing about the new
+    pod. Such a status is waited out, never judged "became unavailable"."""
+    version_file[0].set(body=b"0.2.0")
+    run = asyncio.create_task(scheduled(runtime))
+    await first_seen_available(cluster)
+    for i in range(12):  # annotations written through the min healthy time
+        cluster.plane.kubectl(
+            "-n", OWN_NS, "annotate", "--overwrite", "deployment", "workload-manager",
+            f"example.com/touched={i}",
+        )  # fmt: skip
+        if run.done():
+            break
+    outcome = await asyncio.wait_for(run, timeout=60)
+    assert outcome.detail["update"] == "available", outcome
+    assert annotations_of(cluster)[CONFIRMED] == "0.2.0"
+
+
 @min_healthy(600)
 async def test_a_new_pod_that_turns_unready_within_its_min_healthy_time_is_rolled_back(
     runtime: Runtime, cluster: RealCluster, version_file: tuple[VersionFileServer, Any]
