@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BENCHMARKS = ("bench.pings", "bench.memory", "bench.sync", "bench.registry", "bench.jobs")
+BENCHMARKS = (
+    "bench.pings",
+    "bench.memory",
+    "bench.sync",
+    "bench.registry",
+    "bench.jobs",
+    "bench.fleet",
+)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ routes, JetStream on each: what a fleet's NATS is in production, on one machine.
 Each server keeps its client port, route port, name and store across restarts, so a
 server that was killed comes back as itself and catches up from the others. With `auth`
 (the fleet's accounts, tests/support/nats_auth.py `filled`) every server has the same
-accounts and users; `as_user` gives the URLs with a user's name and password.
+accounts and users; `as_user` gives the URLs with a user's name and password. With
+`monitor`, each server also serves its HTTP monitoring endpoints (`/varz`, `/connz`,
+`/jsz`) on a loopback port of its own (`Member.monitor_port`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Member:
     name: str
     server: EmbeddedNats
     route_port: int
+    monitor_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -35,14 +38,19 @@ class Member:
 
 
 class NatsCluster:
-    def __init__(self, directory: Path, size: int = 3, auth: str = "") -> None:
+    def __init__(
+        self, directory: Path, size: int = 3, auth: str = "", *, monitor: bool = False
+    ) -> None:
         self.members: list[Member] = []
-        # every client and route port chosen at once, so no two of them are the same (a
-        # port chosen free later could be a route port not yet bound)
-        ports = distinct_free_ports(2 * size)
+        # every client, route and monitoring port chosen at once, so no two of them are the
+        # same (a port chosen free later could be a route port not yet bound)
+        ports = distinct_free_ports((3 if monitor else 2) * size)
         names = [f"n{i}" for i in range(size)]
         routes = dict(zip(names, ports[:size], strict=True))
-        clients = dict(zip(names, ports[size:], strict=True))
+        clients = dict(zip(names, ports[size : 2 * size], strict=True))
+        monitors: dict[str, int | None] = dict.fromkeys(names)
+        if monitor:
+            monitors = dict(zip(names, ports[2 * size :], strict=True))
         for name, route_port in routes.items():
             home = directory / name
             home.mkdir(parents=True, exist_ok=True)
@@ -50,8 +58,10 @@ class NatsCluster:
             others = ", ".join(
                 f'"nats://127.0.0.1:{port}"' for other, port in routes.items() if other != name
             )
+            http = f'http: "127.0.0.1:{monitors[name]}"\n' if monitors[name] else ""
             config.write_text(
                 f'server_name: "{name}"\n'
+                f"{http}"
                 f"cluster {{\n"
                 f'  name: "{CLUSTER}"\n'
                 f'  listen: "127.0.0.1:{route_port}"\n'
@@ -60,7 +70,7 @@ class NatsCluster:
                 f"{auth}\n"
             )
             server = EmbeddedNats(home / "data", port=clients[name], config=config)
-            self.members.append(Member(name, server, route_port))
+            self.members.append(Member(name, server, route_port, monitors[name]))
 
     @property
     def url(self) -> str:

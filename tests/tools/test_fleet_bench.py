@@ -1,0 +1,63 @@
+"""The fleet benchmark's arithmetic (bench/fleet.py), without its servers: the knobs, how
+the fleet is split over processes, and what a storm's records add up to."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from bench.fleet import Knobs, _storm_summary
+
+
+def test_the_knobs_default_to_a_run_this_machine_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("FLEET_NODES", "FLEET_PROCESSES", "FLEET_NODES_PER_PROCESS"):
+        monkeypatch.delenv(name, raising=False)
+    knobs = Knobs.read(quick=False)
+    assert knobs.nodes == (150, 1500)
+    assert [knobs.processes_for(n) for n in (150, 1500, 5000, 15000)] == [1, 1, 2, 6]
+
+
+def test_the_environment_sets_the_sizes_and_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEET_NODES", "150,1500,5000,15000")
+    monkeypatch.setenv("FLEET_PROCESSES", "4")
+    knobs = Knobs.read(quick=True)
+    assert knobs.nodes == (150, 1500, 5000, 15000)
+    assert knobs.processes_for(15000) == 4
+    assert knobs.processes_for(3) == 3  # never more processes than nodes
+
+
+def _world(*ports: int) -> Any:
+    members = [SimpleNamespace(name=f"n{i}", server=SimpleNamespace(port=p))
+               for i, p in enumerate(ports)]  # fmt: skip
+    return SimpleNamespace(cluster=SimpleNamespace(members=members))
+
+
+def test_a_storm_counts_the_nodes_back_their_attempts_and_the_busiest_100_ms() -> None:
+    killed = 100.0
+    rows = [
+        {"lost_at": killed, "back_at": killed + 0.05, "back_to": 4223, "waits": [0.04],
+         "resubscribed_at": killed + 0.2},
+        {"lost_at": killed, "back_at": killed + 0.07, "back_to": 4224, "waits": [0.06],
+         "resubscribed_at": killed + 0.3},
+        {"lost_at": killed, "back_at": killed + 1.5, "back_to": 4223, "waits": [0.9, 0.5],
+         "resubscribed_at": killed + 1.6},
+    ]  # fmt: skip
+    after = {"gave_up": 0, "connected": 3, "subscribed": 3, "servers": {}, "logs": {}}
+    storm = _storm_summary("jitter", None, "n0", 3, killed, killed + 5, rows, after, 1.0,
+                           _world(4222, 4223, 4224))  # fmt: skip
+    assert storm["all_back_seconds"] == 1.5
+    assert storm["all_resubscribed_seconds"] == 1.6
+    assert storm["attempts_histogram"] == {"1": 2, "2": 1}
+    assert storm["busiest_100ms_share"] == round(2 / 3, 3)
+    assert storm["moved_to"] == {"n1": 2, "n2": 1}
+
+
+def test_a_storm_with_a_node_not_back_is_not_complete() -> None:
+    rows = [{"lost_at": 1.0, "back_at": None, "back_to": None, "waits": [1.0, 1.0],
+             "resubscribed_at": None}]  # fmt: skip
+    after = {"gave_up": 0, "connected": 0, "subscribed": 0, "servers": {}, "logs": {}}
+    storm = _storm_summary("fixed", 1.0, "n0", 1, 0.0, 5.0, rows, after, None, _world(1))
+    assert storm["all_back_seconds"] is None
+    assert storm["all_resubscribed_seconds"] is None
