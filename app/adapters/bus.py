@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 BusError = (nats.errors.Error, TimeoutError, OSError)
 REFUSAL_POLL_SECONDS = 0.1  # how often a first connection looks for a refusal
+ABANDON_TRIES = 50  # cancels of a refused first attempt, REFUSAL_POLL_SECONDS apart
 DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's default max_payload
 
 
@@ -144,6 +145,22 @@ def _refusal(exc: BaseException) -> str | None:
 
 async def _log_quietly(exc: Exception) -> None:
     log.debug("nats: %s", exc)
+
+
+async def _abandon(connecting: asyncio.Task[Any], client: Any) -> None:
+    """Stop a first connection's attempt and close its client. The cancel is repeated
+    until the attempt has ended (bounded): Python 3.11's `asyncio.wait_for` drops a cancel
+    that arrives together with the answer it waits for."""
+    for _ in range(ABANDON_TRIES):
+        if connecting.done():
+            break
+        connecting.cancel()
+        await asyncio.wait({connecting}, timeout=REFUSAL_POLL_SECONDS)
+    else:
+        log.warning("a refused NATS connection attempt did not stop when cancelled")
+    if connecting.done() and not connecting.cancelled():
+        connecting.exception()  # retrieved: the refusal is what is reported
+    await client.close()
 
 
 async def server_info(
@@ -437,19 +454,21 @@ class JetStreamBus:
         await nc.force_reconnect()
 
     async def _on_error(self, exc: Exception) -> None:
-        if self._nc is None and not self._closing and not self.refusal:
+        if self._nc is None and not self._closing:
             # the first connection: nats-py awaits this after each failed attempt, before
             # the next, and has no reconnect handler for it; the wait is the policy's
+            self._tell_error(exc)
+            if self.refusal is not None:
+                # refused: no next attempt; connect() cancels the attempt parked here. A
+                # next attempt would race that cancel with nats-py's `wait_for` on the
+                # server's answer, and Python 3.11's `wait_for` drops a cancel that
+                # arrives with the answer, leaving the attempt running.
+                await asyncio.Event().wait()
             attempt = self._attempt
             self._attempt += 1
-            await self._first_wait(exc, self._wait_before(attempt))
+            await asyncio.sleep(self._wait_before(attempt))
             return
         self._tell_error(exc)
-
-    async def _first_wait(self, exc: Exception, delay: float) -> None:
-        self._tell_error(exc)
-        if self.refusal is None:
-            await asyncio.sleep(delay)
 
     def _tell_error(self, exc: Exception) -> None:
         self.last_error = str(exc).strip() or type(exc).__name__
@@ -527,12 +546,10 @@ class JetStreamBus:
                 await asyncio.wait({connecting}, timeout=REFUSAL_POLL_SECONDS)
                 refused = self._refused()  # set by the error callback meanwhile
                 if refused is not None and not connecting.done():
-                    connecting.cancel()
-                    await client.close()
+                    await _abandon(connecting, client)
                     raise NatsRefused(refused)
         except asyncio.CancelledError:
-            connecting.cancel()
-            await client.close()
+            await _abandon(connecting, client)
             raise
         try:
             connecting.result()
