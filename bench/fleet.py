@@ -103,6 +103,7 @@ class Knobs:
     hold_connections: int
     headroom_max_clients: int
     headroom_seconds: float
+    nice: int  # the simulated nodes' processes run this much nicer than the servers
 
     @classmethod
     def read(cls, quick: bool) -> Knobs:
@@ -117,6 +118,7 @@ class Knobs:
             hold_connections=int(_env("FLEET_HOLD_CONNECTIONS", "1500")),
             headroom_max_clients=int(_env("FLEET_HEADROOM_MAX_CLIENTS", "1024")),
             headroom_seconds=float(_env("FLEET_HEADROOM_SECONDS", "2" if quick else "5")),
+            nice=int(_env("FLEET_NICE", "10")),
         )
 
     def processes_for(self, n: int) -> int:
@@ -347,7 +349,7 @@ def _specs(world: World) -> list[NodesSpec]:
     firsts = [sum(shares[:i]) for i in range(count)]
     return [NodesSpec(process=i, first=firsts[i], count=shares[i],
                       database_url=world.pooled_url, nats_url=world.cluster.url,
-                      startup_spread=world.knobs.startup_spread)
+                      startup_spread=world.knobs.startup_spread, nice=world.knobs.nice)
             for i in range(count)]  # fmt: skip
 
 
@@ -916,6 +918,10 @@ def _notes(setup: Json, fleets: Json) -> list[str]:
         "to the server /jsz names as its leader)",
         "the storms: 'back' is the node's bus connected again (to any server), 'pulling' its "
         "three pull subscriptions made again; times from the SIGKILL",
+        f"the simulated nodes' processes run at niceness +{setup['knobs']['nice']} "
+        "(FLEET_NICE): in a fleet their CPU is on their own machines, so where this "
+        "machine's cores run short the servers (PostgreSQL, PgBouncer, nats-server, "
+        "pgbench) are served first and the nodes' own latencies carry the shortage",
     ]
     for n, f in fleets.items():
         for storm in f.get("storms", []):

@@ -87,6 +87,7 @@ class NodesSpec:
     pool_size: int = _default("database_pool_size")
     database_timeout: float = _default("database_timeout_seconds")
     nats_timeout: float = _default("backend_timeout_seconds")
+    nice: int = 0  # added to the process's niceness: the nodes' CPU is not the servers'
 
 
 def worker_config(tier: str, pull_wait: float) -> WorkerConfig:
@@ -398,6 +399,8 @@ def raise_open_files() -> tuple[int, int]:
 def serve(conn: Connection, spec: NodesSpec) -> None:
     """A process of the fleet: answers (command, arguments) on `conn` until `close`."""
     raise_open_files()
+    if spec.nice:
+        os.nice(spec.nice)
     handler = CountingHandler()
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
     asyncio.run(_serve(conn, spec, handler))

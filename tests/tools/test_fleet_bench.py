@@ -12,17 +12,20 @@ from bench.fleet import Knobs, _storm_summary
 
 
 def test_the_knobs_default_to_a_run_this_machine_holds(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("FLEET_NODES", "FLEET_PROCESSES", "FLEET_NODES_PER_PROCESS"):
+    for name in ("FLEET_NODES", "FLEET_PROCESSES", "FLEET_NODES_PER_PROCESS", "FLEET_NICE"):
         monkeypatch.delenv(name, raising=False)
     knobs = Knobs.read(quick=False)
     assert knobs.nodes == (150, 1500)
+    assert knobs.nice == 10  # the nodes yield the cores to the servers they load
     assert [knobs.processes_for(n) for n in (150, 1500, 5000, 15000)] == [1, 1, 2, 6]
 
 
 def test_the_environment_sets_the_sizes_and_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEET_NODES", "150,1500,5000,15000")
     monkeypatch.setenv("FLEET_PROCESSES", "4")
+    monkeypatch.setenv("FLEET_NICE", "0")
     knobs = Knobs.read(quick=True)
+    assert knobs.nice == 0
     assert knobs.nodes == (150, 1500, 5000, 15000)
     assert knobs.processes_for(15000) == 4
     assert knobs.processes_for(3) == 3  # never more processes than nodes
