@@ -16,5 +16,8 @@ if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
 fi
 echo "installing Debian packages: ${missing[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
-apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null \
-  || { apt-get update >/dev/null && apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null; }
+# another install running (a second test run, the bench tools) holds dpkg's lock: wait for it
+lock=(-o DPkg::Lock::Timeout=600)
+apt-get "${lock[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null \
+  || { apt-get "${lock[@]}" update >/dev/null \
+       && apt-get "${lock[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null; }
