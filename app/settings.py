@@ -281,6 +281,10 @@ class Settings(BaseSettings):
         default_factory=lambda: [5.0, 30.0, 120.0, 600.0]
     )
     job_max_ack_pending: int = Field(default=1_000, ge=1, le=1_000_000)
+    # pull requests a tier's consumer lets wait at once: every idle node of the tier keeps
+    # one waiting (JetStream's default, 512, refuses the 513th with 409); fixed when the
+    # consumer is made (nats-server cannot change it)
+    job_consumer_max_waiting: int = Field(default=20_000, ge=1, le=1_000_000)
     job_not_here_delay_seconds: float = _ranged(2.0, 0.1, 3_600.0)
     job_held_delay_seconds: float = _ranged(10.0, 0.1, 3_600.0)
     job_timeout_seconds: float = _ranged(600.0, 0.1, 86_400.0)

@@ -217,6 +217,7 @@ class ConsumerSpec:
     max_deliver: int
     backoff_seconds: tuple[float, ...]
     max_ack_pending: int
+    max_waiting: int  # pull requests that may wait at once: one per idle node of the tier
 
 
 class Delivery:
@@ -670,6 +671,7 @@ class JetStreamBus:
             max_deliver=spec.max_deliver,
             backoff=list(spec.backoff_seconds) or None,
             max_ack_pending=spec.max_ack_pending,
+            max_waiting=spec.max_waiting,
         )
         try:
             info = await self._js.consumer_info(spec.stream, spec.durable)
@@ -677,6 +679,16 @@ class JetStreamBus:
             await self._js.add_consumer(spec.stream, config)
             return "created"
         current = info.config
+        if current.max_waiting is not None and current.max_waiting != spec.max_waiting:
+            # nats-server refuses to change it ("max waiting can not be updated"): the
+            # consumer keeps its own, and the other settings are still brought in line
+            log.warning(
+                "consumer %s/%s keeps max_waiting %d (%d wanted): the server cannot change "
+                "it; recreate the consumer to apply it (past it, pulls are refused with 409 "
+                "Exceeded MaxWaiting)",
+                spec.stream, spec.durable, current.max_waiting, spec.max_waiting,
+            )  # fmt: skip
+            config.max_waiting = current.max_waiting
         if (
             current.filter_subject == spec.filter_subject
             and current.ack_wait == spec.ack_wait_seconds

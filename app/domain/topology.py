@@ -25,6 +25,8 @@ class TopologySettings(Protocol):
     @property
     def job_max_ack_pending(self) -> int: ...
     @property
+    def job_consumer_max_waiting(self) -> int: ...
+    @property
     def ledger_ttl_seconds(self) -> float: ...
 
 
@@ -38,4 +40,5 @@ class Topology:
     job_stream_retention: str
     job_ack_wait_seconds: float
     job_max_ack_pending: int
+    job_consumer_max_waiting: int
     ledger_ttl_seconds: float

@@ -101,6 +101,7 @@ def consumer_specs(
             # back after the ack wait.
             backoff_seconds=(),
             max_ack_pending=settings.job_max_ack_pending,
+            max_waiting=settings.job_consumer_max_waiting,
         )
         for kind, stream in STREAMS.items()
         for tier in tiers

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -102,6 +103,71 @@ async def test_a_job_consumer_made_with_a_backoff_loses_it_on_init(tmp_path: Pat
             assert await bus.ensure_consumer(spec) == "unchanged"
             info = await bus._js.consumer_info(spec.stream, spec.durable)
             assert not info.config.backoff
+        finally:
+            await bus.drain()
+
+
+async def test_every_node_of_a_tier_can_keep_its_long_pull_waiting(tmp_path: Path) -> None:
+    """An idle node keeps one pull request waiting at each of its tier's consumers, so a
+    consumer holds one per node of the tier: thousands in a fleet, past JetStream's default
+    MaxWaiting of 512, where the server answers `409 Exceeded MaxWaiting` and the node's
+    fetch fails. The consumers are made with JOB_CONSUMER_MAX_WAITING; 600 pulls wait."""
+    settings = Settings(_env_file=None)
+    pulls = 600
+    with own_nats(tmp_path / "nats") as server:
+        bus = JetStreamBus(server.servers, name="test-max-waiting", timeout=5)
+        await bus.connect()
+        try:
+            await init_streams(bus, settings, tiers=("free",))
+            (spec, *_) = consumer_specs(settings, ("free",))
+            nc = bus._nc
+            answered: list[str] = []
+
+            async def answer(msg: Any) -> None:
+                answered.append(f"{msg.headers}")
+
+            await nc.subscribe("_INBOX.waiting.*", cb=answer)
+            request = json.dumps({"batch": 1, "expires": 60 * 10**9}).encode()
+            for i in range(pulls):
+                await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{spec.stream}.{spec.durable}",
+                                 request, reply=f"_INBOX.waiting.{i}")  # fmt: skip
+            await nc.flush()
+
+            async def all_waiting() -> bool:
+                info = await bus._js.consumer_info(spec.stream, spec.durable)
+                return bool(answered) or info.num_waiting == pulls
+
+            await eventually(all_waiting)
+            assert answered == [], f"{len(answered)} pulls refused: {answered[:1]}"
+            info = await bus._js.consumer_info(spec.stream, spec.durable)
+            assert info.config.max_waiting == settings.job_consumer_max_waiting
+        finally:
+            await bus.drain()
+
+
+async def test_a_consumer_made_with_another_max_waiting_keeps_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MaxWaiting cannot be changed on an existing consumer (nats-server refuses the
+    update): one an earlier release made keeps its own, the other settings are still
+    brought in line, and the log says how to change it."""
+    settings = Settings(_env_file=None)
+    with own_nats(tmp_path / "nats") as server:
+        bus = JetStreamBus(server.servers, name="test-max-waiting-kept", timeout=5)
+        await bus.connect()
+        try:
+            await init_streams(bus, settings, tiers=("free",))
+            (spec, *_) = consumer_specs(settings, ("free",))
+            await bus._js.delete_consumer(spec.stream, spec.durable)
+            earlier = dataclasses.replace(spec, max_waiting=512, ack_wait_seconds=17.0)
+            assert await bus.ensure_consumer(earlier) == "created"
+            with caplog.at_level(logging.WARNING, logger="app.adapters.bus"):
+                assert await bus.ensure_consumer(spec) == "updated"
+                assert await bus.ensure_consumer(spec) == "unchanged"
+            info = await bus._js.consumer_info(spec.stream, spec.durable)
+            assert info.config.max_waiting == 512
+            assert info.config.ack_wait == spec.ack_wait_seconds
+            assert "max_waiting" in caplog.text and "recreate" in caplog.text
         finally:
             await bus.drain()
 

@@ -134,6 +134,7 @@ class _Worker(Spec[WorkerPlan, Working]):
                 job_stream_retention=settings.job_stream_retention,
                 job_ack_wait_seconds=settings.job_ack_wait_seconds,
                 job_max_ack_pending=settings.job_max_ack_pending,
+                job_consumer_max_waiting=settings.job_consumer_max_waiting,
                 ledger_ttl_seconds=settings.ledger_ttl_seconds,
             ),
             auto_init_streams=settings.auto_init_streams,
