@@ -17,7 +17,7 @@ shutdown step may take:
   `scheduled_runs_total{loop,outcome}`, `loop_duration_seconds{loop}`, the outcome's
   alerts, and one log line in a shape shared by every loop — and decides the next run:
   the time the outcome asks for (`retry_in`: a backend's Retry-After, shown as
-  "Retry-After until …"), else after a failure the same jittered backoff as a task's
+  "Retry-After until …"; after a failure no sooner than its backoff), else after a failure the same jittered backoff as a task's
   restart (from `LOOP_BACKOFF_INITIAL`, capped at the loop's interval), else the
   interval, which an answer may change within the loop's bounds (`cadence`). A loop
   may name the errors that mean a dependency is down (`outage`): an outage is one
@@ -279,6 +279,8 @@ class Supervisor:
         self._pace(loop, outcome.cadence)  # from now: the next run moves with it
         if outcome.retry_in is not None:  # the backend's word, bounded
             after = min(outcome.retry_in, max(loop.every, LONGEST_RETRY_IN))
+            if failed:  # a floor, never a shortcut past the backoff (`Retry-After: 0`)
+                after = max(after, self._loop_backoff(loop))
             loop.retry_after_until = datetime.now(UTC) + timedelta(seconds=after)
             if loop.component is not None:
                 loop.component.last_detail = {
@@ -286,13 +288,16 @@ class Supervisor:
                     "waiting": f"Retry-After until {_iso(loop.retry_after_until)}",
                 }
         elif failed:
-            after = self.backoff(
-                loop.failures_in_a_row, initial=self._loop_backoff_initial, cap=loop.every
-            )
+            after = self._loop_backoff(loop)
         else:
             return  # at its interval: as it was, or as `_pace` set it from now
         self.scheduler.run_again(loop.name, after=after)
         log.debug("%s runs again in %.0f s", loop.what, after)
+
+    def _loop_backoff(self, loop: Loop) -> float:
+        return self.backoff(
+            loop.failures_in_a_row, initial=self._loop_backoff_initial, cap=loop.every
+        )
 
     def _pace(self, loop: Loop, cadence: Cadence | None) -> None:
         """The interval an answer asked for, within the loop's bounds, from now on (the

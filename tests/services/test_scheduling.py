@@ -193,6 +193,22 @@ async def test_a_run_may_ask_for_its_next_time(scheduler: Supervisor) -> None:
     assert [round(g) for g in gaps[:3]] == [300, 5, 60], gaps
 
 
+async def test_a_retry_after_shorter_than_the_backoff_is_a_floor_not_a_shortcut(
+    scheduler: Supervisor,
+) -> None:
+    """A failed run told `Retry-After: 0` (a proxy's, or a date already past on the node's
+    clock) still waits its backoff (10 s, then 20 s: each in its upper half): the
+    backend's word can put a retry off, never bring a fleet back within a second."""
+    failed = Outcome.failed("HTTP 503").retrying(0.0)
+    body = Answers(failed, failed, Outcome.ok())
+    scheduler.add_loop("sync", body, every=10 * MINUTE, first_after=1.0)
+    scheduler.start_loops()
+    await _until(lambda: _runs(body, 3))
+    gaps = [b - a for a, b in itertools.pairwise(body.at)]
+    for gap, step in zip(gaps, (10.0, 20.0), strict=True):
+        assert step / 2 - 1 <= gap <= step + 1, gaps
+
+
 async def test_a_run_cannot_put_its_loop_off_past_an_hour(scheduler: Supervisor) -> None:
     """A Retry-After of a day (or of years) is the backend's word, bounded: the clients
     cap it at RETRY_AFTER_MAX_SECONDS (an hour at most) and jitter it; whatever a body
