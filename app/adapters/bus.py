@@ -32,6 +32,7 @@ Pitfalls handled here, so the worker does not have to know them:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -517,6 +518,13 @@ class JetStreamBus:
             log.info("NATS reconnected (%d)", self.reconnects)
             self._change(None)
 
+        # A client still reconnecting after a loss (the worker's `prepare` runs again while
+        # it is) is replaced, not left reconnecting beside the new one: closed first, so
+        # the new client is a first connection, with the policy's waits between attempts.
+        previous, self._nc = self._nc, None
+        if previous is not None and not previous.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(previous.close(), timeout=self._timeout)
         # The client retries a first connection forever (a server that is not up yet is
         # waited for), also when the server refuses the credentials: that refusal, seen
         # by the error callback, ends the attempt with NatsRefused instead.

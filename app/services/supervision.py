@@ -17,9 +17,10 @@ shutdown step may take:
   `scheduled_runs_total{loop,outcome}`, `loop_duration_seconds{loop}`, the outcome's
   alerts, and one log line in a shape shared by every loop — and decides the next run:
   the time the outcome asks for (`retry_in`: a backend's Retry-After, shown as
-  "Retry-After until …"; after a failure no sooner than its backoff), else after a failure the same jittered backoff as a task's
-  restart (from `LOOP_BACKOFF_INITIAL`, capped at the loop's interval), else the
-  interval, which an answer may change within the loop's bounds (`cadence`). A loop
+  "Retry-After until …"; after a failure no sooner than its backoff), else after a
+  failure the same jittered backoff as a task's restart (from `LOOP_BACKOFF_INITIAL`,
+  capped at the loop's interval), else the interval, which an answer may change within
+  the loop's bounds (`cadence`). A loop
   may name the errors that mean a dependency is down (`outage`): an outage is one
   WARNING when it begins and one INFO when it ends, not an ERROR with a traceback (a
   Sentry event) at every tick. Any other exception is a

@@ -17,6 +17,7 @@ from app.adapters.bus import Delivery, JetStreamBus, server_info
 from app.adapters.embedded import EmbeddedNats, free_port
 from app.domain.jobs import STREAMS, consumer_name
 from app.domain.nats_servers import NatsServers
+from app.domain.spreading import ReconnectPolicy
 from app.metrics import Metrics
 from app.services.features.worker import _consumer_stats as consumer_stats
 from app.services.streams import consumer_specs, init_streams, new_job, publish_job
@@ -105,6 +106,57 @@ async def test_a_job_consumer_made_with_a_backoff_loses_it_on_init(tmp_path: Pat
             assert not info.config.backoff
         finally:
             await bus.drain()
+
+
+async def test_connecting_again_while_reconnecting_replaces_the_client_and_keeps_the_waits(
+    tmp_path: Path,
+) -> None:
+    """The worker's `prepare` connects when the bus is not connected, also while the bus's
+    client is still reconnecting after a loss. That connection replaces the old client (which
+    is closed, not left reconnecting beside it) and waits the policy's jittered time
+    between attempts like any first connection, not one attempt after another. Here the
+    server is gone and its port answers every connection by closing it; the attempts are
+    counted there."""
+    server = EmbeddedNats(tmp_path / "nats").start()
+    port = server.port
+    bus = JetStreamBus(NatsServers.parse(server.url), name="test-connect-again", timeout=2,
+                       reconnect=ReconnectPolicy(base=0.2, cap=0.4))  # fmt: skip
+    await bus.connect()
+    old = bus._nc
+    accepted = 0
+
+    async def close_at_once(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        writer.close()
+
+    server.stop(graceful=False)
+    listener, again = None, None
+    try:
+        await eventually(lambda: _false(bus.connected))
+        listener = await asyncio.start_server(close_at_once, "127.0.0.1", port)
+        again = asyncio.create_task(bus.connect())
+        await eventually(lambda: _true(accepted >= 3))
+        before, began = accepted, time.monotonic()
+        await asyncio.sleep(1.0)  # counted over a second: waits of at most 0.4 s
+        rate = (accepted - before) / (time.monotonic() - began)
+        assert rate <= 15, f"{rate:.0f} attempts/s"  # without the waits: hundreds
+        assert old.is_closed and bus._nc is not old
+    finally:
+        if again is not None:
+            again.cancel()
+            await asyncio.gather(again, return_exceptions=True)
+        if listener is not None:
+            listener.close()
+        await bus.drain(within=2)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _false(value: bool) -> bool:
+    return not value
 
 
 async def test_every_node_of_a_tier_can_keep_its_long_pull_waiting(tmp_path: Path) -> None:
