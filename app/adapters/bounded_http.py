@@ -90,22 +90,33 @@ class Holds:
     def __init__(self, *, longest: float, clock: Callable[[], float]) -> None:
         self._longest = longest
         self._clock = clock
-        self._until: dict[str, tuple[float, bool]] = {}
+        self._until: dict[str, tuple[float, float, bool]] = {}  # until, the wait given, 5xx
 
     def hold(self, kind: str, asked: float, *, unreachable: bool) -> float:
-        """Hold `kind` after a Retry-After of `asked` seconds; the seconds it is held."""
+        """Hold `kind` after a Retry-After of `asked` seconds; the seconds it is held. A
+        hold that ends later already (another answer of the kind, in flight at once) is
+        kept: a shorter Retry-After never lifts a longer one."""
         wait = held_for(asked, longest=self._longest, spread=random.random())
-        self._until[kind] = (self._clock() + wait, unreachable)
+        now = self._clock()
+        current = self.held(kind)
+        if current is not None and current.left > wait:
+            return current.left
+        self._until[kind] = (now + wait, wait, unreachable)
         return wait
 
     def held(self, kind: str) -> Held | None:
-        """Whether `kind` is held now, and how long still."""
+        """Whether `kind` is held now, and how long still. A wall clock stepped back (NTP)
+        never makes a hold longer than the wait it was given: it is taken from now."""
         found = self._until.get(kind)
         if found is None:
             return None
-        until, unreachable = found
-        left = until - self._clock()
+        until, wait, unreachable = found
+        now = self._clock()
+        left = until - now
+        if left > wait:  # the clock went back
+            left = wait
+            self._until[kind] = (now + wait, wait, unreachable)
         if left <= 0:
             del self._until[kind]
             return None
-        return Held(left, datetime.fromtimestamp(until, UTC), unreachable)
+        return Held(left, datetime.fromtimestamp(now + left, UTC), unreachable)
