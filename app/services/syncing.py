@@ -419,7 +419,10 @@ class Syncer:
         if sync.dry_run:
             return Outcome.skipped("a dry run changes nothing", **owed)
         if sync.aborted is not None:
-            return Outcome.failed(sync.aborted, **owed).retrying(sync.retry_after)
+            # an answer read before the sync ended early still sets the interval
+            return (
+                Outcome.failed(sync.aborted, **owed).paced(sync.cadence).retrying(sync.retry_after)
+            )
         failed = [r for r in sync.results if r.outcome == "failed"]
         if failed:
             return (

@@ -5,9 +5,11 @@ the interval the backend asks for."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from app.adapters.backend import VERSION
 from app.domain.components import Cadence
-from app.services.syncing import BackendSource
+from app.services.syncing import BackendSource, SyncOutcome
 from tests.services.conftest import World
 from tests.support.polling import eventually
 
@@ -76,6 +78,20 @@ async def test_the_desired_state_carries_the_interval_the_backend_asks_for(
     assert failed.cadence is None  # no answer: nothing said of the interval
     # a look between syncs reads no answer either
     assert (await world.syncer.run_rollout()).cadence is None
+
+
+async def test_a_sync_that_aborts_after_the_answer_still_takes_its_interval(
+    world: World,
+) -> None:
+    """The desired state was answered (with the interval the backend asks for) and the
+    sync then ended early (the Deployments could not be listed, its deadline passed):
+    the interval is applied all the same, as for any answer."""
+    aborted = SyncOutcome(started_at=datetime.now(UTC), dry_run=False,
+                          aborted="cannot list Deployments, nothing changed: HTTP 503",
+                          cadence=Cadence(900.0))  # fmt: skip
+    outcome = world.syncer.outcome_of(aborted)
+    assert not outcome.succeeded
+    assert outcome.cadence == Cadence(900.0)
 
 
 async def test_a_retry_after_on_a_manifest_puts_the_next_sync_off(world: World) -> None:
