@@ -125,6 +125,9 @@ class BackendSource:
         self._offline_since: datetime | None = None
         self._offline_reason: str | None = None
         self._cadence: Cadence | None = None
+        # the Retry-After of the failure the stored state stands in for: the sync asks
+        # again when it has passed (None once an answer came)
+        self.retry_after: float | None = None
         self.description = f"backend {endpoint}"
         if last_good is not None:
             self.description += " (signed)"
@@ -171,7 +174,9 @@ class BackendSource:
                 )  # fmt: skip
             self._offline_since = self._offline_since or self._clock()
             self._offline_reason = str(exc)
+            self.retry_after = exc.retry_after
             return last_good.state
+        self.retry_after = None
         if self._offline_since is not None:
             log.warning("backend answers again (unreachable since %s)", self._offline_since)
         self._offline_since = self._offline_reason = None
@@ -434,7 +439,11 @@ class Syncer:
                 .paced(sync.cadence)
                 .retrying(sync.retry_after)
             )
-        return Outcome.ok(revision=sync.revision, counts=sync.counts(), **owed).paced(sync.cadence)
+        return (
+            Outcome.ok(revision=sync.revision, counts=sync.counts(), **owed)
+            .paced(sync.cadence)
+            .retrying(sync.retry_after)
+        )
 
     async def run_rollout(self) -> Outcome:
         """A look between syncs while an update is in flight or waits on time (a window, a
@@ -514,6 +523,8 @@ class Syncer:
                 return
             self._desired = desired
             outcome.cadence = self.source.cadence
+            # the stored state stood in for an answer with a Retry-After: ask again then
+            outcome.retry_after = getattr(self.source, "retry_after", None)
         else:
             desired = self._desired
         outcome.revision = desired.revision

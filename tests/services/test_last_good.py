@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import time
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -262,6 +263,30 @@ async def test_only_a_failing_backend_makes_the_stored_state_stand_in(
             await source.desired()
         assert source.origin().offline_since is None
     backend.clear_failures()
+    await http.aclose()
+
+
+async def test_a_retry_after_while_the_stored_state_stands_in_is_kept(
+    backend: LocalBackend, url: str, tmp_path: Path
+) -> None:
+    """A `503` with `Retry-After: 30` makes the stored state stand in, and the sync asks
+    the backend again when that time has passed (not only at its next interval, up to
+    an hour later): the source keeps what the answer asked for, until an answer comes."""
+    desire(backend, ("api", "1.0.0"))
+    now = [time.time()]
+    http = BackendClient(base_url=url, signer=NodeSigner(NODE, KEY), timeout=2.0, attempts=1,
+                         max_wait=0.05, deadline=3.0, clock=lambda: now[0])  # fmt: skip
+    kept = last_good(FileStateStore(tmp_path / "desired-state.json"))
+    source = BackendSource(http, url, last_good=kept)
+    await synced(source, kept)
+    assert source.retry_after is None
+    backend.fail("workloads", "503", times=1, retry_after="30")
+    assert await source.desired() is kept.state
+    assert source.origin().source == "last good"
+    assert source.retry_after is not None and 30.0 <= source.retry_after <= 33.0
+    now[0] += 34.0  # the hold has passed: the next call is made, and answered
+    await source.desired()
+    assert source.retry_after is None
     await http.aclose()
 
 
