@@ -36,6 +36,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -379,6 +380,7 @@ class JetStreamBus:
         # hears each wait before an attempt: (attempt since the loss, 0 first; seconds)
         self._on_attempt = on_attempt
         self._attempt = 0  # attempts since the last connection (or the start)
+        self._up_since: float | None = None  # when the connection was made (or re-made)
         self._left: str | None = None  # host:port of the server last connected to
         self._moving: asyncio.Task[None] | None = None  # leaving a lame duck server
         self._leaving = False  # the disconnection to come is the move (told at INFO)
@@ -422,6 +424,10 @@ class JetStreamBus:
         """nats-py's `reconnect_to_server_handler`, before every reconnect attempt: the
         server to try (round the pool, the one just lost last) and the jittered wait
         first. Never raises (nats-py would call it again at once)."""
+        if self._up_since is not None:  # the first attempt after a loss
+            if time.monotonic() - self._up_since >= self._policy.cap:
+                self._attempt = 0  # it stayed up: a new loss starts from the base again
+            self._up_since = None
         attempt = self._attempt
         self._attempt += 1
         try:
@@ -435,7 +441,10 @@ class JetStreamBus:
     def _connected_now(self) -> None:
         url = getattr(self._nc, "connected_url", None) if self._nc is not None else None
         self._left = url.netloc if url is not None else None
-        self._attempt = 0
+        # the attempts are counted on until the connection has stayed up the policy's cap
+        # (`_next_server`): a server that drops each connection at once is not retried in
+        # the shortest window for ever
+        self._up_since = time.monotonic()
         self._lost = asyncio.Event()
 
     async def _lame_duck(self) -> None:
