@@ -149,7 +149,7 @@ async def _log_quietly(exc: Exception) -> None:
     log.debug("nats: %s", exc)
 
 
-async def _abandon(connecting: asyncio.Task[Any], client: Any) -> None:
+async def _abandon(connecting: asyncio.Task[Any], client: Any, timeout: float) -> None:
     """Stop a first connection's attempt and close its client. The cancel is repeated
     until the attempt has ended (bounded): Python 3.11's `asyncio.wait_for` drops a cancel
     that arrives together with the answer it waits for."""
@@ -162,7 +162,10 @@ async def _abandon(connecting: asyncio.Task[Any], client: Any) -> None:
         log.warning("a refused NATS connection attempt did not stop when cancelled")
     if connecting.done() and not connecting.cancelled():
         connecting.exception()  # retrieved: the refusal is what is reported
-    await client.close()
+    try:
+        await asyncio.wait_for(client.close(), timeout=timeout)
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
+        log.debug("closing a refused NATS connection: %s", exc)
 
 
 async def server_info(
@@ -381,6 +384,7 @@ class JetStreamBus:
         self._on_attempt = on_attempt
         self._attempt = 0  # attempts since the last connection (or the start)
         self._up_since: float | None = None  # when the connection was made (or re-made)
+        self._connecting: asyncio.Task[Any] | None = None  # a first connection's attempt
         self._left: str | None = None  # host:port of the server last connected to
         self._moving: asyncio.Task[None] | None = None  # leaving a lame duck server
         self._leaving = False  # the disconnection to come is the move (told at INFO)
@@ -465,9 +469,10 @@ class JetStreamBus:
         await nc.force_reconnect()
 
     async def _on_error(self, exc: Exception) -> None:
-        if self._nc is None and not self._closing:
+        if self._nc is None and not self._closing and asyncio.current_task() is self._connecting:
             # the first connection: nats-py awaits this after each failed attempt, before
-            # the next, and has no reconnect handler for it; the wait is the policy's
+            # the next, and has no reconnect handler for it; the wait is the policy's. Only
+            # that attempt waits here: nats-py's close() awaits this callback too.
             self._tell_error(exc)
             if self.refusal is not None:
                 # refused: no next attempt; connect() cancels the attempt parked here. A
@@ -540,7 +545,7 @@ class JetStreamBus:
         self.refusal = None
         self._attempt = 0
         client: Any = Client()
-        connecting = asyncio.create_task(
+        self._connecting = connecting = asyncio.create_task(
             client.connect(
                 list(self._configured.urls),
                 name=self._name,
@@ -564,10 +569,10 @@ class JetStreamBus:
                 await asyncio.wait({connecting}, timeout=REFUSAL_POLL_SECONDS)
                 refused = self._refused()  # set by the error callback meanwhile
                 if refused is not None and not connecting.done():
-                    await _abandon(connecting, client)
+                    await _abandon(connecting, client, self._timeout)
                     raise NatsRefused(refused)
         except asyncio.CancelledError:
-            await _abandon(connecting, client)
+            await _abandon(connecting, client, self._timeout)
             raise
         try:
             connecting.result()

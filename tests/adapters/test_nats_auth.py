@@ -7,6 +7,7 @@ tests/e2e/test_nats_tier_confinement.py."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,17 @@ async def test_unknown_credentials_are_refused_by_name(
         await server_info(
             NatsServers.parse(secured.url), connect_timeout=5
         )  # no credentials at all
+
+
+async def test_the_error_callback_holds_only_the_connection_attempt() -> None:
+    """nats-py awaits the error callback from more than the connection attempt: its
+    `close()` does too, when closing the transport fails. After a refusal the callback
+    parks the attempt until `connect()` stops it; any other caller must get it back at
+    once, or the close of a refused connection hangs (it did, on a busy machine)."""
+    bus = JetStreamBus(NatsServers.parse("nats://127.0.0.1:4222"), name="callback", timeout=1)
+    bus.refusal = "NATS refused this node's credentials (nats: 'Authorization Violation')"
+    await asyncio.wait_for(bus._on_error(ConnectionResetError("reset by peer")), timeout=2)
+    assert bus.last_error == "reset by peer"
 
 
 async def test_user_and_password_in_the_url_work_and_are_never_shown(
