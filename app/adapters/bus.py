@@ -149,7 +149,7 @@ async def _log_quietly(exc: Exception) -> None:
     log.debug("nats: %s", exc)
 
 
-async def _abandon(connecting: asyncio.Task[Any], client: Any, timeout: float) -> None:
+async def _abandon(connecting: asyncio.Task[Any], client: Any, close_within: float) -> None:
     """Stop a first connection's attempt and close its client. The cancel is repeated
     until the attempt has ended (bounded): Python 3.11's `asyncio.wait_for` drops a cancel
     that arrives together with the answer it waits for."""
@@ -163,7 +163,7 @@ async def _abandon(connecting: asyncio.Task[Any], client: Any, timeout: float) -
     if connecting.done() and not connecting.cancelled():
         connecting.exception()  # retrieved: the refusal is what is reported
     try:
-        await asyncio.wait_for(client.close(), timeout=timeout)
+        await asyncio.wait_for(client.close(), timeout=close_within)
     except (TimeoutError, nats.errors.Error, OSError) as exc:
         log.debug("closing a refused NATS connection: %s", exc)
 
