@@ -273,9 +273,14 @@ class PullSubscription:
         self, batch: int, *, wait: float, cut: Sequence[asyncio.Event] = ()
     ) -> list[Delivery]:
         """Up to `batch` deliveries, waiting at most `wait` seconds for the first; [] when
-        none came. When an event of `cut` is set first, the wait ends there with what the
-        subscription's queue already holds (the caller unsubscribes next: the pull
-        request still waiting on the server then lapses, having no interest)."""
+        none came. When an event of `cut` is set first, the wait of a single fetch (an
+        idle stream's long poll) ends there with what the subscription's queue already
+        holds (the caller unsubscribes next: the pull request still waiting on the server
+        then lapses, having no interest). A batch is not cut: nats-py gathers its
+        messages in a list of its own, which a cancel would drop (each back only after
+        the ack wait); it ends at its own wait, the short one of an active stream."""
+        if batch > 1:
+            cut = ()
         fetching = asyncio.ensure_future(self._sub.fetch(batch=batch, timeout=wait))
         waits = [asyncio.ensure_future(event.wait()) for event in cut]
         try:
