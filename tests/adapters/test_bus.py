@@ -24,6 +24,7 @@ from app.services.features.worker import _consumer_stats as consumer_stats
 from app.services.streams import consumer_specs, init_streams, new_job, publish_job
 from app.settings import Settings
 from tests.support.jobs_world import own_nats
+from tests.support.listener import Listener, listening
 from tests.support.polling import eventually
 
 
@@ -126,29 +127,29 @@ async def test_connecting_again_while_reconnecting_replaces_the_client_and_keeps
     old = bus._nc
     accepted = 0
 
-    async def close_at_once(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def close_at_once(
+        _: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Listener
+    ) -> None:
         nonlocal accepted
         accepted += 1
         writer.close()
 
     server.stop(graceful=False)
-    listener, again = None, None
+    again = None
     try:
         await eventually(lambda: _false(bus.connected))
-        listener = await asyncio.start_server(close_at_once, "127.0.0.1", port)
-        again = asyncio.create_task(bus.connect())
-        await eventually(lambda: _true(accepted >= 3))
-        before, began = accepted, time.monotonic()
-        await asyncio.sleep(1.0)  # counted over a second: waits of at most 0.4 s
-        rate = (accepted - before) / (time.monotonic() - began)
-        assert rate <= 15, f"{rate:.0f} attempts/s"  # without the waits: hundreds
-        assert old.is_closed and bus._nc is not old
+        async with listening(close_at_once, port):
+            again = asyncio.create_task(bus.connect())
+            await eventually(lambda: _true(accepted >= 3))
+            before, began = accepted, time.monotonic()
+            await asyncio.sleep(1.0)  # counted over a second: waits of at most 0.4 s
+            rate = (accepted - before) / (time.monotonic() - began)
+            assert rate <= 15, f"{rate:.0f} attempts/s"  # without the waits: hundreds
+            assert old.is_closed and bus._nc is not old
     finally:
         if again is not None:
             again.cancel()
             await asyncio.gather(again, return_exceptions=True)
-        if listener is not None:
-            listener.close()
         await bus.drain(within=2)
 
 
@@ -177,28 +178,32 @@ async def test_a_server_that_drops_each_connection_soon_gets_a_growing_backoff(
                     writer.write(data)
                     await writer.drain()
 
-        async def cut_soon(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def cut_soon(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proxy: Listener
+        ) -> None:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", server.port)
+            proxy.own(up_writer)
             both = [asyncio.create_task(pipe(reader, up_writer)),
                     asyncio.create_task(pipe(up_reader, writer))]  # fmt: skip
-            await asyncio.sleep(0.15)
-            for task in both:
-                task.cancel()
-            await asyncio.gather(*both, return_exceptions=True)
-            writer.close()
-            up_writer.close()
+            try:
+                await asyncio.sleep(0.15)
+            finally:
+                for task in both:
+                    task.cancel()
+                await asyncio.gather(*both, return_exceptions=True)
+                writer.close()
+                up_writer.close()
 
-        proxy = await asyncio.start_server(cut_soon, "127.0.0.1", 0)
-        port = proxy.sockets[0].getsockname()[1]
-        bus = JetStreamBus(NatsServers.parse(f"nats://127.0.0.1:{port}"), name="test-flap",
-                           timeout=2, reconnect=ReconnectPolicy(base=0.05, cap=0.4),
-                           on_attempt=lambda attempt, _wait: attempts.append(attempt))  # fmt: skip
-        try:
-            await bus.connect()
-            await eventually(lambda: _true(len(attempts) >= 6), within=20)
-        finally:
-            proxy.close()
-            await bus.drain(within=2)
+        async with listening(cut_soon) as proxy:
+            bus = JetStreamBus(NatsServers.parse(f"nats://127.0.0.1:{proxy.port}"),
+                               name="test-flap", timeout=2,
+                               reconnect=ReconnectPolicy(base=0.05, cap=0.4),
+                               on_attempt=lambda n, _wait: attempts.append(n))  # fmt: skip
+            try:
+                await bus.connect()
+                await eventually(lambda: _true(len(attempts) >= 6), within=20)
+            finally:
+                await bus.drain(within=2)
     assert max(attempts) >= 3, attempts  # it grew: 0, 1, 2, 3, ... not 0, 0, 0, ...
 
 
