@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -429,10 +430,28 @@ class JetStreamBus:
             self._on_attempt(attempt, delay)
         return delay
 
-    def _next_server(self, servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
-        """nats-py's `reconnect_to_server_handler`, before every reconnect attempt: the
-        server to try (round the pool, the one just lost last) and the jittered wait
-        first. Never raises (nats-py would call it again at once)."""
+    @staticmethod
+    def _close_last_attempt(client: Any) -> None:
+        """Close the connection of `client`'s last reconnect attempt. nats-py (2.16) keeps
+        one transport and, when an attempt's TCP connection was made but its handshake
+        failed (the server closed it: at its connection limit, a proxy with nothing behind
+        it), connects the next attempt over it without closing the last: that socket
+        stays half-closed until a garbage collection finds it. Closing twice is harmless."""
+        transport = getattr(client, "_transport", None)  # nats-py keeps it private
+        if transport is None:
+            return
+        try:
+            transport.close()
+        except (OSError, RuntimeError, AttributeError) as exc:
+            log.debug("closing the last reconnect attempt: %s", exc)
+
+    def _next_server(
+        self, client: Any, servers: list[Any], _info: dict[str, Any]
+    ) -> tuple[Any, float]:
+        """nats-py's `reconnect_to_server_handler` of `client`, before every reconnect
+        attempt: the server to try (round the pool, the one just lost last) and the
+        jittered wait first. Never raises (nats-py would call it again at once)."""
+        self._close_last_attempt(client)
         if self._up_since is not None:  # the first attempt after a loss
             if time.monotonic() - self._up_since >= self._policy.cap:
                 self._attempt = 0  # it stayed up: a new loss starts from the base again
@@ -563,7 +582,7 @@ class JetStreamBus:
                 error_cb=self._on_error,
                 disconnected_cb=disconnected,
                 reconnected_cb=reconnected,
-                reconnect_to_server_handler=self._next_server,
+                reconnect_to_server_handler=functools.partial(self._next_server, client),
                 lame_duck_mode_cb=self._lame_duck,
                 **({} if self._inbox_prefix is None else {"inbox_prefix": self._inbox_prefix}),
                 **self._auth.options(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import time
@@ -151,6 +152,53 @@ async def test_connecting_again_while_reconnecting_replaces_the_client_and_keeps
             again.cancel()
             await asyncio.gather(again, return_exceptions=True)
         await bus.drain(within=2)
+
+
+def _close_wait_to(port: int) -> int:
+    """This network namespace's TCP sockets in CLOSE_WAIT whose peer is 127.0.0.1:`port`:
+    the peer closed them and this side has not (yet)."""
+    peer = f"0100007F:{port:04X}"
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        count += fields[2] == peer and fields[3] == "08"  # 08: CLOSE_WAIT
+    return count
+
+
+async def test_a_reconnect_attempt_the_server_closes_leaves_no_socket_open(
+    tmp_path: Path,
+) -> None:
+    """A port that takes each connection and closes it before the NATS handshake (a server
+    at its connection limit, a proxy with nothing behind it): each reconnect attempt
+    fails there, and the next one replaces the connection in nats-py's transport without
+    closing the last. The bus closes it before the next attempt, so the node does not
+    keep one half-closed socket per attempt until a garbage collection happens to find
+    it (collection is off here, so every one left would be counted)."""
+    server = EmbeddedNats(tmp_path / "nats").start()
+    port = server.port
+    bus = JetStreamBus(NatsServers.parse(server.url), name="test-no-leak", timeout=2,
+                       reconnect=ReconnectPolicy(base=0.02, cap=0.05))  # fmt: skip
+    await bus.connect()
+    accepted = 0
+
+    async def close_at_once(
+        _: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Listener
+    ) -> None:
+        nonlocal accepted
+        accepted += 1
+        writer.close()
+
+    gc.disable()
+    try:
+        server.stop(graceful=False)
+        await eventually(lambda: _false(bus.connected))
+        async with listening(close_at_once, port):
+            await eventually(lambda: _true(accepted >= 12))
+            left = _close_wait_to(port)
+            assert left <= 1, f"{left} sockets left open after {accepted} attempts"
+    finally:
+        await bus.drain(within=2)
+        gc.enable()
 
 
 async def _true(value: bool) -> bool:
