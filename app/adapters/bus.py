@@ -47,6 +47,7 @@ import nats.errors
 import nats.js.client
 import nats.js.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import api
 
 from app.adapters.nats_auth import NatsAuth as NatsAuth  # the connection takes it
@@ -264,6 +265,9 @@ class Delivery:
 
 # the round trip that makes sure a cut pull's deliveries have all arrived
 WITHDRAW_SECONDS = 2.0
+# the status a cut puts behind a pull's deliveries to end nats-py's waiting fetch; the
+# server never sends it (JetStream's pull statuses are 100, 404, 408, 409)
+CUT_STATUS, CUT_DESCRIPTION = 499, "workload-manager: pull cut"
 
 
 class PullSubscription:
@@ -275,31 +279,68 @@ class PullSubscription:
     ) -> list[Delivery]:
         """Up to `batch` deliveries, waiting at most `wait` seconds for the first; [] when
         none came. When an event of `cut` is set first, the wait of a single fetch (an
-        idle stream's long poll) ends there with what the subscription's queue already
-        holds (the caller unsubscribes next: the pull request still waiting on the server
-        then lapses, having no interest). A batch is not cut: nats-py gathers its
-        messages in a list of its own, which a cancel would drop (each back only after
-        the ack wait); it ends at its own wait, the short one of an active stream."""
+        idle stream's long poll) ends there with what reached the node meanwhile (the
+        caller unsubscribes next: the pull request still waiting on the server then
+        lapses, having no interest). A batch is not cut: nats-py gathers its messages in a
+        list of its own; it ends at its own wait, the short one of an active stream.
+
+        A cut never cancels nats-py's fetch: its `next_msg` takes a message off the queue
+        in a task of its own, and a cancel that lands after that task took one and before
+        the fetch ran again would drop it (back only after the ack wait). The cut withdraws
+        the server's interest, then wakes the fetch with a status of its own behind
+        whatever arrived, and the fetch ends on its own."""
         if batch > 1:
             cut = ()
         fetching = asyncio.ensure_future(self._sub.fetch(batch=batch, timeout=wait))
         waits = [asyncio.ensure_future(event.wait()) for event in cut]
         try:
             await asyncio.wait([fetching, *waits], return_when=asyncio.FIRST_COMPLETED)
+            if not fetching.done():  # cut
+                await self._withdraw()
+                self._wake()
+                done, _ = await asyncio.wait({fetching}, timeout=WITHDRAW_SECONDS)
+                if not done:
+                    log.warning("a cut fetch did not end when woken; cancelling it")
         finally:
             for waiting in waits:
                 waiting.cancel()
-            if not fetching.done():  # cut (or this call cancelled): the pull is withdrawn
+            if not fetching.done():  # this call cancelled (or the woken fetch stuck)
                 fetching.cancel()
                 await asyncio.gather(fetching, return_exceptions=True)
         if fetching.cancelled():
             await self._withdraw()
             return await self._take_pending()
+        was_cut = any(event.is_set() for event in cut)
         try:
             msgs = fetching.result()
         except (nats.errors.TimeoutError, TimeoutError):
-            return []
+            msgs = []
+        except nats.errors.ConnectionClosedError:
+            if not was_cut:
+                raise
+            msgs = []  # cut by the connection's end (a drain): what it left is taken below
+        except nats.js.errors.APIError as exc:
+            if not (was_cut and exc.code == CUT_STATUS and exc.description == CUT_DESCRIPTION):
+                raise
+            msgs = []  # woken by the cut with nothing before it
+        if was_cut:
+            # what arrived behind the one taken (the wake-up status among it) is handed
+            # back too; the caller unsubscribes next
+            return [Delivery(m) for m in msgs] + await self._take_pending()
         return [Delivery(m) for m in msgs]
+
+    def _wake(self) -> None:
+        """Put the cut's own status at the end of the subscription's queue: nats-py's
+        waiting fetch takes what is before it, or ends on it with an APIError (a 408 would
+        not do: nats-py waits on after one until its own deadline)."""
+        core = getattr(self._sub, "_sub", None)
+        queue = getattr(core, "_pending_queue", None)
+        if core is None or queue is None:
+            return
+        status = Msg(_client=core._conn, subject=core._subject, data=b"",
+                     headers={api.Header.STATUS: str(CUT_STATUS),
+                              api.Header.DESCRIPTION: CUT_DESCRIPTION})  # fmt: skip
+        queue.put_nowait(status)
 
     async def _withdraw(self) -> None:
         """End the server's interest in this subscription and wait one round trip, so

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import nats.js.client
 import pytest
 
 from app.adapters.bus import Delivery, JetStreamBus, server_info
@@ -379,6 +380,52 @@ async def test_a_cut_ends_a_long_pull_at_once_and_loses_no_job(tmp_path: Path) -
     assert cut_took < 0.2, f"{cut_took:.3f} s"
     assert fetch_took < 1.0, f"{fetch_took:.3f} s: the cut pull took the job"
     assert drain_took < 2.0, f"{drain_took:.3f} s"
+
+
+async def test_a_job_that_reaches_the_client_as_the_stop_comes_is_returned(
+    tmp_path: Path,
+) -> None:
+    """The stop and a job arrive in the same instant: the client has taken the job off the
+    connection into the subscription's queue, and nats-py's waiting fetch has been woken
+    for it but has not run yet, when the cut comes. Cancelling the fetch then would drop
+    the job inside nats-py (its `next_msg` had already taken it off the queue): counted
+    as received, returned by no one, back only after the ack wait (30 s here). The instant
+    is made exact by setting the stop as the job is queued."""
+    settings = Settings(_env_file=None, job_ack_wait_seconds=30)
+    with own_nats(tmp_path / "nats") as server:
+        bus = JetStreamBus(server.servers, name="test-cut-instant", timeout=5)
+        publisher = JetStreamBus(server.servers, name="test-cut-instant-publisher", timeout=5)
+        await bus.connect()
+        await publisher.connect()
+        try:
+            await init_streams(bus, settings, tiers=("free",))
+            durable, stream = consumer_name("free"), STREAMS["online"]
+            sub = await bus.subscribe(stream=stream, durable=durable)
+            stop = asyncio.Event()
+            queue = sub._sub._sub._pending_queue
+            queued = queue.put_nowait
+
+            def queue_then_stop(msg: Any) -> None:
+                queued(msg)
+                if not nats.js.client.JetStreamContext.is_status_msg(msg):
+                    stop.set()  # the stop comes in the instant the job does
+
+            queue.put_nowait = queue_then_stop
+            pulling = asyncio.create_task(sub.fetch(1, wait=30.0, cut=(stop,)))
+
+            async def waiting() -> bool:
+                info = await publisher._js.consumer_info(stream, durable)
+                return (info.num_waiting or 0) >= 1
+
+            await eventually(waiting)
+            await publish_job(publisher, new_job("noop"), kind="online", tier="free")
+            deliveries = await asyncio.wait_for(pulling, timeout=10)
+            assert len(deliveries) == 1, "the job reached the node and was dropped in it"
+            await deliveries[0].ack()
+            await sub.unsubscribe()
+        finally:
+            await publisher.drain()
+            await bus.drain()
 
 
 async def test_a_job_sent_in_the_instant_of_a_cut_is_handed_over_not_lost(
