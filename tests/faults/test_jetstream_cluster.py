@@ -91,7 +91,10 @@ async def test_no_job_is_lost_or_run_twice_when_the_stream_leader_dies(tmp_path:
                 "NODE_TIER": "A",
                 "REPORT_ENABLED": "false",
                 "WORKER_CONCURRENCY": "8",
-                "JOB_ACK_WAIT_SECONDS": "10",
+                # the production default: a job's lease (from the ack wait) must outlast
+                # the leader's failover, which took over 10 s on a busy two-core machine;
+                # a lease that runs out mid-failover lets the other node run the job too
+                "JOB_ACK_WAIT_SECONDS": "30",
                 "JOB_HELD_DELAY_SECONDS": "0.5",
                 "SHUTDOWN_GRACE_SECONDS": "10",
                 **through_proxy(workload.url),
