@@ -36,9 +36,11 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -104,6 +106,7 @@ class Knobs:
     headroom_max_clients: int
     headroom_seconds: float
     nice: int  # the simulated nodes' processes run this much nicer than the servers
+    simulated_max: int  # the most nodes run on the manager's code; the rest are stand-ins
 
     @classmethod
     def read(cls, quick: bool) -> Knobs:
@@ -119,9 +122,18 @@ class Knobs:
             headroom_max_clients=int(_env("FLEET_HEADROOM_MAX_CLIENTS", "1024")),
             headroom_seconds=float(_env("FLEET_HEADROOM_SECONDS", "2" if quick else "5")),
             nice=int(_env("FLEET_NICE", "10")),
+            simulated_max=int(_env("FLEET_SIMULATED_MAX", "3000")),
         )
 
+    def split(self, n: int) -> tuple[int, int]:
+        """A fleet of `n`: how many nodes run on the manager's code (simulated), how many
+        are stand-ins (their heartbeats from pgbench, their connections from `nats
+        bench`). FLEET_SIMULATED_MAX=0 simulates every node."""
+        simulated = n if self.simulated_max <= 0 else min(n, self.simulated_max)
+        return simulated, n - simulated
+
     def processes_for(self, n: int) -> int:
+        """The processes for `n` simulated nodes."""
         return max(1, min(n, self.processes or math.ceil(n / self.nodes_per_process)))
 
 
@@ -304,7 +316,7 @@ def _pool_stats(bouncer: PgBouncer) -> Json:
 
 @dataclass
 class World:
-    n: int
+    n: int  # the fleet: simulated nodes and stand-ins
     knobs: Knobs
     workdir: Path
     pg: EmbeddedPostgres
@@ -312,6 +324,12 @@ class World:
     cluster: NatsCluster
     database_url: str  # straight to PostgreSQL
     fleet: Processes | None = None
+    standins: StandIns | None = None
+    rows: int = 0  # the heartbeat rows registered for pgbench (stand-ins and the headroom)
+
+    @property
+    def simulated(self) -> int:
+        return self.knobs.split(self.n)[0]
 
     @property
     def pooled_url(self) -> str:
@@ -344,8 +362,9 @@ def _servers(workdir: Path, n: int, knobs: Knobs) -> Iterator[World]:
 
 
 def _specs(world: World) -> list[NodesSpec]:
-    count = world.knobs.processes_for(world.n)
-    shares = [world.n // count + (1 if i < world.n % count else 0) for i in range(count)]
+    simulated = world.simulated
+    count = world.knobs.processes_for(simulated)
+    shares = [simulated // count + (1 if i < simulated % count else 0) for i in range(count)]
     firsts = [sum(shares[:i]) for i in range(count)]
     return [NodesSpec(process=i, first=firsts[i], count=shares[i],
                       database_url=world.pooled_url, nats_url=world.cluster.url,
@@ -375,19 +394,19 @@ def _ramp(world: World) -> Json:
     assert fleet is not None
     began, meter = time.monotonic(), _cpu_meter(world)
     fleet.call("start", timeout=300)
-    deadline = began + world.knobs.startup_spread + 120 + world.n / 20
+    deadline = began + world.knobs.startup_spread + 120 + world.simulated / 20
     status: Json = {}
     while time.monotonic() < deadline:
         status = fleet.status()
-        if status["registered"] == status["subscribed"] == world.n:
+        if status["registered"] == status["subscribed"] == world.simulated:
             break
         if status["worker_ended"]:
             raise RuntimeError(f"simulated nodes' workers ended: {status['worker_ended']}")
         time.sleep(1.0)
     wall = time.monotonic() - began
-    _say(f"{world.n} nodes: ramp {wall:.1f} s, {status}")
+    _say(f"{world.n} nodes: ramp of the {world.simulated} simulated {wall:.1f} s, {status}")
     return {"seconds": round(wall, 1), "status": status, "node_logs": fleet.logs(),
-            "complete": status.get("registered") == status.get("subscribed") == world.n,
+            "complete": status.get("registered") == status.get("subscribed") == world.simulated,
             "cpu_percent": _percent(meter.spent(), wall)}  # fmt: skip
 
 
@@ -440,6 +459,10 @@ def _steady(world: World, baseline_rss: dict[str, int], baseline_conns: dict[str
         "seconds": round(wall, 1),
         "heartbeats": len(beats), "heartbeats_per_second": round(len(beats) / wall, 1),
         "required_per_second": round(world.n / INTERVAL, 1),
+        "simulated_required_per_second": round(world.simulated / INTERVAL, 1),
+        "standins": world.standins.window(began, began + wall) if world.standins else None,
+        "pulls_per_second_whole_fleet_computed": round(
+            sum(pulls.values()) / wall * world.n / world.simulated, 1),
         "heartbeat_ms": latency_ms(beats, 1e-3), "outcomes": dict(outcomes),
         "errors": dict(errors.most_common(5)),
         "pulls_per_second": round(sum(pulls.values()) / wall, 2),
@@ -494,18 +517,35 @@ async def _headroom_rows(world: World, count: int) -> None:
         await registry.close()
 
 
-def _headroom_step(world: World, rows: int, clients: int, seconds: int) -> Phase:
-    """pgbench, closed loop with `clients` connections through PgBouncer, running the
-    adapter's heartbeat statement for random rows (extended protocol, unnamed: what asyncpg
-    sends with its statement cache off); `\\gset` fails a client whose row did not move."""
+def _heartbeat_rows(world: World) -> int:
+    """The rows pgbench beats (the stand-ins and the closed loop): one per node of the
+    fleet, 1,000 at least, registered once per fleet size."""
+    if not world.rows:
+        world.rows = max(world.n, 1000)
+        asyncio.run(_headroom_rows(world, world.rows))
+    return world.rows
+
+
+def _heartbeat_script(world: World, name: str) -> Path:
+    """A pgbench script of the adapter's heartbeat statement for a random row (extended
+    protocol, unnamed: what asyncpg sends with its statement cache off); `\\gset` fails a
+    client whose row did not move."""
+    rows = _heartbeat_rows(world)
     statement = " ".join(sql._HEARTBEAT.split())
     for parameter, value in (("$1", f"'{HEADROOM_PREFIX}' || lpad(:node::text, 5, '0')"),
                              ("$2", "'online'"), ("$3", f"'{HEADROOM_INSTANCE}'")):  # fmt: skip
         if parameter not in statement:
             raise RuntimeError(f"no {parameter} in the adapter's heartbeat: {statement}")
         statement = statement.replace(parameter, value)
-    script = world.workdir / "heartbeat.sql"
+    script = world.workdir / name
     script.write_text(f"\\set node random(0, {rows - 1})\n{statement} \\gset\n")
+    return script
+
+
+def _headroom_step(world: World, clients: int, seconds: int) -> Phase:
+    """pgbench, closed loop with `clients` connections through PgBouncer, running the
+    adapter's heartbeat statement (`_heartbeat_script`)."""
+    script = _heartbeat_script(world, "heartbeat.sql")
     phase = Phase("headroom", clients)
     argv = [str(PGBENCH), "-n", "-M", "extended", "-f", str(script), "-c", str(clients),
             "-j", "2", "-T", str(seconds), "--log", f"--log-prefix={world.workdir / _log(phase)}",
@@ -526,13 +566,13 @@ def _headroom_step(world: World, rows: int, clients: int, seconds: int) -> Phase
 def _headroom(world: World) -> Json:
     fleet = world.fleet
     assert fleet is not None
-    rows = max(world.n, 1000)
-    asyncio.run(_headroom_rows(world, rows))
+    rows = _heartbeat_rows(world)
     seconds = max(1, round(world.knobs.headroom_seconds))
     steps, clients = [], 16
     fleet.call("take")
+    began = time.monotonic()
     while clients <= world.knobs.headroom_max_clients:
-        phase = _headroom_step(world, rows, clients, seconds)
+        phase = _headroom_step(world, clients, seconds)
         p = phase.summary(world.n / INTERVAL)
         pool = _pool(world.bouncer)
         step = {
@@ -565,7 +605,149 @@ def _headroom(world: World) -> Json:
         "fleet_heartbeat_ms_meanwhile": latency_ms(beats, 1e-3),
         "fleet_outcomes_meanwhile": dict(sum((Counter(t["outcomes"]) for t in taken),
                                              Counter())),
+        "standins_meanwhile": world.standins.window(began, time.monotonic())
+        if world.standins else None,
     }  # fmt: skip
+
+
+# -- stand-ins: the nodes beyond FLEET_SIMULATED_MAX -----------------------------------------
+
+
+def _number(pattern: str, line: str) -> float | None:
+    found = re.search(pattern, line)
+    return float(found.group(1)) if found else None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One of pgbench's progress lines (`-P`), when it was read."""
+
+    at: float  # monotonic
+    tps: float
+    latency_ms: float | None
+    failed: int
+    lag_ms: float | None
+
+    @classmethod
+    def parse(cls, line: str, at: float) -> Progress | None:
+        tps = _number(r"([\d.]+) tps", line)
+        if not line.startswith("progress:") or tps is None:
+            return None
+        return cls(at=at, tps=tps, latency_ms=_number(r"lat ([\d.]+) ms", line),
+                   failed=int(_number(r"(\d+) failed", line) or 0),
+                   lag_ms=_number(r"lag ([\d.]+) ms", line))  # fmt: skip
+
+
+def _window(progress: Sequence[Progress], began: float, ended: float) -> Json:
+    """pgbench's progress lines read between `began` and `ended`: the mean rate, the
+    latency and lag (means of its 5 s means; the worst of them) and the failures."""
+    lines = [p for p in progress if began < p.at <= ended]
+    if not lines:
+        return {"lines": 0}
+    latencies = [p.latency_ms for p in lines if p.latency_ms is not None]
+    lags = [p.lag_ms for p in lines if p.lag_ms is not None]
+    return {
+        "lines": len(lines), "per_second": round(statistics.fmean(p.tps for p in lines), 1),
+        "latency_ms_mean": round(statistics.fmean(latencies), 2) if latencies else None,
+        "latency_ms_worst_5s": max(latencies, default=None),
+        "lag_ms_worst_5s": max(lags, default=None), "failed": sum(p.failed for p in lines),
+    }  # fmt: skip
+
+
+def _total_connections(world: World) -> int:
+    """Client connections on every server of the cluster now (a server that is down: 0)."""
+    total = 0
+    for member in world.cluster.members:
+        try:
+            total += int(_http(member.monitor_port, "/varz")["connections"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return total
+
+
+class StandIns:
+    """The nodes of a fleet beyond FLEET_SIMULATED_MAX, held by maintained load tools where
+    this machine's cores run out for Python clients. Each one's heartbeat is pgbench
+    running the adapter's heartbeat statement through PgBouncer on a client connection of
+    its own, paced to one per node every 30 s (`-R`, Poisson arrivals); each one's NATS
+    connection is a `nats bench sub` client (Go, nats.go's own reconnects) on one of the
+    three servers. They carry the fleet's load on PostgreSQL and PgBouncer and its client
+    connections on the servers; they make no pull requests (the fleet's idle pulls are
+    computed from the simulated nodes' measured rate)."""
+
+    def __init__(self, world: World, count: int) -> None:
+        self.world, self.count = world, count
+        self.progress: list[Progress] = []
+        self.said: dict[str, list[str]] = {"pgbench": [], "nats": []}
+        self.popens: dict[str, subprocess.Popen[str]] = {}
+
+    def _read(self, name: str, popen: subprocess.Popen[str]) -> None:
+        assert popen.stderr is not None
+        for line in popen.stderr:
+            found = Progress.parse(line.strip(), time.monotonic())
+            if found is not None:
+                self.progress.append(found)
+            else:
+                self.said[name] = [*self.said[name][-19:], line.strip()[:300]]
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        popen = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True, cwd=self.world.workdir)  # fmt: skip
+        self.popens[name] = popen
+        threading.Thread(target=self._read, args=(name, popen), daemon=True).start()
+
+    def start(self) -> Json:
+        """Both tools started; returns once every stand-in's NATS connection is up and
+        pgbench is beating (all its connections made), with the seconds each took."""
+        world, count = self.world, self.count
+        script = _heartbeat_script(world, "standins.sql")
+        connections0, began = _total_connections(world), time.monotonic()
+        self._spawn("nats", [tools.find("nats"), "--no-context", "--server", world.cluster.url,
+                             "bench", "sub", "fleet.standins", "--clients", str(count),
+                             "--msgs", "1000000000", "--no-progress"])  # fmt: skip
+        self._spawn("pgbench", [str(PGBENCH), "-n", "-M", "extended", "-f", str(script),
+                                "-c", str(count), "-j", "2", "-R", f"{count / INTERVAL:.2f}",
+                                "-T", "86400", "-P", "5", world.pooled_url])  # fmt: skip
+        deadline = began + 300 + count / 50
+        connected_after = beating_after = None
+        while time.monotonic() < deadline and (connected_after is None or beating_after is None):
+            for name, popen in self.popens.items():
+                if popen.poll() is not None:
+                    raise RuntimeError(f"stand-ins: {name} exited {popen.returncode}: "
+                                       f"{self.said[name][-3:]}")  # fmt: skip
+            if connected_after is None and _total_connections(world) >= connections0 + count:
+                connected_after = round(time.monotonic() - began, 1)
+            if beating_after is None and self.progress:
+                beating_after = round(time.monotonic() - began, 1)
+            time.sleep(0.5)
+        if connected_after is None or beating_after is None:
+            raise RuntimeError(
+                f"stand-ins not up in {deadline - began:.0f} s: NATS connections "
+                f"{_total_connections(world) - connections0} of {count}, "
+                f"pgbench {'beating' if self.progress else 'connecting'}"
+            )
+        _say(f"{world.n} nodes: {count} stand-ins up: NATS in {connected_after} s, "
+             f"pgbench beating after {beating_after} s")  # fmt: skip
+        return {"count": count, "rate_per_second": round(count / INTERVAL, 2),
+                "nats_connected_seconds": connected_after,
+                "pgbench_beating_seconds": beating_after,
+                "tools": {"nats": tools.version("nats", "--version")}}  # fmt: skip
+
+    def window(self, began: float, ended: float) -> Json:
+        return _window(self.progress, began, ended) | {
+            "alive": {name: popen.poll() is None for name, popen in self.popens.items()}
+        }
+
+    def stop(self) -> Json:
+        for popen in self.popens.values():
+            popen.terminate()
+        for popen in self.popens.values():
+            try:
+                popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait()
+        return {name: lines[-5:] for name, lines in self.said.items()}
 
 
 # -- reconnect storms ------------------------------------------------------------------------
@@ -599,6 +781,9 @@ def _storm(world: World, label: str, fixed_wait: float | None) -> Json:
                           key=lambda pc: pc[1])  # fmt: skip
         victim = world.member_by_port(port)
         _say(f"{world.n} nodes: storm {label}: SIGKILL {victim.name} ({on_it} nodes on it)")
+        connections = _total_connections(world)  # simulated nodes and stand-ins
+        on_victim = int(_http(victim.monitor_port, "/varz")["connections"])
+        connections_back: float | None = None
         killed = time.monotonic()
         world.cluster.kill(victim.name)
         restarted: float | None = None
@@ -612,8 +797,12 @@ def _storm(world: World, label: str, fixed_wait: float | None) -> Json:
                 restarted = time.monotonic()
             if restarted is None:
                 continue
+            if connections_back is None and _total_connections(world) >= connections:
+                connections_back = round(time.monotonic() - killed, 2)
+            if connections_back is None:
+                continue
             status = fleet.status()
-            if status["connected"] == status["subscribed"] == world.n or status["gave_up"]:
+            if status["connected"] == status["subscribed"] == world.simulated or status["gave_up"]:
                 rows = [r for reply in fleet.call("storm", server=port) for r in reply["nodes"]]
                 if all(r["resubscribed_at"] is not None for r in rows) or status["gave_up"]:
                     break
@@ -624,8 +813,13 @@ def _storm(world: World, label: str, fixed_wait: float | None) -> Json:
     finally:
         fleet.call("unmark")
         fleet.call("policy", fixed_wait=None)
-    return _storm_summary(label, fixed_wait, victim.name, on_it, killed, restarted, rows,
-                          after, current, world)  # fmt: skip
+    summary = _storm_summary(label, fixed_wait, victim.name, on_it, killed, restarted, rows,
+                             after, current, world)  # fmt: skip
+    return summary | {
+        "connections": connections,
+        "connections_on_killed": on_victim,
+        "all_connections_back_seconds": connections_back,
+    }
 
 
 def _storm_summary(label: str, fixed_wait: float | None, victim: str, on_it: int,
@@ -728,7 +922,8 @@ def _measure(n: int, knobs: Knobs) -> Json:
             world.fleet = fleet = Processes(specs)
             fleet.status()  # every process has imported what it runs
             fleet_rss0 = sum(_rss(p) for p in fleet.pids)
-            result: Json = {"nodes": n, "processes": len(specs),
+            result: Json = {"nodes": n, "simulated": world.simulated,
+                            "standins": {"count": knobs.split(n)[1]}, "processes": len(specs),
                             "nodes_per_process": [s.count for s in specs],
                             "settings": asdict(specs[0]) | {"first": None, "count": None,
                                                             "process": None}}  # fmt: skip
@@ -736,7 +931,12 @@ def _measure(n: int, knobs: Knobs) -> Json:
                 _say(f"{n} nodes: the ramp ({len(specs)} processes)")
                 result["ramp"] = _ramp(world)
                 result["fleet_rss_per_node"] = round(
-                    (sum(_rss(p) for p in fleet.pids) - fleet_rss0) / n)  # fmt: skip
+                    (sum(_rss(p) for p in fleet.pids) - fleet_rss0) / world.simulated)  # fmt: skip
+                _, count = knobs.split(n)
+                if count:
+                    _say(f"{n} nodes: {count} stand-ins (pgbench, nats bench)")
+                    world.standins = StandIns(world, count)
+                    result["standins"] = world.standins.start()
                 _say(f"{n} nodes: the steady window ({knobs.steady_seconds:.0f} s)")
                 result["steady"] = _steady(world, baseline_rss, baseline_conns)
                 _say(f"{n} nodes: heartbeat headroom through PgBouncer (pgbench)")
@@ -748,6 +948,8 @@ def _measure(n: int, knobs: Knobs) -> Json:
                 _say(f"{n} nodes: {knobs.hold_connections} plain connections (nats bench)")
                 result["hold"] = _hold(world)
             finally:
+                if world.standins is not None:
+                    result.setdefault("standins", {})["said"] = world.standins.stop()
                 fleet.close()
     return result
 
@@ -768,12 +970,13 @@ def run(options: Options) -> Json:
     fleets: Json = {}
     for n in knobs.nodes:
         need = 2 * n + 200  # a pool connection and a NATS connection per node, and room
-        per_process = 2 * math.ceil(n / knobs.processes_for(n)) + 200
-        if per_process > soft:
+        simulated, standins = knobs.split(n)
+        per_process = 2 * math.ceil(simulated / knobs.processes_for(simulated)) + 200
+        if per_process > soft or standins + 200 > soft:
             fleets[str(n)] = {
                 "nodes": n,
-                "error": f"{per_process} files per fleet process "
-                f"needed, the open-file limit is {soft}: raise FLEET_PROCESSES",
+                "error": f"{max(per_process, standins + 200)} files per process needed, the "
+                f"open-file limit is {soft}: raise FLEET_PROCESSES or lower FLEET_SIMULATED_MAX",
             }
             continue
         _say(f"{n} nodes ({need} client sockets in all)")
@@ -809,10 +1012,19 @@ def _rows(f: Json) -> list[tuple[str, str]]:
     pb, pg = s["pgbouncer"], s["postgres_connections"]
     best = h["best"] or {}
     per_client = s["nats_rss_per_client"]
+    simulated, si = f.get("simulated", f["nodes"]), f.get("standins") or {}
+    st = s.get("standins") or {}
+    status = ramp["status"]
     rows = [
-        ("processes x nodes", f"{f['processes']} x {max(f['nodes_per_process'])}"),
-        ("ramp: all registered and pulling (s)",
-         f"{ramp['seconds']}" + ("" if ramp["complete"] else f" INCOMPLETE {ramp['status']}")),
+        ("nodes simulated on the manager's code / stand-ins (pgbench, nats bench)",
+         f"{simulated} / {si.get('count', 0)}"),
+        ("processes x simulated nodes", f"{f['processes']} x {max(f['nodes_per_process'])}"),
+        ("ramp: all simulated registered and pulling (s)",
+         f"{ramp['seconds']}" + ("" if ramp["complete"] else
+                                 f" INCOMPLETE: {status.get('registered')} registered, "
+                                 f"{status.get('subscribed')} pulling")),
+        ("stand-ins up: NATS connections / pgbench beating (s)",
+         f"{si.get('nats_connected_seconds', '-')} / {si.get('pgbench_beating_seconds', '-')}"),
         ("ramp CPU % (fleet / pg / pgbouncer / nats n0,n1,n2)", " / ".join(
             str(ramp["cpu_percent"].get(k)) for k in ("fleet", "postgres", "pgbouncer"))
          + " / " + ",".join(str(ramp["cpu_percent"].get(f"n{i}")) for i in range(3))),
@@ -823,9 +1035,13 @@ def _rows(f: Json) -> list[tuple[str, str]]:
         ("PgBouncer server connections (max) / active", f"{pb['sv_max']} / {pb['sv_active_max']}"),
         ("PgBouncer maxwait (ms, max) / wait per xact (us)",
          f"{pb['maxwait_ms_max']} / {pb['wait_us_per_transaction']}"),
-        ("heartbeats/s measured / needed (N / 30 s)",
-         f"{s['heartbeats_per_second']} / {s['required_per_second']}"),
-        ("heartbeat p50 / p99 ms (steady)", _ms(s["heartbeat_ms"])),
+        ("heartbeats/s measured: simulated + stand-ins / needed (N / 30 s)",
+         f"{s['heartbeats_per_second']} + {st.get('per_second', 0)} / "
+         f"{s['required_per_second']}"),
+        ("heartbeat p50 / p99 ms (steady, simulated nodes)", _ms(s["heartbeat_ms"])),
+        ("stand-ins' heartbeat ms mean / worst 5 s mean (pgbench) / failed",
+         f"{st.get('latency_ms_mean', '-')} / {st.get('latency_ms_worst_5s', '-')} / "
+         f"{st.get('failed', '-')}"),
         ("heartbeat outcomes (steady)", ", ".join(f"{k}: {v}" for k, v in s["outcomes"].items())),
         ("headroom: most heartbeats/s, p99 <= 1 s (clients)",
          f"{best.get('per_second', '-')} ({best.get('clients', '-')}); p99 > 1 s reached: "
@@ -833,14 +1049,15 @@ def _rows(f: Json) -> list[tuple[str, str]]:
         ("headroom: x the fleet's need", f"{h['times_required']}x"),
         ("fleet heartbeat p50 / p99 ms during the closed loop",
          _ms(h["fleet_heartbeat_ms_meanwhile"])),
-        ("idle pulls/s (fetchers' count)", f"{s['pulls_per_second']}"),
+        ("idle pulls/s (simulated nodes' fetchers) / whole fleet (computed)",
+         f"{s['pulls_per_second']} / {s.get('pulls_per_second_whole_fleet_computed', '-')}"),
         ("idle pulls/s at the consumer leaders", ", ".join(
             f"{k}: {v}" for k, v in s["pulls_per_second_at_leader"].items())),
         ("client msgs/s each nats-server received (/connz)", ", ".join(
             f"{k}: {v}" for k, v in s["client_messages_per_second"].items())),
         ("pull requests waiting at the leaders (/jsz)", ", ".join(
             f"{k}: {v}" for k, v in s["waiting_pulls_at_leaders"].items())),
-        ("nats-server RSS per node connection, KiB (clients)", ", ".join(
+        ("nats-server RSS per client connection, KiB (clients)", ", ".join(
             f"{k}: {_kib(v['bytes_per_client'])} ({v['clients']})"
             for k, v in per_client.items())),
         ("fleet process RSS per simulated node, KiB", _kib(f["fleet_rss_per_node"])),
@@ -855,6 +1072,9 @@ def _rows(f: Json) -> list[tuple[str, str]]:
              f"{storm['killed']} ({storm['nodes_on_it']}), down {storm['down_seconds']} s"),
             (f"  {tag}: all back / all pulling again after the kill (s)",
              f"{storm['all_back_seconds']} / {storm['all_resubscribed_seconds']}"),
+            (f"  {tag}: every client connection back, stand-ins too (s; of them on it)",
+             f"{storm.get('all_connections_back_seconds')} ({storm.get('connections')}; "
+             f"{storm.get('connections_on_killed')})"),
             (f"  {tag}: back after (ms) p50 / p99 (max)", _ms(storm["back_ms"])),
             (f"  {tag}: busiest 100 ms, share of reconnections",
              f"{storm['busiest_100ms_share']}"),
@@ -914,8 +1134,17 @@ def _notes(setup: Json, fleets: Json) -> list[str]:
         f"(raised to the hard limit); fs.file-max {setup['fs_file_max']}; load average before "
         f"{setup['load_average_1m_before']}",
         "measured: everything in the tables; computed: 'x the fleet's need' (measured rate / "
-        "(N / 30 s)) and the pulls per leader (the fetchers' counts per consumer, credited "
-        "to the server /jsz names as its leader)",
+        "(N / 30 s)), the pulls per leader (the fetchers' counts per consumer, credited "
+        "to the server /jsz names as its leader) and the whole fleet's idle pulls (the "
+        "simulated nodes' rate x N / simulated)",
+        f"stand-ins: above FLEET_SIMULATED_MAX ({setup['knobs']['simulated_max']}) nodes, "
+        "the rest of the fleet is held by maintained load tools: each stand-in's heartbeat "
+        "is pgbench (-R N/30 s over one client connection each, the adapter's statement "
+        "through PgBouncer) and its NATS connection a `nats bench sub` client (nats.go's "
+        "own reconnects, in both storms). Their load on PostgreSQL, PgBouncer and the "
+        "servers' connections is measured; they make no pull requests. 'every client "
+        "connection back' is the cluster's client count (/varz) back to its count before "
+        "the kill",
         "the storms: 'back' is the node's bus connected again (to any server), 'pulling' its "
         "three pull subscriptions made again; times from the SIGKILL",
         f"the simulated nodes' processes run at niceness +{setup['knobs']['nice']} "

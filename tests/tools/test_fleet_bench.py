@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from bench.fleet import Knobs, _storm_summary
+from bench.fleet import Knobs, Progress, _storm_summary, _window
 
 
 def test_the_knobs_default_to_a_run_this_machine_holds(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("FLEET_NODES", "FLEET_PROCESSES", "FLEET_NODES_PER_PROCESS", "FLEET_NICE"):
+    for name in ("FLEET_NODES", "FLEET_PROCESSES", "FLEET_NODES_PER_PROCESS", "FLEET_NICE",
+                 "FLEET_SIMULATED_MAX"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     knobs = Knobs.read(quick=False)
     assert knobs.nodes == (150, 1500)
@@ -64,3 +65,57 @@ def test_a_storm_with_a_node_not_back_is_not_complete() -> None:
     storm = _storm_summary("fixed", 1.0, "n0", 1, 0.0, 5.0, rows, after, None, _world(1))
     assert storm["all_back_seconds"] is None
     assert storm["all_resubscribed_seconds"] is None
+
+
+@pytest.mark.parametrize(
+    ("simulated_max", "n", "split"),
+    [
+        ("", 150, (150, 0)),
+        ("", 3000, (3000, 0)),
+        ("", 15000, (3000, 12000)),  # the default: what this machine's cores hold
+        ("5000", 15000, (5000, 10000)),
+        ("0", 15000, (15000, 0)),  # 0: every node simulated
+    ],
+)
+def test_nodes_beyond_the_simulated_most_are_stand_ins(
+    monkeypatch: pytest.MonkeyPatch, simulated_max: str, n: int, split: tuple[int, int]
+) -> None:
+    monkeypatch.setenv("FLEET_SIMULATED_MAX", simulated_max)
+    assert Knobs.read(quick=False).split(n) == split
+
+
+@pytest.mark.parametrize(
+    ("line", "parsed"),
+    [
+        ("progress: 5.0 s, 400.2 tps, lat 1.234 ms stddev 0.567, 0 failed, lag 0.123 ms",
+         (400.2, 1.234, 0, 0.123)),
+        ("progress: 10.0 s, 12.0 tps, lat 3.500 ms stddev 1.000, 2 failed", (12.0, 3.5, 2, None)),
+        ("progress: 15.0 s, 0.0 tps, lat NaN ms stddev NaN, 0 failed, lag 0.000 ms",
+         (0.0, None, 0, 0.0)),
+    ],
+)  # fmt: skip
+def test_pgbench_progress_lines_are_read(
+    line: str, parsed: tuple[float, float | None, int, float | None]
+) -> None:
+    p = Progress.parse(line, at=1.0)
+    assert p is not None
+    assert (p.tps, p.latency_ms, p.failed, p.lag_ms) == parsed
+
+
+@pytest.mark.parametrize(
+    "line", ["pgbench (PostgreSQL) 18.6", "transaction type: standins.sql", "progress: soon"]
+)
+def test_other_pgbench_lines_are_not_progress(line: str) -> None:
+    assert Progress.parse(line, at=1.0) is None
+
+
+def test_a_window_takes_the_progress_lines_read_within_it() -> None:
+    lines = [Progress(at=t, tps=tps, latency_ms=lat, failed=f, lag_ms=0.1)
+             for t, tps, lat, f in ((5, 100.0, 1.0, 0), (10, 500.0, 2.0, 1),
+                                    (15, 300.0, 4.0, 0), (20, 999.0, 9.0, 5))]  # fmt: skip
+    window = _window(lines, 5, 15)  # (5, 15]: the second and third
+    assert window["lines"] == 2
+    assert window["per_second"] == 400.0
+    assert window["latency_ms_mean"] == 3.0 and window["latency_ms_worst_5s"] == 4.0
+    assert window["failed"] == 1
+    assert _window(lines, 20, 30) == {"lines": 0}
