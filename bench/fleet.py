@@ -809,11 +809,9 @@ def _storm(world: World, label: str, fixed_wait: float | None) -> Json:
             if restarted is None and time.monotonic() - killed >= down:
                 world.cluster.restart(victim.name)
                 restarted = time.monotonic()
-            if restarted is None:
-                continue
             if connections_back is None and _total_connections(world) >= connections:
-                connections_back = round(time.monotonic() - killed, 2)
-            if connections_back is None:
+                connections_back = round(time.monotonic() - killed, 2)  # on any server
+            if restarted is None or connections_back is None:
                 continue
             status = fleet.status()
             if status["connected"] == status["subscribed"] == world.simulated or status["gave_up"]:

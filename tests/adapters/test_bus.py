@@ -112,6 +112,29 @@ async def test_a_job_consumer_made_with_a_backoff_loses_it_on_init(tmp_path: Pat
             await bus.drain()
 
 
+async def _connected(
+    tmp_path: Path, name: str, policy: ReconnectPolicy
+) -> tuple[EmbeddedNats, JetStreamBus]:
+    """A nats-server of its own and a bus connected to it with `policy`."""
+    server = EmbeddedNats(tmp_path / "nats").start()
+    bus = JetStreamBus(NatsServers.parse(server.url), name=name, timeout=2, reconnect=policy)
+    await bus.connect()
+    return server, bus
+
+
+class _Closer:
+    """A port's handler that takes each connection and closes it at once, counting them."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+
+    async def __call__(
+        self, _: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Listener
+    ) -> None:
+        self.accepted += 1
+        writer.close()
+
+
 async def test_connecting_again_while_reconnecting_replaces_the_client_and_keeps_the_waits(
     tmp_path: Path,
 ) -> None:
@@ -121,31 +144,18 @@ async def test_connecting_again_while_reconnecting_replaces_the_client_and_keeps
     between attempts like any first connection, not one attempt after another. Here the
     server is gone and its port answers every connection by closing it; the attempts are
     counted there."""
-    server = EmbeddedNats(tmp_path / "nats").start()
-    port = server.port
-    bus = JetStreamBus(NatsServers.parse(server.url), name="test-connect-again", timeout=2,
-                       reconnect=ReconnectPolicy(base=0.2, cap=0.4))  # fmt: skip
-    await bus.connect()
-    old = bus._nc
-    accepted = 0
-
-    async def close_at_once(
-        _: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Listener
-    ) -> None:
-        nonlocal accepted
-        accepted += 1
-        writer.close()
-
+    server, bus = await _connected(tmp_path, "test-connect-again", ReconnectPolicy(0.2, 0.4))
+    old, port, closer = bus._nc, server.port, _Closer()
     server.stop(graceful=False)
     again = None
     try:
         await eventually(lambda: _false(bus.connected))
-        async with listening(close_at_once, port):
+        async with listening(closer, port):
             again = asyncio.create_task(bus.connect())
-            await eventually(lambda: _true(accepted >= 3))
-            before, began = accepted, time.monotonic()
+            await eventually(lambda: _true(closer.accepted >= 3))
+            before, began = closer.accepted, time.monotonic()
             await asyncio.sleep(1.0)  # counted over a second: waits of at most 0.4 s
-            rate = (accepted - before) / (time.monotonic() - began)
+            rate = (closer.accepted - before) / (time.monotonic() - began)
             assert rate <= 15, f"{rate:.0f} attempts/s"  # without the waits: hundreds
             assert old.is_closed and bus._nc is not old
     finally:
@@ -175,28 +185,16 @@ async def test_a_reconnect_attempt_the_server_closes_leaves_no_socket_open(
     closing the last. The bus closes it before the next attempt, so the node does not
     keep one half-closed socket per attempt until a garbage collection happens to find
     it (collection is off here, so every one left would be counted)."""
-    server = EmbeddedNats(tmp_path / "nats").start()
-    port = server.port
-    bus = JetStreamBus(NatsServers.parse(server.url), name="test-no-leak", timeout=2,
-                       reconnect=ReconnectPolicy(base=0.02, cap=0.05))  # fmt: skip
-    await bus.connect()
-    accepted = 0
-
-    async def close_at_once(
-        _: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Listener
-    ) -> None:
-        nonlocal accepted
-        accepted += 1
-        writer.close()
-
+    server, bus = await _connected(tmp_path, "test-no-leak", ReconnectPolicy(0.02, 0.05))
+    port, closer = server.port, _Closer()
     gc.disable()
     try:
         server.stop(graceful=False)
         await eventually(lambda: _false(bus.connected))
-        async with listening(close_at_once, port):
-            await eventually(lambda: _true(accepted >= 12))
+        async with listening(closer, port):
+            await eventually(lambda: _true(closer.accepted >= 12))
             left = _close_wait_to(port)
-            assert left <= 1, f"{left} sockets left open after {accepted} attempts"
+            assert left <= 1, f"{left} sockets left open after {closer.accepted} attempts"
     finally:
         await bus.drain(within=2)
         gc.enable()
