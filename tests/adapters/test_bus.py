@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,22 @@ async def test_connecting_again_while_reconnecting_replaces_the_client_and_keeps
             again.cancel()
             await asyncio.gather(again, return_exceptions=True)
         await bus.drain(within=2)
+
+
+@contextlib.asynccontextmanager
+async def _bus_and_publisher(
+    servers: NatsServers, name: str
+) -> AsyncIterator[tuple[JetStreamBus, JetStreamBus]]:
+    """A node's bus and a publisher's, both connected to `servers`; drained on leaving."""
+    bus = JetStreamBus(servers, name=name, timeout=5)
+    publisher = JetStreamBus(servers, name=f"{name}-publisher", timeout=5)
+    await bus.connect()
+    await publisher.connect()
+    try:
+        yield bus, publisher
+    finally:
+        await publisher.drain()
+        await bus.drain()
 
 
 def _close_wait_to(port: int) -> int:
@@ -388,11 +405,7 @@ async def test_a_job_that_reaches_the_client_as_the_stop_comes_is_returned(
     is made exact by setting the stop as the job is queued."""
     settings = Settings(_env_file=None, job_ack_wait_seconds=30)
     with own_nats(tmp_path / "nats") as server:
-        bus = JetStreamBus(server.servers, name="test-cut-instant", timeout=5)
-        publisher = JetStreamBus(server.servers, name="test-cut-instant-publisher", timeout=5)
-        await bus.connect()
-        await publisher.connect()
-        try:
+        async with _bus_and_publisher(server.servers, "test-cut-instant") as (bus, publisher):
             await init_streams(bus, settings, tiers=("free",))
             durable, stream = consumer_name("free"), STREAMS["online"]
             sub = await bus.subscribe(stream=stream, durable=durable)
@@ -418,9 +431,6 @@ async def test_a_job_that_reaches_the_client_as_the_stop_comes_is_returned(
             assert len(deliveries) == 1, "the job reached the node and was dropped in it"
             await deliveries[0].ack()
             await sub.unsubscribe()
-        finally:
-            await publisher.drain()
-            await bus.drain()
 
 
 async def test_a_job_sent_in_the_instant_of_a_cut_is_handed_over_not_lost(
@@ -435,11 +445,7 @@ async def test_a_job_sent_in_the_instant_of_a_cut_is_handed_over_not_lost(
     settings = Settings(_env_file=None, job_ack_wait_seconds=2)
     trials, in_client = 25, 0
     with own_nats(tmp_path / "nats") as server:
-        bus = JetStreamBus(server.servers, name="test-cut-race", timeout=5)
-        publisher = JetStreamBus(server.servers, name="test-cut-race-publisher", timeout=5)
-        await bus.connect()
-        await publisher.connect()
-        try:
+        async with _bus_and_publisher(server.servers, "test-cut-race") as (bus, publisher):
             await init_streams(bus, settings, tiers=("free",))
             durable, stream = consumer_name("free"), STREAMS["online"]
 
@@ -480,7 +486,4 @@ async def test_a_job_sent_in_the_instant_of_a_cut_is_handed_over_not_lost(
 
                 await eventually(answered, within=5)
                 await left.unsubscribe()
-        finally:
-            await publisher.drain()
-            await bus.drain()
     assert in_client == 0, f"{in_client} job(s) reached the node and were dropped in it"
